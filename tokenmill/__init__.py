@@ -1,0 +1,19 @@
+"""tokenmill: a readable LLM inference engine (paged KV cache, continuous batching, OpenAI-compatible server)."""
+from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch and the model code: load it on first use so `import tokenmill` stays light
+    if name == "LLM":
+        from tokenmill.llm import LLM
+        return LLM
+    if name == "LLMEngine":
+        from tokenmill.engine.engine import LLMEngine
+        return LLMEngine
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics"]

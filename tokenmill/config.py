@@ -1,0 +1,164 @@
+"""Frozen configuration: the model (from HF config.json or GGUF metadata), the KV cache, the scheduler."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[dict] = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False      # Qwen2: bias on q/k/v
+    qk_norm: bool = False             # Qwen3: RMSNorm on q and k per head
+    sliding_window: Optional[int] = None
+    bos_token_id: Optional[int] = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @staticmethod
+    def from_hf_dict(cfg: dict[str, Any]) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch!r}; tokenmill supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+        heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        # transformers 5 keeps rope settings in rope_parameters; older configs in rope_theta + rope_scaling
+        rope = dict(cfg.get("rope_parameters") or {})
+        theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+        if scaling is None and cfg.get("rope_scaling"):
+            scaling = dict(cfg["rope_scaling"])
+        if scaling is not None:
+            scaling["rope_type"] = scaling.get("rope_type", scaling.get("type"))
+            if scaling["rope_type"] in (None, "default"):
+                scaling = None
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        sliding = cfg.get("sliding_window") if arch == "MistralForCausalLM" else None
+        if arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window"):
+            sliding = cfg.get("sliding_window")
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=sliding,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @staticmethod
+    def from_path(path: str) -> "ModelConfig":
+        with open(os.path.join(path, "config.json")) as f:
+            return ModelConfig.from_hf_dict(json.load(f))
+
+    # HF-like aliases so tools can read either spelling
+    @property
+    def num_layers(self) -> int:
+        return self.num_hidden_layers
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory_gb: Optional[float] = None   # None: a share of free memory
+    memory_utilization: float = 0.3              # the share of free memory used when no size is given
+    enable_prefix_caching: bool = True
+    num_blocks: Optional[int] = None             # set by the engine once sized
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    use_kv_cache: bool = True       # False: recompute the whole sequence every step (the seeds' O(n^2) baseline)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    dtype: torch.dtype
+    device: torch.device
+    attention_backend: str = "auto"   # "auto" | "torch" (reference) | "batched"
+    seed: int = 0
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    # bfloat16 pays on CPUs with native support (AVX512-BF16 / AMX); emulated bf16 is slower than fp32
+    return torch.bfloat16 if _cpu_has_bf16() else torch.float32
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+        return "avx512_bf16" in flags or "amx_bf16" in flags
+    except OSError:
+        return False
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return default_dtype(device)
+    if isinstance(dtype, torch.dtype):
+        out = dtype
+    elif dtype in _DTYPES:
+        out = _DTYPES[dtype]
+    else:
+        raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {dtype!r}")
+    if device.type == "cpu" and out == torch.float16:
+        raise ValueError("dtype float16 is not supported on CPU; use float32 or bfloat16")
+    if device.type == "cuda" and out == torch.float32:
+        return out
+    return out

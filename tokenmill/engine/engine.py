@@ -1,0 +1,352 @@
+"""LLMEngine: add_request / step / abort_request / has_unfinished_requests.
+
+One step = schedule() -> execute(batch) -> update(outputs). Everything else here is the edge of the engine:
+turning user input into Requests (with the checks users need) and finished tokens into RequestOutputs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional, Union
+
+import torch
+
+from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_dtype
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.kv_cache_manager import KVCacheManager
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.scheduler import Scheduler, SchedulerStats
+from tokenmill.executor.loader import open_checkpoint, resolve_model_path
+from tokenmill.executor.models.decoder import DecoderForCausalLM
+from tokenmill.executor.runner import ModelRunner, RunnerOutput
+from tokenmill.executor.sampler import bad_words_to_token_ids, check_params_for_vocab
+from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+PromptType = Union[str, list[int], dict]
+
+
+@dataclass
+class EngineStats:
+    """Cumulative counters over the engine's life (the later /metrics exports them)."""
+    num_steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_time_s: float = 0.0      # steps that carried any prefill token
+    decode_time_s: float = 0.0       # steps that carried only decode tokens
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    kv_blocks_total: int = 0
+    max_kv_blocks_used: int = 0
+    sum_batch_size: int = 0
+    last_step: SchedulerStats = field(default_factory=SchedulerStats)
+
+    @property
+    def mean_batch_size(self) -> float:
+        return self.sum_batch_size / self.num_steps if self.num_steps else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in dataclasses.asdict(self).items() if k != "last_step"}
+        d["mean_batch_size"] = self.mean_batch_size
+        return d
+
+
+def pick_device(device: Optional[str]) -> torch.device:
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but no CUDA GPU is available; use device='cpu'")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    return dev
+
+
+def load_model(path: str, mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int,
+               tensors) -> DecoderForCausalLM:
+    with torch.device("meta"):
+        model = DecoderForCausalLM(mc, max_len)
+    model = model.to_empty(device=device).to(dtype)
+    # rotary tables stay float32 (transformers computes them in float32 too)
+    from tokenmill.executor.layers.rotary import RotaryEmbedding
+    model.rotary = RotaryEmbedding(mc.head_dim, mc.rope_theta, mc.rope_scaling, mc.max_position_embeddings,
+                                   max_len).to(device)
+    model.load_weights(tensors())
+    return model.eval()
+
+
+def _available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 2 ** 30
+
+
+class LLMEngine:
+    def __init__(self, model: Optional[str] = None, *, dtype: Optional[str] = None, device: Optional[str] = None,
+                 block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 max_model_len: Optional[int] = None, kv_cache_memory_gb: Optional[float] = None,
+                 enable_prefix_caching: bool = True, use_kv_cache: bool = True, attention_backend: str = "auto",
+                 seed: int = 0, tokenizer: Any = "auto"):
+        path = resolve_model_path(model)
+        dev = pick_device(device)
+        torch_dtype = resolve_dtype(dtype, dev)
+        ckpt = open_checkpoint(path)
+        mc = ModelConfig.from_hf_dict(ckpt.config)
+        if max_model_len is None:
+            max_model_len = mc.max_position_embeddings
+        elif max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} is longer than the model's max_position_embeddings "
+                             f"({mc.max_position_embeddings}); lower it")
+        if not use_kv_cache:
+            enable_prefix_caching = False
+        sched_cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, use_kv_cache)
+        cache_cfg = CacheConfig(block_size, kv_cache_memory_gb, enable_prefix_caching=enable_prefix_caching)
+        self.config = EngineConfig(path, mc, cache_cfg, sched_cfg, torch_dtype, dev, attention_backend, seed)
+        self.model_config = mc
+        torch.manual_seed(seed)
+
+        if tokenizer == "auto":
+            tokenizer = self._load_tokenizer(path)
+        self.tokenizer = tokenizer
+        self.model = load_model(path, mc, torch_dtype, dev, max_model_len, ckpt.tensors)
+        num_blocks = self._size_kv_cache()
+        self.runner = ModelRunner(self.config, self.model, num_blocks)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, mc.sliding_window)
+        self.scheduler = Scheduler(sched_cfg, self.kv)
+        self.requests: dict[str, Request] = {}
+        self.parents: dict[str, list[str]] = {}        # n > 1: parent id -> child ids
+        self.child_parent: dict[str, str] = {}
+        self.stats = EngineStats(kv_blocks_total=num_blocks)
+        self.step_history: deque[tuple[float, SchedulerStats]] = deque(maxlen=4096)
+
+    # ---- construction helpers ------------------------------------------------------------------------------
+    @staticmethod
+    def _load_tokenizer(path: str) -> Any:
+        if os.path.isdir(path) and not os.path.exists(os.path.join(path, "tokenizer.json")) \
+                and not os.path.exists(os.path.join(path, "tokenizer_config.json")):
+            return None       # weights only: prompts must come as token ids, outputs carry no text
+        from tokenmill.tokenizer import load_tokenizer
+        return load_tokenizer(path)
+
+    def _size_kv_cache(self) -> int:
+        cfg = self.config
+        per_block = ModelRunner.kv_bytes_per_block(cfg)
+        if cfg.cache_config.kv_cache_memory_gb is not None:
+            budget = int(cfg.cache_config.kv_cache_memory_gb * 2 ** 30)
+            origin = f"kv_cache_memory_gb={cfg.cache_config.kv_cache_memory_gb}"
+        else:
+            avail = _available_memory_bytes(cfg.device)
+            share = 0.8 if cfg.device.type == "cuda" else cfg.cache_config.memory_utilization
+            budget = int(avail * share)
+            if cfg.device.type == "cpu":
+                budget = min(budget, 4 * 2 ** 30)    # plenty for CPU batch sizes; keeps start-up fast
+            origin = f"{share:.0%} of free memory"
+        num_blocks = budget // per_block
+        bs = cfg.cache_config.block_size
+        max_len = cfg.scheduler_config.max_model_len
+        if cfg.model_config.sliding_window is not None:
+            max_len = min(max_len, cfg.model_config.sliding_window + 2 * bs)
+        need = -(-max_len // bs)
+        if num_blocks < need:
+            raise ValueError(
+                f"the KV cache ({origin}: {num_blocks} blocks of {bs} tokens) cannot hold even one request of "
+                f"max_model_len={cfg.scheduler_config.max_model_len} tokens ({need} blocks, "
+                f"{need * per_block / 2 ** 30:.3f} GiB); raise kv_cache_memory_gb or lower max_model_len")
+        return int(num_blocks)
+
+    # ---- requests in -----------------------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise ValueError("the prompt is empty; give at least one token of text")
+            if self.tokenizer is None:
+                raise ValueError("this model folder has no tokenizer; pass prompts as {'prompt_token_ids': [...]}")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
+                    arrival_time: Optional[float] = None) -> None:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self.requests or request_id in self.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.tokenize_prompt(prompt)
+        mc, sc = self.model_config, self.config.scheduler_config
+        if not ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        bad = [t for t in ids if not 0 <= t < mc.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {mc.vocab_size})")
+        if len(ids) >= sc.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens but max_model_len is {sc.max_model_len}; "
+                             f"shorten the prompt (it must leave room for at least one new token) "
+                             f"or raise max_model_len")
+        check_params_for_vocab(params, mc.vocab_size)
+        max_tokens = min(params.max_tokens or sc.max_model_len, sc.max_model_len - len(ids))
+        if mc.sliding_window is None:
+            need = self.kv.blocks_needed(len(ids) + max_tokens)
+            if need > self.kv.num_blocks:
+                raise ValueError(f"the request needs {need} KV blocks at its longest but the cache has "
+                                 f"{self.kv.num_blocks}; lower max_tokens or raise kv_cache_memory_gb")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        bad_words = bad_words_to_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []
+        children = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        for i, cid in enumerate(children):
+            p = params if params.n == 1 else dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i)
+            req = Request(cid, ids, p, arrival, max_tokens, mc.eos_token_ids, text, bad_words)
+            if self.tokenizer is not None and p.detokenize:
+                req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, p)
+            self.requests[cid] = req
+            self.scheduler.add(req)
+        if params.n > 1:
+            self.parents[request_id] = children
+            self.child_parent.update((c, request_id) for c in children)
+
+    def abort_request(self, request_ids: Union[str, Iterable[str]]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for rid in ids:
+            for cid in self.parents.pop(rid, [rid]):
+                self.child_parent.pop(cid, None)
+                req = self.requests.pop(cid, None)
+                if req is not None and not req.is_finished:
+                    self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    # ---- the step --------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        out = self.runner.execute(sched, [self.kv.blocks_of(r.request_id) for r in sched.reqs])
+        self.scheduler.update(sched, out.sampled)
+        outputs = self._process(sched.reqs, out)
+        self._record(sched, time.perf_counter() - t0)
+        return outputs
+
+    def _process(self, reqs: list[Request], out: RunnerOutput) -> list[RequestOutput]:
+        """Stop checks and outputs for the requests that got a token this step."""
+        now = time.monotonic()
+        touched: dict[str, None] = {}
+        for req in reqs:
+            if req.request_id in out.prompt_logprobs:
+                req.prompt_logprobs.extend(out.prompt_logprobs[req.request_id])
+            tok = out.sampled.get(req.request_id)
+            if tok is None or req.is_finished:
+                continue
+            lp = out.logprobs.get(req.request_id)
+            if lp is not None:
+                req.logprobs.append(lp)
+                req.cumulative_logprob += lp[tok].logprob
+            m = req.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+            else:
+                m.inter_token_latencies.append(now - m.last_token_time)
+            m.last_token_time = now
+            m.num_generation_tokens = len(req.output_token_ids)
+            status = self._check_stop(req, tok)
+            if status is not None:
+                m.finished_time = now
+                self.scheduler.finish(req, status)
+            touched[req.request_id] = None
+        results = []
+        for rid in touched:
+            ro = self._request_output(rid)
+            if ro is not None:
+                results.append(ro)
+        return results
+
+    def _check_stop(self, req: Request, tok: int) -> Optional[RequestStatus]:
+        p = req.params
+        if req.detokenizer is not None:
+            stop_str = req.detokenizer.update([tok])
+            if stop_str is not None:
+                req.stop_reason = stop_str
+                return RequestStatus.FINISHED_STOPPED
+        n_out = len(req.output_token_ids)
+        if n_out >= req.max_tokens or req.num_tokens >= self.config.scheduler_config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        if n_out < p.min_tokens:
+            return None
+        if not p.ignore_eos and tok in req.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if tok in p.stop_token_ids:
+            req.stop_reason = tok
+            return RequestStatus.FINISHED_STOPPED
+        return None
+
+    def _completion(self, req: Request, index: int) -> CompletionOutput:
+        text = ""
+        if req.detokenizer is not None:
+            text = req.detokenizer.get_next_output_text(req.is_finished, delta=False)
+        return CompletionOutput(
+            index=index, text=text, token_ids=list(req.output_token_ids),
+            cumulative_logprob=req.cumulative_logprob if req.params.logprobs is not None else None,
+            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+            finish_reason=req.status.value if req.is_finished else None, stop_reason=req.stop_reason)
+
+    def _request_output(self, rid: str) -> Optional[RequestOutput]:
+        """The (cumulative) output of the user-visible request that rid belongs to."""
+        parent = self.child_parent.get(rid)
+        ids = self.parents[parent] if parent else [rid]
+        reqs = [self.requests[c] for c in ids]
+        first = reqs[0]
+        done = all(r.is_finished for r in reqs)
+        ro = RequestOutput(
+            request_id=parent or rid, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
+            outputs=[self._completion(r, i) for i, r in enumerate(reqs)], finished=done, metrics=first.metrics,
+            prompt_logprobs=first.prompt_logprobs if first.params.prompt_logprobs is not None else None,
+            num_cached_tokens=max(first.num_cached_tokens, 0))
+        if done:   # forget it: the caller has everything now
+            for c in ids:
+                self.requests.pop(c, None)
+            if parent:
+                self.parents.pop(parent, None)
+                for c in ids:
+                    self.child_parent.pop(c, None)
+        return ro
+
+    def _record(self, sched, seconds: float) -> None:
+        s = self.stats
+        st = self.scheduler.stats(sched)
+        s.num_steps += 1
+        s.prefill_tokens += sched.num_prefill_tokens
+        s.decode_tokens += sched.num_decode_tokens
+        if sched.num_prefill_tokens:
+            s.prefill_time_s += seconds
+        else:
+            s.decode_time_s += seconds
+        s.num_preemptions += len(sched.preempted)
+        s.prefix_cache_queries, s.prefix_cache_hits = self.kv.num_queries, self.kv.num_hits
+        s.max_kv_blocks_used = max(s.max_kv_blocks_used, self.kv.num_used_blocks)
+        s.sum_batch_size += len(sched.reqs)
+        s.last_step = st
+        self.step_history.append((seconds, st))

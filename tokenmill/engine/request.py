@@ -1,0 +1,69 @@
+"""A request's state as the scheduler sees it: token ids, how many are in the KV cache, status, timings."""
+from __future__ import annotations
+
+import enum
+from typing import Any, Optional
+
+import torch
+
+from tokenmill.outputs import Logprob, RequestMetrics
+from tokenmill.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float,
+                 max_tokens: int, eos_token_ids: tuple[int, ...], prompt: Optional[str] = None,
+                 bad_words_token_ids: Optional[list[list[int]]] = None):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.max_tokens = max_tokens                      # params.max_tokens, capped by max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1                       # prefix-cache hit length, set at first scheduling
+        self.status = RequestStatus.WAITING
+        self.stop_reason: Optional[int | str] = None
+        self.num_preemptions = 0
+        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self.bad_words_token_ids = bad_words_token_ids or []
+        self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
+        self.logprobs: list[dict[int, Logprob]] = []
+        self.cumulative_logprob = 0.0
+        self.prompt_logprobs: list[Optional[dict[int, Logprob]]] = []
+        self.detokenizer: Any = None                      # set by the engine when text is wanted
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")

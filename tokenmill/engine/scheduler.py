@@ -1,0 +1,150 @@
+"""One scheduling rule with a token budget (vLLM v1's): running requests first, then waiting ones.
+
+Every request has num_tokens and num_computed_tokens; a step gives each scheduled request some of the
+difference. A decode is one token, a prompt is many, a prompt that does not fit the budget is chunked,
+a prefix-cache hit starts num_computed_tokens past zero. When the KV pool runs dry the newest running
+request is preempted: its blocks are returned and it is recomputed later from its tokens so far.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+import time
+
+from tokenmill.config import SchedulerConfig
+from tokenmill.engine.kv_cache_manager import KVCacheManager
+from tokenmill.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    reqs: list[Request]                    # in batch order
+    num_scheduled: list[int]               # tokens of each request computed this step
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+
+@dataclass
+class SchedulerStats:
+    """Per-step figures the metrics and diagnosis read."""
+    num_running: int = 0
+    num_waiting: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    kv_blocks_used: int = 0
+    kv_usage: float = 0.0
+    num_preemptions: int = 0          # in this step
+    prefix_cache_queries: int = 0     # cumulative, in tokens
+    prefix_cache_hits: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.total_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        out = SchedulerOutput([], [])
+        # 1. running requests: their next token (decode) or their next prompt chunk
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running.pop()          # the newest request gives its blocks back
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break
+            self._add_to_batch(out, req, n)
+            budget -= n
+            i += 1
+        # 2. waiting requests, in arrival order (preempted ones were put back at the front)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
+            req = self.waiting[0]
+            hit_blocks, hit_tokens = ([], 0)
+            if req.num_computed_tokens == 0:
+                hit_blocks, hit_tokens = self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - req.num_computed_tokens - hit_tokens, budget)
+            if not self.kv.allocate_slots(req, n, hit_blocks):
+                break                                  # wait for running requests to free blocks
+            self.waiting.popleft()
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = hit_tokens
+            req.num_computed_tokens += hit_tokens
+            req.status = RequestStatus.RUNNING
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = time.monotonic()
+            self.running.append(req)
+            self._add_to_batch(out, req, n)
+            budget -= n
+        return out
+
+    def _add_to_batch(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        out.reqs.append(req)
+        out.num_scheduled.append(n)
+        if n == 1 and req.output_token_ids and req.num_computed_tokens == req.num_tokens - 1:
+            out.num_decode_tokens += 1
+        else:
+            out.num_prefill_tokens += n
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.total_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
+        """Advance computed counts; append the tokens sampled for requests that reached their end."""
+        for req, n in zip(out.reqs, out.num_scheduled):
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens += n
+            tok = sampled.get(req.request_id)
+            if tok is not None:
+                req.append_token(tok)
+                if not self.config.use_kv_cache:
+                    req.num_computed_tokens = 0        # forget the cache: recompute everything next step
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Take a request out (finished or aborted) and return its blocks."""
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self.kv.free(req)
+
+    def stats(self, out: SchedulerOutput) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            num_prefill_tokens=out.num_prefill_tokens, num_decode_tokens=out.num_decode_tokens,
+            kv_blocks_used=self.kv.num_used_blocks, kv_usage=self.kv.usage,
+            num_preemptions=len(out.preempted),
+            prefix_cache_queries=self.kv.num_queries, prefix_cache_hits=self.kv.num_hits)

@@ -1,0 +1,164 @@
+"""Paged attention over the flattened batch.
+
+The KV cache of one layer is a pair of tensors [num_blocks * block_size, num_kv_heads, head_dim] (a flat view of
+[num_blocks, block_size, ...]): a token's slot is block_id * block_size + offset. Every step first writes the new
+tokens' K/V into their slots, then each request attends over its context gathered from its block table.
+
+Two backends share that contract: `TorchReferenceBackend` loops over requests with an explicit mask (the oracle),
+`BatchedBackend` attends all decoding requests in one padded call and prefills fresh prompts with causal SDPA.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor          # [T] long: where each scheduled token's K/V goes
+    query_start_loc: list[int]          # [B + 1]: request i owns rows query_start_loc[i]:query_start_loc[i+1]
+    num_computed: list[int]             # [B]: tokens already in the cache before this step
+    seq_lens: list[int]                 # [B]: context length after this step
+    block_tables: list[list[int]]       # [B][blocks]: -1 where a sliding window freed a block
+    block_size: int
+    sliding_window: Optional[int]
+    # built once per step by the backend's prepare()
+    decode_rows: Optional[torch.Tensor] = None    # [Bd] row index of each decoding request's token
+    decode_slots: Optional[torch.Tensor] = None   # [Bd, L] context slots, padded
+    decode_mask: Optional[torch.Tensor] = None    # [Bd, 1, 1, L] True where attended
+    prefill_reqs: Optional[list[int]] = None      # request indices with more than one query token
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens)
+
+
+def _context_slots(meta: AttentionMetadata, i: int, start: int) -> torch.Tensor:
+    """Slots of positions [start, seq_len) of request i, from its block table."""
+    bs = meta.block_size
+    pos = torch.arange(start, meta.seq_lens[i])
+    table = torch.tensor(meta.block_tables[i], dtype=torch.long)
+    return table[pos // bs] * bs + pos % bs
+
+
+def _window_start(meta: AttentionMetadata, i: int) -> int:
+    """The first position any query of request i may attend (0 without a sliding window)."""
+    if meta.sliding_window is None:
+        return 0
+    return max(0, meta.num_computed[i] - meta.sliding_window + 1)
+
+
+def _mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int]) -> torch.Tensor:
+    """[Q, K] True where query at q_pos may see key at k_pos (causal, and within the window: q - k < window)."""
+    diff = q_pos[:, None] - k_pos[None, :]
+    ok = diff >= 0
+    if window is not None:
+        ok &= diff < window
+    return ok
+
+
+class AttentionBackend:
+    name = "base"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Per-step work shared by all layers (index tensors, masks)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KV, D]; caches [slots, KV, D]. Returns [T, H, D]."""
+        k_cache[meta.slot_mapping] = k
+        v_cache[meta.slot_mapping] = v
+        return self._attend(q, k, v, k_cache, v_cache, meta, scale)
+
+    def _attend(self, q, k, v, k_cache, v_cache, meta, scale) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _one_request(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: AttentionMetadata, i: int, scale: float) -> torch.Tensor:
+        """Attention of request i's query rows q [Q, H, D] over its cached context. Returns [Q, H, D]."""
+        start = _window_start(meta, i)
+        slots = _context_slots(meta, i, start).to(k_cache.device)
+        keys, vals = k_cache[slots], v_cache[slots]                      # [K, KV, D]
+        q_pos = torch.arange(meta.num_computed[i], meta.seq_lens[i])
+        k_pos = torch.arange(start, meta.seq_lens[i])
+        mask = _mask(q_pos, k_pos, meta.sliding_window).to(q.device)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),  # [heads, len, D]
+            attn_mask=mask, scale=scale, enable_gqa=True)
+        return out.transpose(0, 1)
+
+
+class TorchReferenceBackend(AttentionBackend):
+    """The oracle: one masked SDPA per request, over keys read back from the paged cache."""
+    name = "torch"
+
+    def _attend(self, q, k, v, k_cache, v_cache, meta, scale):
+        out = torch.empty_like(q)
+        for i in range(meta.num_reqs):
+            a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            out[a:b] = self._one_request(q[a:b], k_cache, v_cache, meta, i, scale)
+        return out
+
+
+class BatchedBackend(AttentionBackend):
+    """All decoding requests in one padded SDPA call; fresh prompts with causal SDPA on the new K/V."""
+    name = "batched"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        qsl = meta.query_start_loc
+        decode = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] == 1]
+        meta.prefill_reqs = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] > 1]
+        if not decode:
+            meta.decode_rows = None
+            return
+        starts = [_window_start(meta, i) for i in decode]
+        lens = [meta.seq_lens[i] - s for i, s in zip(decode, starts)]
+        width = max(lens)
+        bs = meta.block_size
+        # [Bd, width] positions, padded by repeating each request's first attended position (a valid slot)
+        offs = torch.arange(width)[None, :]
+        start_t = torch.tensor(starts)[:, None]
+        len_t = torch.tensor(lens)[:, None]
+        valid = offs < len_t
+        pos = start_t + torch.where(valid, offs, torch.zeros_like(offs))
+        nblocks = max(len(meta.block_tables[i]) for i in decode)
+        table = torch.tensor([meta.block_tables[i] + [0] * (nblocks - len(meta.block_tables[i])) for i in decode],
+                             dtype=torch.long)
+        slots = torch.gather(table, 1, pos // bs) * bs + pos % bs
+        meta.decode_rows = torch.tensor([qsl[i] for i in decode], device=meta.device)
+        meta.decode_slots = slots.to(meta.device)
+        meta.decode_mask = valid[:, None, None, :].to(meta.device)
+
+    def _attend(self, q, k, v, k_cache, v_cache, meta, scale):
+        out = torch.empty_like(q)
+        if meta.decode_rows is not None:
+            rows = meta.decode_rows
+            keys = k_cache[meta.decode_slots].transpose(1, 2)           # [Bd, KV, L, D]
+            vals = v_cache[meta.decode_slots].transpose(1, 2)
+            qd = q[rows][:, :, None, :]                                 # [Bd, H, 1, D]
+            o = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=meta.decode_mask, scale=scale,
+                                               enable_gqa=True)
+            out[rows] = o[:, :, 0, :]
+        for i in meta.prefill_reqs or ():
+            a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            fresh = meta.num_computed[i] == 0 and (meta.sliding_window is None or b - a <= meta.sliding_window)
+            if fresh:  # the whole context is this step's tokens: no need to read the cache back
+                o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
+                                                   v[a:b].transpose(0, 1), is_causal=True, scale=scale,
+                                                   enable_gqa=True)
+                out[a:b] = o.transpose(0, 1)
+            else:
+                out[a:b] = self._one_request(q[a:b], k_cache, v_cache, meta, i, scale)
+        return out
+
+
+def get_backend(name: str, device: torch.device) -> AttentionBackend:
+    if name in ("auto", "batched"):
+        return BatchedBackend()
+    if name == "torch":
+        return TorchReferenceBackend()
+    raise ValueError(f"unknown attention_backend {name!r}; choose auto, batched or torch")

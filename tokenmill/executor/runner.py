@@ -1,0 +1,96 @@
+"""ModelRunner: a SchedulerOutput becomes one flattened batch, one forward pass, one sampler call."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.scheduler import SchedulerOutput
+from tokenmill.executor.attention import AttentionMetadata, get_backend
+from tokenmill.executor.models.decoder import DecoderForCausalLM
+from tokenmill.executor.sampler import Sampler, SamplingInput, compute_prompt_logprobs
+from tokenmill.outputs import Logprob
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int]                                        # request id -> new token
+    logprobs: dict[str, dict[int, Logprob]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[Optional[dict[int, Logprob]]]] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: DecoderForCausalLM, num_blocks: int):
+        self.config = config
+        self.model = model
+        self.device = config.device
+        mc = config.model_config
+        self.block_size = config.cache_config.block_size
+        self.backend = get_backend(config.attention_backend, self.device)
+        # one K and one V tensor per layer: [num_blocks * block_size, kv_heads, head_dim] (flat slots)
+        shape = (num_blocks * self.block_size, mc.num_key_value_heads, mc.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=config.dtype, device=self.device),
+                           torch.zeros(shape, dtype=config.dtype, device=self.device))
+                          for _ in range(mc.num_hidden_layers)]
+        model.bind_kv_cache(self.kv_caches)
+        self.sampler = Sampler(mc.vocab_size, set(mc.eos_token_ids))
+
+    @staticmethod
+    def kv_bytes_per_block(config: EngineConfig) -> int:
+        mc = config.model_config
+        elem = torch.tensor([], dtype=config.dtype).element_size()
+        return 2 * mc.num_hidden_layers * config.cache_config.block_size * mc.num_key_value_heads * mc.head_dim * elem
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> RunnerOutput:
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        num_computed, seq_lens = [], []
+        sample_rows: list[int] = []        # row of each sampling request's last token
+        sample_reqs = []
+        prompt_lp_reqs = []                # (request, first row, number of rows) wanting prompt logprobs
+        bs = self.block_size
+        for req, n, table in zip(sched.reqs, sched.num_scheduled, block_tables):
+            start = req.num_computed_tokens
+            end = start + n
+            ids.extend(req.all_token_ids[start:end])
+            pos.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            qsl.append(qsl[-1] + n)
+            num_computed.append(start)
+            seq_lens.append(end)
+            if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1 \
+                    and not req.output_token_ids:
+                prompt_lp_reqs.append((req, qsl[-2], min(end, req.num_prompt_tokens - 1) - start))
+            if end == req.num_tokens:          # reached the end of what is known: sample the next token
+                sample_rows.append(qsl[-1] - 1)
+                sample_reqs.append(req)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev), query_start_loc=qsl,
+            num_computed=num_computed, seq_lens=seq_lens, block_tables=block_tables, block_size=bs,
+            sliding_window=self.config.model_config.sliding_window, device=dev)
+        self.backend.prepare(meta)
+        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
+                            torch.tensor(pos, dtype=torch.long, device=dev), self.backend, meta)
+        out = RunnerOutput({})
+        for req, row, count in prompt_lp_reqs:
+            logits = self.model.compute_logits(hidden[row:row + count])
+            start = req.num_computed_tokens
+            nxt = req.all_token_ids[start + 1:start + 1 + count]
+            lp = compute_prompt_logprobs(logits, nxt, req.params.prompt_logprobs)
+            out.prompt_logprobs[req.request_id] = ([None] if start == 0 else []) + lp
+        if sample_reqs:
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])   # [S, V]
+            inputs = [SamplingInput(r.params, r.prompt_token_ids, r.output_token_ids, r.generator,
+                                    r.bad_words_token_ids) for r in sample_reqs]
+            res = self.sampler(logits, inputs)
+            for r, tok, lp in zip(sample_reqs, res.token_ids, res.logprobs):
+                out.sampled[r.request_id] = tok
+                if lp is not None:
+                    out.logprobs[r.request_id] = lp
+        return out

@@ -1,0 +1,120 @@
+"""The offline Python API, with vLLM's names: LLM(...).generate / .chat / .generate_stream."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Iterator, NamedTuple, Optional, Sequence, Union
+
+from tokenmill.engine.engine import LLMEngine, PromptType
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+ParamsArg = Union[SamplingParams, Sequence[SamplingParams], None]
+
+
+class StreamOutput(NamedTuple):
+    """One piece of a stream: the text and token ids new since the request's last piece."""
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    index: int = 0                      # which of the n completions
+    finish_reason: Optional[str] = None
+
+
+class LLM:
+    """Load a model and generate. `LLM()` runs the bundled SmolLM2-135M-Instruct.
+
+    Engine options keep vLLM's names: dtype, block_size, max_num_seqs, max_num_batched_tokens, max_model_len,
+    enable_prefix_caching, device, seed; kv_cache_memory_gb sizes the paged KV cache (default: a share of free
+    memory)."""
+
+    def __init__(self, model: Optional[str] = None, **engine_args: Any):
+        self.llm_engine = LLMEngine(model, **engine_args)
+        self._ids = itertools.count()
+
+    @property
+    def model_config(self):
+        return self.llm_engine.model_config
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def get_stats(self) -> dict[str, Any]:
+        return self.llm_engine.stats.as_dict()
+
+    # ---- submission ------------------------------------------------------------------------------------------
+    def _submit(self, prompts: Union[PromptType, Sequence[PromptType]], params: ParamsArg) -> list[str]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        elif len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
+                             f"pass one, or one per prompt")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = str(next(self._ids))
+                self.llm_engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except Exception:
+            self.llm_engine.abort_request(ids)     # all or nothing: leave the engine as it was
+            raise
+        return ids
+
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]], sampling_params: ParamsArg = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Outputs in input order. A progress bar shows for more than a few prompts (use_tqdm=False: none)."""
+        ids = self._submit(prompts, sampling_params)
+        order = {rid: i for i, rid in enumerate(ids)}
+        results: list[Optional[RequestOutput]] = [None] * len(ids)
+        bar = None
+        if use_tqdm and len(ids) > 4:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(ids), desc="Processed prompts", unit="req", dynamic_ncols=True)
+        try:
+            while self.llm_engine.has_unfinished_requests():
+                for out in self.llm_engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            self.llm_engine.abort_request(ids)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return results   # type: ignore[return-value]
+
+    def generate_stream(self, prompts: Union[PromptType, Sequence[PromptType]],
+                        sampling_params: ParamsArg = None) -> Iterator[StreamOutput]:
+        """Yield (request_id, text delta, new token ids, finished) as tokens arrive, for one or many prompts."""
+        ids = self._submit(prompts, sampling_params)
+        sent: dict[tuple[str, int], tuple[int, int]] = {}     # (request, index) -> (chars, tokens) sent
+        try:
+            while self.llm_engine.has_unfinished_requests():
+                for out in self.llm_engine.step():
+                    for c in out.outputs:
+                        chars, toks = sent.get((out.request_id, c.index), (0, 0))
+                        if len(c.token_ids) == toks and c.finish_reason is None:
+                            continue
+                        sent[(out.request_id, c.index)] = (len(c.text), len(c.token_ids))
+                        yield StreamOutput(out.request_id, c.text[chars:], c.token_ids[toks:],
+                                           c.finish_reason is not None, c.index, c.finish_reason)
+        finally:
+            self.llm_engine.abort_request(ids)
+
+    def chat(self, messages: Union[list[dict], list[list[dict]]], sampling_params: ParamsArg = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then generate."""
+        from tokenmill.tokenizer import apply_chat_template
+        tok = self.llm_engine.tokenizer
+        if tok is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template; use generate() with token ids")
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": apply_chat_template(tok, conv, add_generation_prompt)} for conv in convs]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
