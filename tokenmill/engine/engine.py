@@ -22,7 +22,7 @@ from tokenmill.engine.scheduler import Scheduler, SchedulerStats
 from tokenmill.executor.loader import open_checkpoint, resolve_model_path
 from tokenmill.executor.models.decoder import DecoderForCausalLM
 from tokenmill.executor.runner import ModelRunner, RunnerOutput
-from tokenmill.executor.sampler import bad_words_to_token_ids, check_params_for_vocab
+from tokenmill.executor.sampler import bad_words_to_token_ids, check_params_for_vocab, make_generator
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -216,6 +216,7 @@ class LLMEngine:
             p = params if params.n == 1 else dataclasses.replace(
                 params, n=1, seed=None if params.seed is None else params.seed + i)
             req = Request(cid, ids, p, arrival, max_tokens, mc.eos_token_ids, text, bad_words)
+            req.generator = make_generator(p.seed, self.config.device)
             if self.tokenizer is not None and p.detokenize:
                 req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, p)
             self.requests[cid] = req
@@ -286,20 +287,19 @@ class LLMEngine:
 
     def _check_stop(self, req: Request, tok: int) -> Optional[RequestStatus]:
         p = req.params
+        n_out = len(req.output_token_ids)
+        eos = not p.ignore_eos and tok in req.eos_token_ids
+        token_stop = n_out >= p.min_tokens and (eos or tok in p.stop_token_ids)
         if req.detokenizer is not None:
-            stop_str = req.detokenizer.update([tok])
+            # a stop token's own text stays out of the output (vLLM v1)
+            stop_str = req.detokenizer.update([tok], stop_terminated=token_stop)
             if stop_str is not None:
                 req.stop_reason = stop_str
                 return RequestStatus.FINISHED_STOPPED
-        n_out = len(req.output_token_ids)
         if n_out >= req.max_tokens or req.num_tokens >= self.config.scheduler_config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
-        if n_out < p.min_tokens:
-            return None
-        if not p.ignore_eos and tok in req.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if tok in p.stop_token_ids:
-            req.stop_reason = tok
+        if token_stop:
+            req.stop_reason = None if eos else tok
             return RequestStatus.FINISHED_STOPPED
         return None
 

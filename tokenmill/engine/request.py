@@ -40,7 +40,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: Optional[int | str] = None
         self.num_preemptions = 0
-        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self.generator: Optional[torch.Generator] = None   # the engine seeds one on the logits' device
         self.bad_words_token_ids = bad_words_token_ids or []
         self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
         self.logprobs: list[dict[int, Logprob]] = []

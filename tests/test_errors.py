@@ -1,0 +1,86 @@
+"""Bad input raises ValueError with a message that says what to change; the engine keeps serving."""
+import json
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(tiny_llama[0], dtype="float32", kv_cache_memory_gb=0.01, max_model_len=64)
+
+
+def test_missing_model_path(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(str(tmp_path / "nope"))
+
+
+def test_unreadable_model_folder(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        LLM(str(tmp_path))
+
+
+def test_not_a_model_file(tmp_path):
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"hello")
+    with pytest.raises(ValueError, match="gguf"):
+        LLM(str(f))
+
+
+def test_corrupt_gguf(tmp_path):
+    f = tmp_path / "broken.gguf"
+    f.write_bytes(b"not really a gguf file")
+    with pytest.raises(ValueError):
+        LLM(str(f))
+
+
+def test_unsupported_architecture(tiny_llama, tmp_path):
+    cfg = json.load(open(f"{tiny_llama[0]}/config.json"))
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+        LLM(str(tmp_path))
+
+
+def test_kv_budget_too_small(tiny_llama):
+    with pytest.raises(ValueError, match="cannot hold even one request.*kv_cache_memory_gb"):
+        LLM(tiny_llama[0], dtype="float32", kv_cache_memory_gb=1e-6, max_model_len=512)
+
+
+def test_max_model_len_over_model(tiny_llama):
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        LLM(tiny_llama[0], dtype="float32", kv_cache_memory_gb=0.01, max_model_len=10_000)
+
+
+@pytest.mark.parametrize("prompt, match", [
+    ({"prompt_token_ids": list(range(64))}, "max_model_len"),
+    ({"prompt_token_ids": []}, "empty"),
+    ("", "empty"),
+    ({"prompt_token_ids": [1, 2, 100000]}, "outside the vocabulary"),
+    ({"prompt_token_ids": [-1]}, "outside the vocabulary"),
+    ("some text", "no tokenizer"),
+    (3.5, "must be a string"),
+])
+def test_bad_prompts(llm, prompt, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}, prompt], SamplingParams(max_tokens=2), use_tqdm=False)
+    # nothing was left behind and the engine still works
+    assert not llm.llm_engine.has_unfinished_requests()
+    out = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"),
+    (dict(n=0), "n"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+])
+def test_bad_sampling_params(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_wrong_number_of_params(llm):
+    with pytest.raises(ValueError, match="one per prompt"):
+        llm.generate([[1, 2], [3, 4]], [SamplingParams()] * 3, use_tqdm=False)

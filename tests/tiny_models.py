@@ -1,0 +1,77 @@
+"""Tiny random models of each supported architecture, and transformers' greedy continuation as the oracle."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+VOCAB = 320
+
+
+def _configs() -> dict:
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    common = dict(vocab_size=VOCAB, max_position_embeddings=512, eos_token_id=None, bos_token_id=None,
+                  pad_token_id=None, initializer_range=0.1)
+    return {
+        # GQA, uneven sizes, llama3 rope scaling
+        "llama": lambda: LlamaConfig(hidden_size=48, intermediate_size=80, num_hidden_layers=3, num_attention_heads=6,
+                                     num_key_value_heads=2, rope_theta=500000.0,
+                                     rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                                     **common),
+        # MQA, tied embeddings, linear rope scaling
+        "llama_mqa_tied": lambda: LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                              num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True,
+                                              rope_scaling={"rope_type": "linear", "factor": 2.0}, **common),
+        # yarn rope scaling
+        "llama_yarn": lambda: LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2,
+                                          rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                        "original_max_position_embeddings": 128}, **common),
+        "mistral": lambda: MistralConfig(hidden_size=64, intermediate_size=112, num_hidden_layers=3,
+                                         num_attention_heads=8, num_key_value_heads=2, sliding_window=None, **common),
+        # a window shorter than the prompts, so attention past the window is exercised
+        "mistral_sw": lambda: MistralConfig(hidden_size=64, intermediate_size=112, num_hidden_layers=3,
+                                            num_attention_heads=4, num_key_value_heads=2, sliding_window=24,
+                                            **common),
+        "qwen2": lambda: Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                                     num_key_value_heads=2, tie_word_embeddings=False, **common),
+        # explicit head_dim unequal to hidden / heads, q/k norm
+        "qwen3": lambda: Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=24, tie_word_embeddings=False, **common),
+    }
+
+
+ARCHS = ["llama", "llama_mqa_tied", "llama_yarn", "mistral", "qwen2", "qwen3"]
+
+
+def build_tiny(kind: str, path: Path, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    cfg = _configs()[kind]()
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    model.save_pretrained(path)
+    return str(path), model
+
+
+def random_prompts(lengths, seed: int = 0) -> list[list[int]]:
+    r = random.Random(seed)
+    return [[r.randrange(VOCAB) for _ in range(n)] for n in lengths]
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@torch.no_grad()
+def hf_logprobs(model, prompt: list[int], generated: list[int]) -> torch.Tensor:
+    """log p(generated[i] | prefix) under transformers, for each i (one full forward)."""
+    ids = torch.tensor([prompt + generated])
+    logits = model(ids).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    pos = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(generated))
+    return lp[pos, torch.tensor(generated)]
