@@ -21,3 +21,26 @@ def tiny_llama(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_mistral_sw(tmp_path_factory):
     return build_tiny("mistral_sw", tmp_path_factory.mktemp("mistral_sw"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """The bundled SmolLM2 tokenizer (from its GGUF), loaded once."""
+    from tokenmill.executor.loader import default_model_path
+    from tokenmill.tokenizer import load_tokenizer
+    return load_tokenizer(default_model_path())
+
+
+@pytest.fixture(scope="session")
+def tiny_text_model(tmp_path_factory, smollm2_tokenizer):
+    """A tiny random Llama with SmolLM2's real tokenizer and chat template: text in, text out, fast."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    path = tmp_path_factory.mktemp("tiny_text")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(smollm2_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      eos_token_id=None, bos_token_id=None, tie_word_embeddings=True, initializer_range=0.1)
+    model = LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(path)
+    smollm2_tokenizer.save_pretrained(path)
+    return str(path), model

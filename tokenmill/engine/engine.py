@@ -277,13 +277,8 @@ class LLMEngine:
             if status is not None:
                 m.finished_time = now
                 self.scheduler.finish(req, status)
-            touched[req.request_id] = None
-        results = []
-        for rid in touched:
-            ro = self._request_output(rid)
-            if ro is not None:
-                results.append(ro)
-        return results
+            touched[self.child_parent.get(req.request_id, req.request_id)] = None
+        return [self._request_output(rid) for rid in touched]
 
     def _check_stop(self, req: Request, tok: int) -> Optional[RequestStatus]:
         p = req.params
@@ -313,9 +308,9 @@ class LLMEngine:
             logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
             finish_reason=req.status.value if req.is_finished else None, stop_reason=req.stop_reason)
 
-    def _request_output(self, rid: str) -> Optional[RequestOutput]:
-        """The (cumulative) output of the user-visible request that rid belongs to."""
-        parent = self.child_parent.get(rid)
+    def _request_output(self, rid: str) -> RequestOutput:
+        """The (cumulative) output of user-visible request rid (for n > 1, of all its children)."""
+        parent = rid if rid in self.parents else None
         ids = self.parents[parent] if parent else [rid]
         reqs = [self.requests[c] for c in ids]
         first = reqs[0]
