@@ -1,0 +1,161 @@
+"""`tokenmill serve | generate | convert | bench | kv-calc | diagnose`."""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Optional, Sequence
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine options with vLLM's names, shared by every command that builds an engine."""
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (GPU)")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_memory_gb,
+                enable_prefix_caching=args.enable_prefix_caching)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else float("nan")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tokenmill import LLM, SamplingParams
+    t0 = time.perf_counter()
+    llm = LLM(args.model, **engine_kwargs(args))
+    print(f"[tokenmill] loaded {llm.llm_engine.config.model} ({llm.llm_engine.config.dtype}, "
+          f"{llm.llm_engine.config.device}) in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                            seed=args.seed, ignore_eos=args.ignore_eos)
+    prompts: list = list(args.prompts)
+    if args.chat:
+        from tokenmill.tokenizer import apply_chat_template
+        tok = llm.get_tokenizer()
+        prompts = [{"prompt": p, "prompt_token_ids": apply_chat_template(tok, [{"role": "user", "content": p}])}
+                   for p in prompts]
+    # all prompts run together in one batch; the terminal shows them in order: live for the first
+    # unfinished one, buffered for the ones behind it
+    engine = llm.llm_engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    pending: list[list[str]] = [[] for _ in prompts]
+    sent = [0] * len(prompts)
+    finished: dict[int, object] = {}
+    shown = 0
+    _header(args.prompts[0])
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            i = int(out.request_id)
+            text = out.outputs[0].text
+            pending[i].append(text[sent[i]:])
+            sent[i] = len(text)
+            if out.finished:
+                finished[i] = out.metrics
+        while shown < len(prompts):
+            sys.stdout.write("".join(pending[shown]))
+            sys.stdout.flush()
+            pending[shown] = []
+            if shown not in finished:
+                break
+            shown += 1
+            print()
+            if shown < len(prompts):
+                _header(args.prompts[shown])
+    _phase_report([finished[i] for i in sorted(finished)], llm)
+    return 0
+
+
+def _header(text: str) -> None:
+    print(f"\n\033[1m>>> {text}\033[0m" if sys.stdout.isatty() else f"\n>>> {text}")
+
+
+def _phase_report(metrics: list, llm) -> None:
+    if not metrics:
+        return
+    ttft = [m.time_to_first_token for m in metrics if m.time_to_first_token is not None]
+    itl = [x for m in metrics for x in m.inter_token_latencies]
+    gen = sum(m.num_generation_tokens for m in metrics)
+    decode_s = max((m.last_token_time or 0) for m in metrics) - min(m.first_token_time or 0 for m in metrics)
+    stats = llm.get_stats()
+    print("\n--- phase report " + "-" * 40, file=sys.stderr)
+    print(f"prompt tokens      {sum(m.num_prompt_tokens for m in metrics)} "
+          f"(prefix-cache hits {stats['prefix_cache_hits']} tokens)", file=sys.stderr)
+    print(f"time to first token  p50 {1000 * statistics.median(ttft):.1f} ms   max {1000 * max(ttft):.1f} ms  "
+          f"(prefill)", file=sys.stderr)
+    if itl:
+        print(f"decode             {gen} tokens, {(gen - len(metrics)) / max(decode_s, 1e-9):.1f} tok/s over all "
+              f"requests", file=sys.stderr)
+        print(f"inter-token latency  p50 {1000 * _pct(itl, 50):.1f} ms   p99 {1000 * _pct(itl, 99):.1f} ms  (decode)",
+              file=sys.stderr)
+    print(f"KV blocks used     {stats['max_kv_blocks_used']} of {stats['kv_blocks_total']} "
+          f"(block size {llm.llm_engine.config.cache_config.block_size})", file=sys.stderr)
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    import torch
+    from tokenmill.executor.loader import resolve_model_path
+    from tokenmill.executor.loader.convert import gguf_to_hf
+    path = resolve_model_path(args.model)
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[args.dtype]
+    gguf_to_hf(path, args.out, dtype)
+    print(f"wrote a Hugging Face folder to {args.out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tokenmill", description="A readable LLM inference engine.")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for prompts, streamed, with a phase report")
+    g.add_argument("prompts", nargs="+", help="one or more prompts")
+    g.add_argument("--model", default=None, help="HF folder or .gguf (default: bundled SmolLM2-135M-Instruct)")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    add_engine_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("convert", help="write a GGUF model as a Hugging Face folder (for peers)")
+    c.add_argument("out", help="output folder")
+    c.add_argument("--model", default=None)
+    c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    c.set_defaults(func=cmd_convert)
+
+    for mod in ("tokenmill.server.cli", "tokenmill.bench.cli"):
+        try:
+            module = __import__(mod, fromlist=["register"])
+        except ImportError:
+            continue
+        module.register(sub)
+    return ap
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

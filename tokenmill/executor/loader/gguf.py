@@ -1,0 +1,341 @@
+"""Read a GGUF file (llama.cpp's format) into a Hugging Face-style config and state dict.
+
+We parse the header ourselves, mmap the tensor data (nothing is loaded until asked) and
+dequantize one tensor at a time with gguf.quants, so a caller that copies each tensor into a
+model never holds two full copies of the weights.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import struct
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize, quant_shape_to_byte_shape
+
+# GGUF architecture name -> (HF model_type, HF architecture class).
+# Mistral GGUFs say "llama", and Llama's decoder is the same, so they load as Llama.
+ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+
+# llama.cpp's converter permutes q/k rows per head only for these (its rotary kernel wants
+# the two rotated halves interleaved); Qwen's converter does not.
+_PERMUTED_ARCHS = {"llama"}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# blk.N.<gguf> -> model.layers.N.<hf>; the suffix (.weight / .bias) carries over.
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+# Tensors in the file that are not model parameters in HF form. rope_freqs holds Llama 3's
+# rope scaling factors, which we turn into config["rope_scaling"] instead.
+_SKIPPED = {"rope_freqs.weight"}
+
+_SUPPORTED_TYPES = {
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+}
+
+
+@dataclass(frozen=True)
+class GGUFCheckpoint:
+    config: dict[str, Any]  # Hugging Face config.json form
+    tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]  # lazy: (HF name, float32 tensor)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    type_name: str  # GGMLQuantizationType name: "F32", "Q4_1", ...
+    shape: tuple[int, ...]  # numpy/torch order (GGUF lists dims innermost first)
+    offset: int  # absolute byte offset in the file
+    n_bytes: int
+
+
+class GGUFFile:
+    """A GGUF file: metadata dict and tensor table parsed up front, tensor bytes mmapped.
+
+    Our own parser rather than gguf.GGUFReader: that one builds a numpy view per array element,
+    which takes seconds for a 49k-token vocabulary; this takes milliseconds.
+    Layout: magic, version, n_tensors, n_kv, kv pairs, tensor infos, padding, tensor data.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        self._off = 0
+        if self._read("4s") != b"GGUF":
+            raise ValueError("bad magic")  # open_gguf checks this first, with a friendlier message
+        version = self._read("I")
+        if version & 0xFFFF == 0:
+            raise ValueError("big-endian GGUF files are not supported")
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} is not supported (only 2 and 3)")
+        n_tensors, n_kv = self._read("Q"), self._read("Q")
+        self.metadata: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = self._str()
+            self.metadata[key] = self._value(self._read("I"))
+        infos = []
+        for _ in range(n_tensors):
+            name = self._str()
+            dims = [self._read("Q") for _ in range(self._read("I"))]
+            infos.append((name, dims, self._read("I"), self._read("Q")))
+        align = int(self.metadata.get("general.alignment", 32))
+        if align <= 0 or align & (align - 1):
+            raise ValueError(f"general.alignment must be a power of two, got {align}")
+        data_start = -(-self._off // align) * align
+        self.tensors: dict[str, TensorInfo] = {}
+        for name, dims, type_id, rel in infos:
+            try:
+                qtype = GGMLQuantizationType(type_id)
+            except ValueError:
+                raise ValueError(f"tensor {name!r} has unknown ggml type id {type_id}") from None
+            block, type_size = GGML_QUANT_SIZES[qtype]
+            n_bytes = int(np.prod(dims, dtype=np.int64)) * type_size // block
+            info = TensorInfo(name, qtype.name, tuple(reversed(dims)), data_start + rel, n_bytes)
+            quant_shape_to_byte_shape(info.shape, qtype)  # raises if rows are not whole blocks
+            if info.offset + n_bytes > len(self._mm):
+                raise ValueError(f"tensor {name!r} runs past the end of the file (truncated download?)")
+            self.tensors[name] = info
+
+    def raw(self, info: TensorInfo) -> np.ndarray:
+        """The tensor's bytes as a uint8 view shaped for gguf.quants.dequantize (rows, row bytes)."""
+        data = np.frombuffer(self._mm, dtype=np.uint8, count=info.n_bytes, offset=info.offset)
+        qtype = GGMLQuantizationType[info.type_name]
+        return data.reshape(quant_shape_to_byte_shape(info.shape, qtype))
+
+    # -- little-endian primitives; struct raises struct.error on a truncated file
+    def _read(self, fmt: str) -> Any:
+        fmt = "<" + fmt
+        (v,) = struct.unpack_from(fmt, self._mm, self._off)
+        self._off += struct.calcsize(fmt)
+        return v
+
+    def _str(self) -> str:
+        n = self._read("Q")
+        if self._off + n > len(self._mm):
+            raise ValueError("string runs past the end of the file")
+        s = self._mm[self._off:self._off + n].decode("utf-8", errors="replace")
+        self._off += n
+        return s
+
+    def _value(self, vtype: int) -> Any:
+        if vtype in _SCALARS:
+            return self._read(_SCALARS[vtype])
+        if vtype == _STRING:
+            return self._str()
+        if vtype != _ARRAY:
+            raise ValueError(f"unknown metadata value type {vtype}")
+        item, n = self._read("I"), self._read("Q")
+        if item in _SCALARS:  # numeric arrays (token types, scores) in one go
+            dtype = np.dtype(_SCALARS[item]).newbyteorder("<")
+            arr = np.frombuffer(self._mm, dtype=dtype, count=n, offset=self._off)
+            self._off += arr.nbytes
+            return arr.tolist()
+        if n > len(self._mm) - self._off:
+            raise ValueError("array runs past the end of the file")
+        return [self._value(item) for _ in range(n)]
+
+
+# GGUF metadata value type ids -> struct codes (8 is string, 9 is array)
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
+    """Parse a GGUF file's header, turning every way it can fail into a ValueError."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise ValueError(f"GGUF file not found: {path!r}")
+    if not os.path.isfile(path):
+        raise ValueError(f"expected a .gguf file, got a directory or special file: {path!r}")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"{path!r} is not a GGUF file: it starts with {magic!r}, not b'GGUF'")
+    try:
+        return GGUFFile(path)
+    except (ValueError, struct.error, OverflowError, MemoryError) as e:
+        raise ValueError(f"could not read GGUF file {path!r} (truncated or corrupt?): {e}") from e
+
+
+def _f32(x: float) -> float:
+    # GGUF stores float32; round-trip through its shortest repr so 1e-5 stays 1e-5, not 9.99e-06.
+    return float(str(np.float32(x)))
+
+
+def _scalar(value: Any, key: str) -> Any:
+    # Some GGUFs store per-layer arrays (e.g. feed_forward_length); we only handle uniform ones.
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise ValueError(f"GGUF key {key!r} varies per layer ({value}); not supported")
+        return value[0]
+    return value
+
+
+def _llama3_rope_scaling(freqs: np.ndarray, head_dim: int, theta: float) -> dict[str, Any]:
+    """Recover Llama 3's rope_scaling from llama.cpp's rope_freqs tensor (per-dim divisors).
+
+    GGUF keeps no llama3 parameters, only the resulting factors. We take the factor from the
+    tensor, assume Meta's published defaults for the rest, and check they reproduce it.
+    """
+    factor = float(freqs.max())
+    guess = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    inv_freq = theta ** -(np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / inv_freq
+    old = guess["original_max_position_embeddings"]
+    low_wl, high_wl = old / guess["low_freq_factor"], old / guess["high_freq_factor"]
+    smooth = (old / wavelen - guess["low_freq_factor"]) / (guess["high_freq_factor"] - guess["low_freq_factor"])
+    expect = np.where(wavelen < high_wl, 1.0, np.where(wavelen > low_wl, factor, 1 / ((1 - smooth) / factor + smooth)))
+    if expect.shape != freqs.shape or not np.allclose(expect, freqs, rtol=1e-3):
+        raise ValueError("GGUF has a rope_freqs tensor that does not match Llama 3 rope scaling; not supported")
+    return guess
+
+
+def _rope_scaling(meta: dict[str, Any], arch: str, context_length: int) -> dict[str, Any] | None:
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    factor = meta.get(f"{arch}.rope.scaling.factor")
+    if kind in (None, "none") or factor is None:
+        return None
+    if kind not in ("linear", "yarn"):
+        raise ValueError(f"GGUF rope scaling type {kind!r} is not supported (only linear and yarn)")
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": _f32(factor)}
+    if kind == "yarn":
+        orig = meta.get(f"{arch}.rope.scaling.original_context_length")
+        scaling["original_max_position_embeddings"] = int(orig or context_length / factor)
+    return scaling
+
+
+def _config(f: GGUFFile) -> dict[str, Any]:
+    meta, tensors = f.metadata, f.tensors
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported; supported: {sorted(ARCHITECTURES)}")
+    model_type, hf_arch = ARCHITECTURES[arch]
+
+    def get(key: str, default: Any = None) -> Any:
+        key = f"{arch}.{key}"
+        if key not in meta and default is None:
+            raise ValueError(f"GGUF metadata is missing {key}")
+        return _scalar(meta.get(key, default), key)
+
+    if "token_embd.weight" not in tensors:
+        raise ValueError("GGUF file has no token_embd.weight tensor")
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    ctx = int(get("context_length"))
+    theta = _f32(get("rope.freq_base", 10000.0))
+    cfg: dict[str, Any] = {
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        # the embedding's row count is what the weights need, whatever metadata says
+        "vocab_size": tensors["token_embd.weight"].shape[0],
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": _f32(get("attention.layer_norm_rms_epsilon")),
+        "rope_theta": theta,
+        "max_position_embeddings": ctx,
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+    }
+    if arch == "llama":
+        cfg["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    scaling = _rope_scaling(meta, arch, ctx)
+    if scaling is None and "rope_freqs.weight" in tensors:
+        freqs = _dequantize(f, tensors["rope_freqs.weight"]).double().numpy()
+        scaling = _llama3_rope_scaling(freqs, head_dim, theta)
+    if scaling is not None:
+        cfg["rope_scaling"] = scaling
+    # transformers >= 5 spells rope settings as one dict; give both so either reader works
+    cfg["rope_parameters"] = {"rope_theta": theta, **(scaling or {"rope_type": "default"})}
+    if f"{arch}.attention.sliding_window" in meta:
+        cfg["sliding_window"] = int(get("attention.sliding_window"))
+    return cfg
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face parameter name for a GGUF tensor name (None for a skipped tensor)."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    if gguf_name in _SKIPPED:
+        return None
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if m is None or m.group(2) not in _LAYER_NAMES:
+        raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent we know of")
+    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo convert_hf_to_gguf's permute(): per head, llama.cpp stores rows as [half, pair]
+    interleaved; HF wants the two rotary halves contiguous. Works for weights and biases."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _dequantize(f: GGUFFile, info: TensorInfo) -> torch.Tensor:
+    arr = np.asarray(dequantize(f.raw(info), GGMLQuantizationType[info.type_name]), dtype=np.float32)
+    if not arr.flags.writeable:  # F32 comes back as a view of the read-only mmap: own a copy
+        arr = arr.copy()
+    return torch.from_numpy(arr.reshape(info.shape))
+
+
+def read_gguf(path: str) -> GGUFCheckpoint:
+    """Read metadata now; dequantize tensors (to float32, HF names and shapes) when iterated."""
+    f = open_gguf(path)
+    config = _config(f)
+    for info in f.tensors.values():  # fail at load time, not halfway through iterating
+        if info.type_name not in _SUPPORTED_TYPES:
+            raise ValueError(
+                f"GGUF tensor {info.name!r} has type {info.type_name}, which tokenmill cannot "
+                f"dequantize; supported: {sorted(_SUPPORTED_TYPES)}")
+        hf_name(info.name)
+    permuted = f.metadata["general.architecture"] in _PERMUTED_ARCHS
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for info in f.tensors.values():
+            name = hf_name(info.name)
+            if name is None:
+                continue
+            w = _dequantize(f, info)
+            proj = name.split(".")[-2]
+            if permuted and proj in heads:
+                w = unpermute_qk(w, heads[proj])
+            yield name, w
+
+    return GGUFCheckpoint(config=config, tensors=tensors)
