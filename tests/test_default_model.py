@@ -1,0 +1,47 @@
+"""The bundled SmolLM2-135M GGUF in float32: greedy continuations equal transformers' own GGUF loading."""
+import os
+
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.executor.loader import default_model_path
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+N = 24
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    pytest.importorskip("accelerate", reason="transformers' GGUF loading needs accelerate")
+    from transformers import AutoModelForCausalLM
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(dtype="float32", kv_cache_memory_gb=0.25, max_model_len=1024)
+
+
+def test_greedy_equals_transformers_gguf(llm, hf_model):
+    tok = llm.get_tokenizer()
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, logprobs=0),
+                        use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        ids = tok.encode(prompt)
+        assert out.prompt_token_ids == ids
+        with torch.no_grad():
+            ref = hf_model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                    max_new_tokens=N, min_new_tokens=N, do_sample=False,
+                                    eos_token_id=None)[0, len(ids):].tolist()
+        assert out.outputs[0].token_ids == ref, prompt
+    assert "Paris" in outs[0].outputs[0].text
+
+
+def test_chat_default_model(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason in ("stop", "length")
