@@ -76,6 +76,7 @@ def load_model(path: str, mc: ModelConfig, dtype: torch.dtype, device: torch.dev
     model.rotary = RotaryEmbedding(mc.head_dim, mc.rope_theta, mc.rope_scaling, mc.max_position_embeddings,
                                    max_len).to(device)
     model.load_weights(tensors())
+    model.finalize()
     return model.eval()
 
 

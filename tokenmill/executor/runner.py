@@ -29,10 +29,12 @@ class ModelRunner:
         mc = config.model_config
         self.block_size = config.cache_config.block_size
         self.backend = get_backend(config.attention_backend, self.device)
-        # one K and one V tensor per layer: [num_blocks * block_size, kv_heads, head_dim] (flat slots)
+        # one K and one V tensor per layer: [num_blocks * block_size, kv_heads, head_dim] (flat slots).
+        # torch.empty: pages are touched only when written, so start-up does not pay for the whole budget;
+        # attention reads only slots that this or an earlier step wrote (padding repeats a real slot)
         shape = (num_blocks * self.block_size, mc.num_key_value_heads, mc.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=config.dtype, device=self.device),
-                           torch.zeros(shape, dtype=config.dtype, device=self.device))
+        self.kv_caches = [(torch.empty(shape, dtype=config.dtype, device=self.device),
+                           torch.empty(shape, dtype=config.dtype, device=self.device))
                           for _ in range(mc.num_hidden_layers)]
         model.bind_kv_cache(self.kv_caches)
         self.sampler = Sampler(mc.vocab_size, set(mc.eos_token_ids))

@@ -30,6 +30,10 @@ class AttentionMetadata:
     decode_slots: Optional[torch.Tensor] = None   # [Bd, L] context slots, padded
     decode_mask: Optional[torch.Tensor] = None    # [Bd, 1, 1, L] True where attended
     prefill_reqs: Optional[list[int]] = None      # request indices with more than one query token
+    decode_tables: Optional[torch.Tensor] = None  # [Bd, blocks] int32, for the C kernel
+    decode_starts: Optional[torch.Tensor] = None  # [Bd] int32 first attended position
+    decode_lens: Optional[torch.Tensor] = None    # [Bd] int32 context length
+    decode_max_len: int = 0
     device: torch.device = torch.device("cpu")
 
     @property
@@ -143,6 +147,10 @@ class BatchedBackend(AttentionBackend):
             o = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=meta.decode_mask, scale=scale,
                                                enable_gqa=True)
             out[rows] = o[:, :, 0, :]
+        self._prefill(q, k, v, k_cache, v_cache, meta, scale, out)
+        return out
+
+    def _prefill(self, q, k, v, k_cache, v_cache, meta, scale, out) -> None:
         for i in meta.prefill_reqs or ():
             a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             fresh = meta.num_computed[i] == 0 and (meta.sliding_window is None or b - a <= meta.sliding_window)
@@ -153,12 +161,55 @@ class BatchedBackend(AttentionBackend):
                 out[a:b] = o.transpose(0, 1)
             else:
                 out[a:b] = self._one_request(q[a:b], k_cache, v_cache, meta, i, scale)
+
+
+class CpuKernelBackend(BatchedBackend):
+    """Decodes through the C paged-decode kernel, which reads K/V in place (no gather copy); prefill as
+    BatchedBackend."""
+    name = "cpu"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        qsl = meta.query_start_loc
+        decode = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] == 1]
+        meta.prefill_reqs = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] > 1]
+        meta.decode_rows = None
+        if not decode:
+            return
+        nblocks = max(len(meta.block_tables[i]) for i in decode)
+        meta.decode_rows = torch.tensor([qsl[i] for i in decode])
+        meta.decode_tables = torch.tensor(
+            [[max(b, 0) for b in meta.block_tables[i]] + [0] * (nblocks - len(meta.block_tables[i])) for i in decode],
+            dtype=torch.int32)
+        meta.decode_starts = torch.tensor([_window_start(meta, i) for i in decode], dtype=torch.int32)
+        meta.decode_lens = torch.tensor([meta.seq_lens[i] for i in decode], dtype=torch.int32)
+        meta.decode_max_len = int(max(meta.seq_lens[i] for i in decode))
+
+    def _attend(self, q, k, v, k_cache, v_cache, meta, scale):
+        from tokenmill.executor.attention.cpu_kernel import paged_decode
+        out = torch.empty_like(q)
+        if meta.decode_rows is not None:
+            rows = meta.decode_rows
+            out[rows] = paged_decode(q[rows], k_cache, v_cache, meta.decode_tables, meta.decode_starts,
+                                     meta.decode_lens, meta.block_size, scale, meta.decode_max_len)
+        self._prefill(q, k, v, k_cache, v_cache, meta, scale, out)
         return out
 
 
 def get_backend(name: str, device: torch.device) -> AttentionBackend:
-    if name in ("auto", "batched"):
+    if name == "auto":
+        if device.type == "cpu":
+            from tokenmill.executor.attention.cpu_kernel import load_kernel
+            if load_kernel() is not None:
+                return CpuKernelBackend()
+        return BatchedBackend()
+    if name == "cpu":
+        from tokenmill.executor.attention.cpu_kernel import load_kernel
+        if load_kernel() is None:
+            raise ValueError("attention_backend='cpu' needs a C compiler (gcc) to build its kernel")
+        return CpuKernelBackend()
+    if name == "batched":
         return BatchedBackend()
     if name == "torch":
         return TorchReferenceBackend()
-    raise ValueError(f"unknown attention_backend {name!r}; choose auto, batched or torch")
+    raise ValueError(f"unknown attention_backend {name!r}; choose auto, cpu, batched or torch")
+

@@ -13,6 +13,7 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.executor.attention import AttentionBackend, AttentionMetadata
+from tokenmill.executor.layers.linear import Linear
 from tokenmill.executor.layers.norm import RMSNorm
 from tokenmill.executor.layers.rotary import RotaryEmbedding
 
@@ -23,8 +24,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = self.head_dim ** -0.5
@@ -49,8 +50,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
@@ -82,7 +83,7 @@ class DecoderForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings,
                                       max_len)
 
@@ -96,8 +97,21 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [S, hidden] (only the rows that sample). Returns float32 logits [S, vocab]."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if self.tied_head_t is not None:
+            return (hidden @ self.tied_head_t).float()
+        return F.linear(hidden, self.embed_tokens.weight).float()
+
+    def finalize(self) -> None:
+        """After loading: lay weights out for the device's fast paths (see Linear.finalize)."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.finalize()
+        self.tied_head_t = None
+        if self.lm_head is None and self.embed_tokens.weight.device.type == "cpu":
+            # a tied head needs [vocab, hidden] for the lookup and [hidden, vocab] for a fast GEMM: keep both
+            self.tied_head_t = self.embed_tokens.weight.data.t().contiguous()
 
     def bind_kv_cache(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for layer, (k, v) in zip(self.layers, caches):

@@ -1,0 +1,60 @@
+"""Every attention backend matches the torch reference, token for token and close in value."""
+import pytest
+import torch
+
+from tests.tiny_models import random_prompts
+from tokenmill import LLM, SamplingParams
+from tokenmill.executor.attention.backend import AttentionMetadata, get_backend
+
+
+def _meta(ctx_lens, q_lens, block_size, window, num_blocks, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, slots, qsl, computed = [], [], [0], []
+    for c, n in zip(ctx_lens, q_lens):
+        nb = -(-c // block_size)
+        table = [perm.pop() for _ in range(nb)]
+        tables.append(table)
+        computed.append(c - n)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(c - n, c)]
+        qsl.append(qsl[-1] + n)
+    return AttentionMetadata(torch.tensor(slots), qsl, computed, list(ctx_lens), tables, block_size, window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("backend", ["batched", "cpu"])
+def test_backend_matches_reference(backend, window, dtype):
+    if backend == "cpu":
+        from tokenmill.executor.attention.cpu_kernel import load_kernel
+        if load_kernel() is None:
+            pytest.skip("no C compiler: the cpu kernel backend is not available here")
+    H, KV, D, bs, nblocks = 6, 2, 32, 4, 200
+    ctx, qn = [1, 9, 37, 64, 5, 50], [1, 1, 1, 1, 5, 13]      # decodes and prefills (fresh and with context)
+    torch.manual_seed(0)
+    k_cache = torch.randn(nblocks * bs, KV, D).to(dtype)
+    v_cache = torch.randn(nblocks * bs, KV, D).to(dtype)
+    T = sum(qn)
+    q, k, v = torch.randn(T, H, D).to(dtype), torch.randn(T, KV, D).to(dtype), torch.randn(T, KV, D).to(dtype)
+    outs = {}
+    for name in ("torch", backend):
+        meta = _meta(ctx, qn, bs, window, nblocks)
+        be = get_backend(name, torch.device("cpu"))
+        be.prepare(meta)
+        outs[name] = be.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, D ** -0.5).float()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs[backend], outs["torch"], atol=tol, rtol=tol)
+
+
+def test_cpu_backend_token_exact(tiny_llama):
+    from tokenmill.executor.attention.cpu_kernel import load_kernel
+    if load_kernel() is None:
+        pytest.skip("no C compiler: the cpu kernel backend is not available here")
+    prompts = random_prompts([5, 33, 70, 12, 1, 48], seed=11)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    res = {}
+    for name in ("torch", "cpu"):
+        llm = LLM(tiny_llama[0], dtype="float32", max_model_len=512, kv_cache_memory_gb=0.02, attention_backend=name)
+        res[name] = [o.outputs[0].token_ids for o in
+                     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    assert res["cpu"] == res["torch"]
