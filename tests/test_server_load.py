@@ -1,0 +1,151 @@
+"""Many clients at once: continuous batching across HTTP requests, no cross-talk between streams, clients that
+disconnect get their requests aborted and their KV blocks freed; Ctrl-C stops a busy server cleanly."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+pytest_plugins = ["tests.server_fixtures"]
+openai = pytest.importorskip("openai")
+
+MODEL = "tiny-chat"
+N_TOKENS = 16
+LONG = 470          # the disconnecting requests would run this long if they were not aborted
+
+
+def _metric(server, name: str, **labels) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == f"tokenmill:{name}" and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return 0.0
+
+
+def _wait_idle(server, timeout: float = 10.0) -> float:
+    """Seconds until nothing runs or waits and kv_cache_usage_perc (as /metrics shows it) is back to 0."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if (_metric(server, "kv_cache_usage_perc") == 0 and _metric(server, "num_requests_running") == 0
+                and _metric(server, "num_requests_waiting") == 0):
+            return time.monotonic() - t0
+        time.sleep(0.02)
+    raise AssertionError(f"still busy after {timeout}s: kv usage {_metric(server, 'kv_cache_usage_perc')}")
+
+
+def test_64_concurrent_streams_and_16_disconnects(live_server):
+    prompts = [f"Request {i}: tell me about the number {i * 7}" for i in range(8)]
+    aborts_before = _metric(live_server, "request_success_total", finished_reason="abort")
+    tokens_before = _metric(live_server, "generation_tokens_total")
+
+    async def run() -> tuple[dict, list]:
+        client = openai.AsyncOpenAI(base_url=live_server.url + "/v1", api_key=live_server.api_key, max_retries=0,
+                                    timeout=120)
+        greedy = dict(model=MODEL, temperature=0, extra_body={"ignore_eos": True})
+        # references one at a time; the concurrent streams must reproduce them exactly
+        ref = {p: (await client.completions.create(prompt=p, max_tokens=N_TOKENS, **greedy)).choices[0].text
+               for p in prompts}
+
+        async def one(i: int) -> tuple:
+            prompt, leave = prompts[i % len(prompts)], i % 4 == 0           # 16 of the 64 leave mid-stream
+            stream = await client.completions.create(prompt=prompt, max_tokens=LONG if leave else N_TOKENS,
+                                                     stream=True, stream_options={"include_usage": True}, **greedy)
+            text, usage, pieces, ids = "", None, 0, set()
+            async for chunk in stream:
+                ids.add(chunk.id)
+                if chunk.usage is not None:
+                    usage = chunk.usage
+                for c in chunk.choices:
+                    text += c.text
+                    pieces += 1
+                if leave and pieces >= 3:
+                    await stream.close()                                      # the client goes away
+                    return prompt, None, None, ids
+            return prompt, text, usage, ids
+
+        results = await asyncio.gather(*(one(i) for i in range(64)))
+        await client.close()
+        return ref, results
+
+    ref, results = asyncio.run(run())
+    finished = [r for r in results if r[1] is not None]
+    assert len(finished) == 48
+    for prompt, text, usage, ids in finished:
+        assert len(ids) == 1                                                  # one request's chunks only
+        assert usage.completion_tokens == N_TOKENS
+        assert text == ref[prompt], prompt                                    # no cross-talk between streams
+    _wait_idle(live_server, timeout=2)                     # the 16 do not run on after the 48 are done
+    assert _metric(live_server, "request_success_total", finished_reason="abort") - aborts_before == 16
+    # they were cut short: run to the end they would have made 16 * LONG tokens
+    generated = _metric(live_server, "generation_tokens_total") - tokens_before
+    assert generated < (8 + 48) * N_TOKENS + 16 * LONG // 2
+
+
+def test_non_streaming_disconnect_aborts(live_server):
+    aborts_before = _metric(live_server, "request_success_total", finished_reason="abort")
+    body = {"model": MODEL, "prompt": "Patience", "max_tokens": LONG, "temperature": 0, "ignore_eos": True,
+            "n": 4}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(live_server.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.15),
+                   headers={"Authorization": f"Bearer {live_server.api_key}"})
+    _wait_idle(live_server, timeout=5)
+    assert _metric(live_server, "request_success_total", finished_reason="abort") - aborts_before == 1
+    assert httpx.get(live_server.url + "/health").status_code == 200
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a subprocess")
+def test_ctrl_c_fails_requests_in_flight_and_exits(chat_model_dir):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tokenmill.server.cli", "serve", chat_model_dir, "--port", "0", "--dtype", "float32",
+         "--device", "cpu", "--max-model-len", "512", "--kv-cache-memory-gb", "0.05", "--served-model-name", MODEL],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        url, log = None, []
+        deadline = time.monotonic() + 120
+        while url is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            log.append(line)
+            if "OpenAI API:" in line:
+                url = line.split("OpenAI API:")[1].split()[0].removesuffix("/v1")
+        assert url, "".join(log)
+        threading.Thread(target=lambda: [log.append(x) for x in proc.stdout], daemon=True).start()
+        body = {"model": MODEL, "prompt": "Go on", "max_tokens": LONG, "temperature": 0, "ignore_eos": True,
+                "n": 8}
+        outcome: dict = {}
+
+        def non_streaming() -> None:
+            try:
+                outcome["status"] = httpx.post(url + "/v1/completions", json=body, timeout=30).status_code
+            except httpx.HTTPError as e:
+                outcome["status"] = type(e).__name__
+
+        t = threading.Thread(target=non_streaming)
+        t0 = time.monotonic()
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=30) as r:
+            assert r.status_code == 200
+            t.start()
+            lines = r.iter_lines()
+            next(lines)                                                         # generating
+            proc.send_signal(signal.SIGINT)
+            rest = list(lines)
+        assert "data: [DONE]" not in rest and any('"error"' in x for x in rest), rest[-3:]   # told, not cut
+        t.join(timeout=15)
+        assert outcome.get("status") not in (None, 200), outcome              # an error, not a hang
+        assert proc.wait(timeout=15) is not None
+        assert time.monotonic() - t0 < 20
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

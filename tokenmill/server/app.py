@@ -1,0 +1,219 @@
+"""The FastAPI app: OpenAI-compatible endpoints over an AsyncLLM, plus tokenize, health, metrics and a playground.
+
+build_app(engine_or_asyncllm) is all a caller needs; `tokenmill serve` (server/cli.py) runs it with uvicorn.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+from contextlib import asynccontextmanager
+from dataclasses import asdict
+from typing import Any, AsyncIterator, Optional, Union
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import tokenmill
+from tokenmill.engine.async_engine import AsyncLLM, ClientDisconnected
+from tokenmill.engine.engine import LLMEngine
+from tokenmill.server.chat import create_chat_completion, render_messages
+from tokenmill.server.common import ServerContext, now
+from tokenmill.server.completions import create_completion
+from tokenmill.server.metrics import ServerMetrics
+from tokenmill.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                       TokenizeRequest)
+
+log = logging.getLogger("tokenmill.server")
+STATIC = os.path.join(os.path.dirname(__file__), "static")
+DEFAULT_MAX_BODY_BYTES = 4 * 2 ** 20
+_PROTECTED = ("/v1/", "/tokenize", "/detokenize")     # the rest (health, metrics, playground page) stays open
+
+
+def default_model_name(model_path: str) -> str:
+    name = os.path.basename(os.path.normpath(model_path))
+    return name[:-5] if name.endswith(".gguf") else name
+
+
+def _error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+class GuardMiddleware:
+    """API key and body-size checks before any parsing, so they answer first and cheaply (pure ASGI: it can
+    refuse a body by its length without reading it, and bound chunked bodies while reading)."""
+
+    def __init__(self, app: ASGIApp, api_key: Optional[str], max_body_bytes: int):
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.api_key and scope["path"].startswith(_PROTECTED):
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            if not hmac.compare_digest(auth.encode(), f"Bearer {self.api_key}".encode()):
+                msg = "no API key given" if not auth else "the API key is wrong"
+                err = ApiError(401, f"{msg}; send the header 'Authorization: Bearer <key>'", code="invalid_api_key")
+                return await _error_response(err)(scope, receive, send)
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        too_big = ApiError(413, f"the request body is larger than {self.max_body_bytes} bytes",
+                           code="request_too_large")
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            return await _error_response(too_big)(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            chunks.append(msg.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body_bytes:
+                return await _error_response(too_big)(scope, receive, send)
+            if not msg.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()     # later calls: the disconnect watchers see http.disconnect
+
+        await self.app(scope, replay, send)
+
+
+def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional[str] = None,
+              api_key: Optional[str] = None, max_queue: Optional[int] = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """An app serving the engine. max_queue: 503 once that many requests wait; max_body_bytes: 413 above it.
+    Given an LLMEngine the app owns the AsyncLLM it wraps it in, and stops it at shutdown."""
+    owns = isinstance(engine_or_llm, LLMEngine)
+    llm = AsyncLLM(engine_or_llm) if owns else engine_or_llm
+    if max_queue is not None:
+        llm.max_waiting = max_queue
+    eng = llm.engine
+    ctx = ServerContext(llm, model_name or default_model_name(eng.config.model),
+                        eng.config.scheduler_config.max_model_len)
+    metrics = ServerMetrics(ctx.model_name)
+    llm.hooks.append(metrics.on_iteration)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        if owns:
+            llm.shutdown(wait=True)
+
+    app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan)
+    app.state.llm, app.state.ctx, app.state.metrics = llm, ctx, metrics
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+
+    # ---- errors in OpenAI's shape ----
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError) -> Response:
+        return _error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> Response:
+        err = e.errors()[0] if e.errors() else {}
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            why = err.get("ctx", {}).get("error", "")
+            return _error_response(ApiError(400, f"the request body is not valid JSON ({why})"))
+        where = ".".join(loc)
+        msg = err.get("msg", "invalid request")
+        if err.get("type") == "extra_forbidden":
+            msg = f"unknown field {where!r}: tokenmill does not support it (it would otherwise be ignored)"
+        elif where:
+            msg = f"{where}: {msg}"
+        return _error_response(ApiError(400, msg, where or None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> Response:
+        return _error_response(ApiError(e.status_code, str(e.detail), code=None))
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, e: ClientDisconnected) -> Response:
+        return Response(status_code=499)    # nobody is listening any more
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception) -> Response:
+        log.exception("unhandled error")
+        return _error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}"))
+
+    # ---- OpenAI endpoints ----
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(ctx, body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(ctx, body, request)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": ctx.model_name, "object": "model", "created": now(),
+                                            "owned_by": "tokenmill", "root": eng.config.model,
+                                            "max_model_len": ctx.max_model_len}]}
+
+    # ---- vLLM's extras ----
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        ctx.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give exactly one of 'prompt' or 'messages'")
+        if body.messages is not None:
+            ids = render_messages(ctx, body.messages, body.add_generation_prompt)
+        elif ctx.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer", "prompt")
+        else:
+            ids = list(ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+        return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        ctx.check_model(body.model)
+        if ctx.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer", "tokens")
+        vocab = eng.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
+        return {"prompt": ctx.tokenizer.decode(body.tokens)}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not llm.is_running:
+            return _error_response(ApiError(503, f"the engine is not running: {llm.error}"))
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": tokenmill.__version__}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/stats")
+    async def stats() -> dict[str, Any]:
+        """The engine's state as JSON, for the playground (it polls this)."""
+        cc = eng.config.cache_config
+        return {"model": ctx.model_name, "max_model_len": ctx.max_model_len, "block_size": cc.block_size,
+                "prefix_caching": cc.enable_prefix_caching, "device": str(eng.config.device),
+                **asdict(llm.state)}
+
+    # ---- the playground ----
+    @app.get("/", include_in_schema=False)
+    async def playground() -> Response:
+        return FileResponse(os.path.join(STATIC, "index.html"))
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    return app

@@ -1,0 +1,91 @@
+"""`tokenmill serve [MODEL]`: the OpenAI-compatible server (FastAPI + uvicorn) over one engine."""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from typing import Any, Optional, Sequence
+
+
+def register(subparsers: Any) -> None:
+    from tokenmill.cli import add_engine_args
+    p = subparsers.add_parser("serve", help="serve the OpenAI API (/v1/completions, /v1/chat/completions) and a "
+                                            "playground page")
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF folder or .gguf (default: bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $TOKENMILL_API_KEY, else none)")
+    p.add_argument("--served-model-name", default=None, help="the name clients use (default: the model's file)")
+    p.add_argument("--max-queue", type=int, default=None,
+                   help="answer 503 while this many requests are already waiting (default: no bound)")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 2 ** 20, help="answer 413 to larger request bodies")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Bind before loading the model: a busy port fails in a second, not after the load; with --port 0 the
+    URL printed is the real one."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port "
+                         f"(0 picks a free one)") from e
+    return sock
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tokenmill.cli import engine_kwargs
+    from tokenmill.engine.engine import LLMEngine
+    from tokenmill.server.app import build_app
+
+    if args.max_queue is not None and args.max_queue < 0:
+        raise ValueError("--max-queue must be >= 0")
+    if args.max_body_bytes < 1:
+        raise ValueError("--max-body-bytes must be >= 1")
+    sock = _bind(args.host, args.port)
+    engine = LLMEngine(args.model, **engine_kwargs(args))
+    app = build_app(engine, model_name=args.served_model_name, api_key=args.api_key, max_queue=args.max_queue,
+                    max_body_bytes=args.max_body_bytes)
+    llm = app.state.llm
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # fail requests in flight now (they get an error), so uvicorn's graceful wait does not hang on them
+            llm.shutdown("the server is shutting down")
+            super().handle_exit(sig, frame)
+
+    host, port = sock.getsockname()[:2]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    key = " (API key required)" if args.api_key else ""
+    print(f"tokenmill: serving {app.state.ctx.model_name} on {engine.config.device}\n"
+          f"  OpenAI API:  {url}/v1{key}\n  playground:  {url}/\n  metrics:     {url}/metrics\n"
+          f"  Ctrl-C stops.", flush=True)
+    Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)).run(sockets=[sock])
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="tokenmill")
+    register(ap.add_subparsers(dest="command", required=True))
+    args = ap.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""What the completions and chat handlers share: the server context, submitting to the AsyncLLM with errors
+mapped to HTTP statuses, waiting for results while watching for a client that goes away, SSE and logprobs."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional, Union
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestStream
+from tokenmill.outputs import Logprob, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.server.protocol import ApiError
+
+DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class ServerContext:
+    llm: AsyncLLM
+    model_name: str
+    max_model_len: int
+    _token_text: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.llm.tokenizer
+
+    def check_model(self, name: Optional[str]) -> None:
+        if name is not None and name != self.model_name:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                           "model", "model_not_found")
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text, for logprobs (special tokens included, as the model produced them)."""
+        s = self._token_text.get(token_id)
+        if s is None:
+            tok = self.tokenizer
+            s = f"token_id:{token_id}" if tok is None else tok.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = s
+        return s
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def unavailable(e: EngineDeadError) -> ApiError:
+    return ApiError(503, str(e), code="engine_unavailable", type="service_unavailable")
+
+
+async def submit(ctx: ServerContext, prompt: Union[str, list[int], dict], params: SamplingParams,
+                 request_id: str) -> RequestStream:
+    try:
+        return await ctx.llm.add_request(prompt, params, request_id)
+    except QueueFullError as e:
+        raise ApiError(503, f"the server is busy: {e}", code="queue_full", type="service_unavailable")
+    except EngineDeadError as e:
+        raise unavailable(e)
+    except (ValueError, TypeError) as e:
+        raise ApiError(400, str(e), "prompt" if "prompt" in str(e) else None)
+
+
+async def submit_all(ctx: ServerContext, prompts: list[Any], params: SamplingParams,
+                     base_id: str) -> list[RequestStream]:
+    """All or nothing: if one prompt is refused, the ones already queued are aborted."""
+    streams: list[RequestStream] = []
+    try:
+        for i, p in enumerate(prompts):
+            streams.append(await submit(ctx, p, params, base_id if len(prompts) == 1 else f"{base_id}-{i}"))
+    except BaseException:
+        for s in streams:
+            s.abort()
+        raise
+    return streams
+
+
+async def final_outputs(streams: list[RequestStream], request: Request) -> list[RequestOutput]:
+    """Wait for every stream to finish. A client that disconnects meanwhile aborts them all (its KV blocks are
+    freed at the next engine step) instead of letting them run to the end for nobody."""
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        for s in streams:
+            s.cancel()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        finals = []
+        for s in streams:
+            last: Optional[RequestOutput] = None
+            async for out in s:
+                last = out
+            assert last is not None
+            finals.append(last)
+        return finals
+    except EngineDeadError as e:
+        raise unavailable(e)
+    finally:
+        watcher.cancel()
+        for s in streams:
+            s.abort()
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several streams (one per prompt) as (prompt index, output). Leaving early aborts them all."""
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                q.put_nowait((i, out, None))
+        except Exception as e:
+            q.put_nowait((i, None, e))
+        q.put_nowait((i, None, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        done = 0
+        while done < len(streams):
+            i, out, err = await q.get()
+            if err is not None:
+                raise err
+            if out is None:
+                done += 1
+            else:
+                yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.abort()
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events that abort their engine requests however the response ends, even when the client
+    leaves before the body generator ever started (its own finally would then never run)."""
+
+    def __init__(self, content: AsyncIterator[str], streams: list[RequestStream]):
+        super().__init__(content, media_type="text/event-stream")
+        self.streams = streams
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for s in self.streams:
+                s.abort()
+
+
+def stream_error(e: BaseException) -> str:
+    """An error met after a stream has started: the status is sent already, so it goes as an SSE event
+    (the openai client raises it as an APIError)."""
+    if isinstance(e, EngineDeadError):
+        e = unavailable(e)
+    return sse((e if isinstance(e, ApiError) else ApiError(500, f"{type(e).__name__}: {e}")).body())
+
+
+def clamp(lp: float) -> float:
+    return max(lp, -9999.0)       # JSON has no -inf
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def top_by_rank(d: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    items = sorted(d.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30, -kv[1].logprob))
+    return items[:k]

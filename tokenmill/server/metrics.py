@@ -1,0 +1,96 @@
+"""Prometheus metrics with vLLM's names under the prefix `tokenmill:`, fed from the engine thread.
+
+Each app gets its own CollectorRegistry (several servers in one process, e.g. tests, must not collide).
+Request histograms are observed once per request when it finishes, from the timings the engine recorded,
+so their counts equal the number of requests served (aborted ones count only in request_success_total).
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tokenmill.engine.async_engine import EngineState
+from tokenmill.outputs import RequestOutput
+
+_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+            40.0, 80.0)
+_ITL = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+        0.75, 1.0, 2.5)
+_REQUEST = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        r, m = self.registry, model_name
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"tokenmill:{name}", doc, ["model_name"], buckets=buckets, registry=r).labels(m)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"tokenmill:{name}", doc, ["model_name"], registry=r).labels(m)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"tokenmill:{name}", doc, ["model_name"], registry=r).labels(m)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token (queue + prefill).", _LATENCY)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens (decode).", _ITL)
+        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.", _REQUEST)
+        self.queue = hist("request_queue_time_seconds", "Time a request waited before first scheduled.", _REQUEST)
+        self.prefill = hist("request_prefill_time_seconds", "Time in the prefill phase.", _REQUEST)
+        self.decode = hist("request_decode_time_seconds", "Time in the decode phase.", _REQUEST)
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Share of KV-cache blocks in use (1 = full).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started generating.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.preemptions = counter("num_preemptions", "Requests preempted (KV blocks ran out).")
+        self.pc_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.pc_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self._success = Counter("tokenmill:request_success", "Finished requests by reason.",
+                                ["model_name", "finished_reason"], registry=r)
+        self._model = m
+        self._seen: dict[str, int] = {}      # request id -> tokens generated so far (engine thread only)
+        self._last = EngineState()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def on_iteration(self, outputs: list[RequestOutput], aborted: list[str], state: EngineState) -> None:
+        """The AsyncLLM hook (engine thread)."""
+        for out in outputs:
+            n = sum(len(c.token_ids) for c in out.outputs)
+            before = self._seen.get(out.request_id)
+            if before is None:
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+                before = 0
+            self.generation_tokens.inc(n - before)
+            self._seen[out.request_id] = n
+            if out.finished:
+                del self._seen[out.request_id]
+                self._observe_finished(out)
+        for rid in aborted:
+            self._seen.pop(rid, None)
+            self._success.labels(self._model, "abort").inc()
+        self.running.set(state.num_running)
+        self.waiting.set(state.num_waiting)
+        self.kv_usage.set(state.kv_usage)
+        last = self._last
+        self.preemptions.inc(max(state.num_preemptions - last.num_preemptions, 0))
+        self.pc_queries.inc(max(state.prefix_cache_queries - last.prefix_cache_queries, 0))
+        self.pc_hits.inc(max(state.prefix_cache_hits - last.prefix_cache_hits, 0))
+        self._last = EngineState(num_preemptions=state.num_preemptions,
+                                 prefix_cache_queries=state.prefix_cache_queries,
+                                 prefix_cache_hits=state.prefix_cache_hits)
+
+    def _observe_finished(self, out: RequestOutput) -> None:
+        reason = out.outputs[0].finish_reason or "stop"
+        self._success.labels(self._model, reason).inc()
+        m = out.metrics
+        if m is None:
+            return
+        for h, v in ((self.ttft, m.time_to_first_token), (self.e2e, m.e2e_latency), (self.queue, m.queue_time),
+                     (self.prefill, m.prefill_time), (self.decode, m.decode_time)):
+            if v is not None:
+                h.observe(max(v, 0.0))
+        for v in m.inter_token_latencies:
+            self.itl.observe(v)

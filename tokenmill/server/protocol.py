@@ -1,0 +1,159 @@
+"""Request bodies of the OpenAI-compatible API (pydantic), and their translation into SamplingParams.
+
+Unknown fields are rejected (400) rather than dropped, so a client never believes an option took effect
+when it did not. vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ...) are accepted as well.
+Responses are plain dicts built in completions.py / chat.py.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tokenmill.sampling_params import SamplingParams
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 type: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+class _Sampling(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions. Optional ones take null as "the default"
+    (some clients send nulls for options they leave unset)."""
+    model: Optional[str] = None
+    n: Optional[int] = 1
+    temperature: Optional[float] = 1.0       # OpenAI's default
+    top_p: Optional[float] = 1.0
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    presence_penalty: Optional[float] = 0.0
+    frequency_penalty: Optional[float] = 0.0
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None               # metadata only
+    # vLLM's extras
+    top_k: Optional[int] = 0
+    min_p: Optional[float] = 0.0
+    repetition_penalty: Optional[float] = 1.0
+    min_tokens: Optional[int] = 0
+    stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: Optional[bool] = False
+    ignore_eos: Optional[bool] = False
+    skip_special_tokens: Optional[bool] = True
+    bad_words: Optional[list[str]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    return_token_ids: Optional[bool] = False  # choices also carry token_ids (and prompt_token_ids)
+
+    def to_sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
+                           prompt_logprobs: Optional[int] = None) -> SamplingParams:
+        bias = None
+        if self.logit_bias is not None:
+            try:
+                bias = {int(k): v for k, v in self.logit_bias.items()}
+            except ValueError:
+                raise ApiError(400, "logit_bias keys must be token ids (integers as strings)", "logit_bias")
+        try:
+            return SamplingParams(
+                n=_or(self.n, 1), temperature=_or(self.temperature, 1.0), top_p=_or(self.top_p, 1.0),
+                top_k=_or(self.top_k, 0), min_p=_or(self.min_p, 0.0),
+                repetition_penalty=_or(self.repetition_penalty, 1.0),
+                presence_penalty=_or(self.presence_penalty, 0.0), frequency_penalty=_or(self.frequency_penalty, 0.0),
+                seed=self.seed, max_tokens=max_tokens, min_tokens=_or(self.min_tokens, 0), stop=self.stop,
+                stop_token_ids=self.stop_token_ids, include_stop_str_in_output=bool(self.include_stop_str_in_output),
+                ignore_eos=bool(self.ignore_eos), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                logit_bias=bias, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+                skip_special_tokens=_or(self.skip_special_tokens, True))
+        except (ValueError, TypeError) as e:
+            msg = str(e)
+            param = msg.split(".", 1)[1].split(" ", 1)[0] if msg.startswith("SamplingParams.") else None
+            raise ApiError(400, msg.replace("SamplingParams.", ""), param)
+
+    @property
+    def num_choices(self) -> int:
+        return _or(self.n, 1)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = 16           # OpenAI's default for completions
+    logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    echo: Optional[bool] = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]  # type: ignore[list-item]
+        if not p:
+            raise ApiError(400, "prompt is empty; give a string, a list of strings or a list of token ids", "prompt")
+        return list(p)  # type: ignore[arg-type]
+
+
+class ContentPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Optional[Union[str, list[ContentPart]]] = None
+    name: Optional[str] = None
+
+    def as_template_dict(self) -> dict[str, str]:
+        c = self.content
+        text = c if isinstance(c, str) else "".join(p.text for p in c or [])
+        # "developer" is OpenAI's newer name for "system"; chat templates know only the latter
+        d = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.name is not None:
+            d["name"] = self.name      # templates that know speaker names use it
+        return d
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    add_generation_prompt: Optional[bool] = True
+
+
+class TokenizeRequest(_Strict):
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    model: Optional[str] = None
+    tokens: list[int]
