@@ -28,7 +28,8 @@ class ModelRunner:
         self.device = config.device
         mc = config.model_config
         self.block_size = config.cache_config.block_size
-        self.backend = get_backend(config.attention_backend, self.device)
+        self.backend = get_backend(config.attention_backend, self.device, mc.head_dim,
+                                   mc.num_attention_heads // mc.num_key_value_heads)
         # one K and one V tensor per layer: [num_blocks * block_size, kv_heads, head_dim] (flat slots).
         # torch.empty: pages are touched only when written, so start-up does not pay for the whole budget;
         # attention reads only slots that this or an earlier step wrote (padding repeats a real slot)

@@ -195,9 +195,11 @@ class CpuKernelBackend(BatchedBackend):
         return out
 
 
-def get_backend(name: str, device: torch.device) -> AttentionBackend:
+def get_backend(name: str, device: torch.device, head_dim: int = 64, group: int = 1) -> AttentionBackend:
+    """group = query heads per kv head. The C kernel wants head_dim % 8 == 0 and group <= 16."""
+    kernel_fits = head_dim % 8 == 0 and head_dim <= 256 and group <= 16
     if name == "auto":
-        if device.type == "cpu":
+        if device.type == "cpu" and kernel_fits:
             from tokenmill.executor.attention.cpu_kernel import load_kernel
             if load_kernel() is not None:
                 return CpuKernelBackend()
@@ -206,6 +208,9 @@ def get_backend(name: str, device: torch.device) -> AttentionBackend:
         from tokenmill.executor.attention.cpu_kernel import load_kernel
         if load_kernel() is None:
             raise ValueError("attention_backend='cpu' needs a C compiler (gcc) to build its kernel")
+        if not kernel_fits:
+            raise ValueError("attention_backend='cpu' needs head_dim a multiple of 8 (<= 256) and at most 16 "
+                             "query heads per kv head; use 'batched'")
         return CpuKernelBackend()
     if name == "batched":
         return BatchedBackend()

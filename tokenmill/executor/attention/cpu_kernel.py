@@ -29,6 +29,16 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
+def _openmp_link_flags() -> list[str]:
+    """Link against the OpenMP runtime torch already loaded: one thread pool for GEMMs and attention.
+    Two runtimes (torch's and the system's) would each keep spinning threads and fight over the cores."""
+    torch_lib = Path(torch.__file__).parent / "lib"
+    gomp = sorted(torch_lib.glob("libgomp*.so*"))
+    if gomp:
+        return [f"-L{torch_lib}", f"-l:{gomp[0].name}", f"-Wl,-rpath,{torch_lib}"]
+    return ["-fopenmp"]
+
+
 @lru_cache(maxsize=1)
 def load_kernel() -> Optional[ctypes.CDLL]:
     """The compiled library, or None (with a note on stderr) when it cannot be built here."""
@@ -45,20 +55,20 @@ def load_kernel() -> Optional[ctypes.CDLL]:
     if not lib.exists():
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            out = Path(tmp) / lib.name
-            cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(SOURCE), "-o", str(out), "-lm"]
-            res = subprocess.run(cmd, capture_output=True, text=True)
-            if res.returncode != 0:
-                print(f"tokenmill: could not build the C attention kernel ({res.stderr.strip()[:300]}); "
-                      f"using the torch backend", file=sys.stderr)
-                return None
+            obj, out = Path(tmp) / "kernel.o", Path(tmp) / lib.name
+            steps = [[cc, "-O3", "-march=native", "-fopenmp", "-fPIC", "-c", str(SOURCE), "-o", str(obj)],
+                     [cc, "-shared", str(obj), "-o", str(out), "-lm", *_openmp_link_flags()]]
+            for cmd in steps:
+                res = subprocess.run(cmd, capture_output=True, text=True)
+                if res.returncode != 0:
+                    print(f"tokenmill: could not build the C attention kernel ({res.stderr.strip()[:300]}); "
+                          f"using the torch backend", file=sys.stderr)
+                    return None
             os.replace(out, lib)      # atomic: concurrent processes never load a half-written file
     dll = ctypes.CDLL(str(lib))
-    argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 5 \
-        + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
-    for fn in (dll.paged_decode_f32, dll.paged_decode_bf16):
-        fn.argtypes = argtypes
-        fn.restype = ctypes.c_int
+    dll.paged_decode.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int] \
+        + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    dll.paged_decode.restype = ctypes.c_int
     return dll
 
 
@@ -71,10 +81,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     B, H, D = q.shape
     KV = k_cache.shape[1]
     out = torch.empty_like(q)
-    fn = dll.paged_decode_f32 if q.dtype == torch.float32 else dll.paged_decode_bf16
-    rc = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), tables.data_ptr(),
+    if q.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the C decode kernel takes float32 or bfloat16, not {q.dtype}")
+    rc = dll.paged_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+            int(q.dtype == torch.bfloat16), tables.data_ptr(),
             tables.shape[1], starts.data_ptr(), lens.data_ptr(), B, H, KV, D, block_size, scale, max_len,
-            int(os.environ.get("TOKENMILL_KTHREADS", torch.get_num_threads())))
+            torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"paged decode kernel failed with status {rc}")
     return out
