@@ -56,7 +56,7 @@ def load_kernel() -> Optional[ctypes.CDLL]:
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
             obj, out = Path(tmp) / "kernel.o", Path(tmp) / lib.name
-            steps = [[cc, "-O3", "-march=native", "-fopenmp", "-fPIC", "-c", str(SOURCE), "-o", str(obj)],
+            steps = [[cc, "-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c", str(SOURCE), "-o", str(obj)],
                      [cc, "-shared", str(obj), "-o", str(out), "-lm", *_openmp_link_flags()]]
             for cmd in steps:
                 res = subprocess.run(cmd, capture_output=True, text=True)

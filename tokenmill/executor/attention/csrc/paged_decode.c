@@ -41,34 +41,56 @@ static inline const float *row(const void *base, size_t idx, int D, int bf16, fl
     return buf;
 }
 
-/* Scores of G query heads against one key row, D a multiple of 8. G is a compile-time constant at every call
- * (see SCORE_CASES) so the G accumulators live in registers: G independent FMA chains instead of one. */
-static inline __attribute__((always_inline)) void score_row(const float (*qf)[MAX_D], const float *kr, int D,
-                                                            int G, float *out) {
-    v8 acc[MAX_G];
-    for (int g = 0; g < G; g++) acc[g] = (v8){0};
+/* Four key rows at once against G query heads: 4 * G independent FMA chains, so the loop runs at the FMA
+ * units' throughput instead of their latency. G is a compile-time constant at each call site (the switch
+ * below), which keeps the accumulators in registers. out[g * 4 + j] = q_g . k_j. D is a multiple of 8. */
+static inline __attribute__((always_inline)) void score4(const float (*qf)[MAX_D], const float *const *kr, int D,
+                                                         int G, float *out) {
+    v8 acc[MAX_G][4];
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < 4; j++) acc[g][j] = (v8){0};
     for (int d = 0; d < D; d += 8) {
-        v8 y;
-        memcpy(&y, kr + d, 32);
+        v8 y[4];
+        for (int j = 0; j < 4; j++) memcpy(&y[j], kr[j] + d, 32);
         for (int g = 0; g < G; g++) {
             v8 x;
             memcpy(&x, qf[g] + d, 32);
-            acc[g] += x * y;
+            for (int j = 0; j < 4; j++) acc[g][j] += x * y[j];
         }
     }
     for (int g = 0; g < G; g++)
-        out[g] = ((acc[g][0] + acc[g][4]) + (acc[g][1] + acc[g][5])) + ((acc[g][2] + acc[g][6]) + (acc[g][3] + acc[g][7]));
+        for (int j = 0; j < 4; j++) {
+            v8 t = acc[g][j];
+            out[g * 4 + j] = ((t[0] + t[4]) + (t[1] + t[5])) + ((t[2] + t[6]) + (t[3] + t[7]));
+        }
 }
 
-static inline void axpy(float *acc, float p, const float *x, int D) {
+/* acc_g += sum_j p[g][j] * v_j over four value rows: one load and store of acc per 4 rows. */
+static inline __attribute__((always_inline)) void axpy4(float (*acc)[MAX_D], const float *p, int n,
+                                                        const float *const *vr, int D, int G) {
     for (int d = 0; d < D; d += 8) {
-        v8 a, b;
-        memcpy(&a, acc + d, 32);
-        memcpy(&b, x + d, 32);
-        a += p * b;
-        memcpy(acc + d, &a, 32);
+        v8 y[4];
+        for (int j = 0; j < 4; j++) memcpy(&y[j], vr[j] + d, 32);
+        for (int g = 0; g < G; g++) {
+            v8 a;
+            memcpy(&a, acc[g] + d, 32);
+            const float *pg = p + (size_t)g * n;
+            a += pg[0] * y[0] + pg[1] * y[1] + pg[2] * y[2] + pg[3] * y[3];
+            memcpy(acc[g] + d, &a, 32);
+        }
     }
 }
+
+#define BY_G(CALL)                                                                                  \
+    switch (G) { /* constant G per case: the accumulators stay in registers */                      \
+        case 1: CALL(1); break;                                                                     \
+        case 2: CALL(2); break;                                                                     \
+        case 3: CALL(3); break;                                                                     \
+        case 4: CALL(4); break;                                                                     \
+        case 6: CALL(6); break;                                                                     \
+        case 8: CALL(8); break;                                                                     \
+        default: CALL(G);                                                                           \
+    }
 
 int paged_decode(const void *q, const void *k, const void *v, void *out, int bf16, const int32_t *tables,
                  int max_blocks, const int32_t *starts, const int32_t *lens, int B, int H, int KV, int D,
@@ -78,55 +100,58 @@ int paged_decode(const void *q, const void *k, const void *v, void *out, int bf1
     int status = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = (float *)malloc(sizeof(float) * (size_t)G * (size_t)max_len);
+        float *scores = (float *)malloc(sizeof(float) * (size_t)G * ((size_t)max_len + 4));
         if (!scores) status = -2;
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < B * KV; item++) {
             if (!scores) continue;
             const int b = item / KV, h = item % KV, start = starts[b], n = lens[b] - starts[b];
             const int32_t *table = tables + (size_t)b * max_blocks;
-            float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], buf[MAX_D], mx[MAX_G], sum[MAX_G];
+            float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], buf[4][MAX_D], mx[MAX_G], sum[MAX_G];
             for (int g = 0; g < G; g++) {
-                const float *qr = row(q, (size_t)b * H + h * G + g, D, bf16, buf);
+                const float *qr = row(q, (size_t)b * H + h * G + g, D, bf16, buf[0]);
                 for (int d = 0; d < D; d++) qf[g][d] = qr[d] * scale;
                 mx[g] = -FLT_MAX;
             }
-            for (int i = 0; i < n; i++) {         /* scores = q . k for every position */
-                const int pos = start + i;
-                const size_t slot = (size_t)table[pos / block_size] * block_size + pos % block_size;
-                const float *kr = row(k, slot * KV + h, D, bf16, buf);
-                float s[MAX_G];
-                switch (G) {   /* constant G per case: the accumulators stay in registers */
-                    case 1: score_row(qf, kr, D, 1, s); break;
-                    case 2: score_row(qf, kr, D, 2, s); break;
-                    case 3: score_row(qf, kr, D, 3, s); break;
-                    case 4: score_row(qf, kr, D, 4, s); break;
-                    case 5: score_row(qf, kr, D, 5, s); break;
-                    case 6: score_row(qf, kr, D, 6, s); break;
-                    case 7: score_row(qf, kr, D, 7, s); break;
-                    case 8: score_row(qf, kr, D, 8, s); break;
-                    default: score_row(qf, kr, D, G, s);
+            const size_t n4 = ((size_t)n + 3) / 4 * 4;
+            for (int i = 0; i < n; i += 4) {      /* scores = q . k, four positions at a time */
+                const float *kr[4];
+                float s4[MAX_G * 4];
+                for (int j = 0; j < 4; j++) {
+                    const int pos = start + (i + j < n ? i + j : n - 1);
+                    const size_t slot = (size_t)table[pos / block_size] * block_size + pos % block_size;
+                    kr[j] = row(k, slot * KV + h, D, bf16, buf[j]);
                 }
-                for (int g = 0; g < G; g++) {
-                    scores[g * n + i] = s[g];
-                    if (s[g] > mx[g]) mx[g] = s[g];
-                }
+#define SCORE(GC) score4(qf, kr, D, GC, s4)
+                BY_G(SCORE)
+#undef SCORE
+                for (int g = 0; g < G; g++)
+                    for (int j = 0; j < 4 && i + j < n; j++) {
+                        scores[g * n4 + i + j] = s4[g * 4 + j];
+                        if (s4[g * 4 + j] > mx[g]) mx[g] = s4[g * 4 + j];
+                    }
             }
             for (int g = 0; g < G; g++) {         /* softmax numerators */
                 float t = 0.f;
                 for (int i = 0; i < n; i++) {
-                    const float e = expf(scores[g * n + i] - mx[g]);
-                    scores[g * n + i] = e;
+                    const float e = expf(scores[g * n4 + i] - mx[g]);
+                    scores[g * n4 + i] = e;
                     t += e;
                 }
+                for (size_t i = n; i < n4; i++) scores[g * n4 + i] = 0.f;   /* padding rows weigh nothing */
                 sum[g] = t;
                 memset(acc[g], 0, sizeof(float) * D);
             }
-            for (int i = 0; i < n; i++) {         /* weighted sum of values */
-                const int pos = start + i;
-                const size_t slot = (size_t)table[pos / block_size] * block_size + pos % block_size;
-                const float *vr = row(v, slot * KV + h, D, bf16, buf);
-                for (int g = 0; g < G; g++) axpy(acc[g], scores[g * n + i], vr, D);
+            for (int i = 0; i < n; i += 4) {      /* weighted sum of values, four positions at a time */
+                const float *vr[4];
+                for (int j = 0; j < 4; j++) {
+                    const int pos = start + (i + j < n ? i + j : n - 1);
+                    const size_t slot = (size_t)table[pos / block_size] * block_size + pos % block_size;
+                    vr[j] = row(v, slot * KV + h, D, bf16, buf[j]);
+                }
+#define WSUM(GC) axpy4(acc, scores + i, (int)n4, vr, D, GC)
+                BY_G(WSUM)
+#undef WSUM
             }
             for (int g = 0; g < G; g++) {
                 const float inv = 1.f / sum[g];
