@@ -85,7 +85,6 @@ def test_stop_token_ids_and_min_tokens(llm, tiny_text_model, tmp_path):
 
 
 def test_logprobs_and_prompt_logprobs(llm):
-    import torch
     out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=2),
                        use_tqdm=False)[0]
     c = out.outputs[0]

@@ -1,7 +1,6 @@
 """Linear layer whose weight is re-laid out after loading for the device's fast GEMM path."""
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 import torch.nn.functional as F

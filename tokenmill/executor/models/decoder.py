@@ -125,7 +125,6 @@ class DecoderForCausalLM(nn.Module):
         q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
         shard_rows = {"qkv_proj": [q, kv, kv], "gate_up_proj": [cfg.intermediate_size] * 2}
         loaded: set[str] = set()
-        expected_shards: dict[str, int] = {}
         for name, tensor in weights:
             if name.startswith("model."):
                 name = name[len("model."):]
