@@ -106,7 +106,7 @@ def test_non_streaming_disconnect_aborts(live_server):
 def test_ctrl_c_fails_requests_in_flight_and_exits(chat_model_dir):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tokenmill.server.cli", "serve", chat_model_dir, "--port", "0", "--dtype", "float32",
+        [sys.executable, "-m", "tokenmill.cli", "serve", chat_model_dir, "--port", "0", "--dtype", "float32",
          "--device", "cpu", "--max-model-len", "512", "--kv-cache-memory-gb", "0.05", "--served-model-name", MODEL],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
@@ -121,6 +121,12 @@ def test_ctrl_c_fails_requests_in_flight_and_exits(chat_model_dir):
                 url = line.split("OpenAI API:")[1].split()[0].removesuffix("/v1")
         assert url, "".join(log)
         threading.Thread(target=lambda: [log.append(x) for x in proc.stdout], daemon=True).start()
+        while time.monotonic() < deadline:       # the URL is printed just before uvicorn starts listening
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
         body = {"model": MODEL, "prompt": "Go on", "max_tokens": LONG, "temperature": 0, "ignore_eos": True,
                 "n": 8}
         outcome: dict = {}

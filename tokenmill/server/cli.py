@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import sys
-from typing import Any, Optional, Sequence
+
+from typing import Any
 
 
 def register(subparsers: Any) -> None:
@@ -72,20 +72,3 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"  Ctrl-C stops.", flush=True)
     Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)).run(sockets=[sock])
     return 0
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="tokenmill")
-    register(ap.add_subparsers(dest="command", required=True))
-    args = ap.parse_args(argv)
-    try:
-        return args.func(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())
