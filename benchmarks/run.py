@@ -112,12 +112,14 @@ def main() -> None:
     sh(TM + ["bench", "workload", "shared-prefix-64", "-o", wl_prefix])
 
     import torch
-    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
-                 "cores": os.cpu_count(), "torch": torch.__version__}
+    from tokenmill.config import default_dtype
+    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")),
+               platform.machine())
+    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": cpu, "cores": os.cpu_count(),
+                 "torch": torch.__version__, "tokenmill_dtype": str(default_dtype(torch.device("cpu")))}
     # 1. offline throughput, offline-64
     ours = last_json(sh(TM + ["bench", "throughput", "--workload", wl, "--json", "--no-progress"]))
     res["offline64"] = {"tokenmill": {k: ours[k] for k in ("generated_tok_s", "total_tok_s", "elapsed_s")}}
-    res["dtype"] = ours.get("dtype") or ours.get("engine", {}).get("dtype")
     if not a.skip_hf:
         hf = last_json(sh([PY, SHARED / "run_hf.py", hf_dir, wl, "16"]))
         res["offline64"]["transformers"] = {"generated_tok_s": hf["gen_tok_s"], "total_tok_s": hf["total_tok_s"]}
