@@ -21,7 +21,7 @@ run: setup
 	.venv/bin/tokenmill serve --host 127.0.0.1 --port 8000
 
 test: setup
-	$(PY) -m pytest -x -q --timeout=600
+	$(PY) -m pytest -x --timeout=600
 
 clean:
 	rm -rf .venv
