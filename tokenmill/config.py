@@ -94,7 +94,6 @@ class CacheConfig:
     kv_cache_memory_gb: Optional[float] = None   # None: a share of free memory
     memory_utilization: float = 0.3              # the share of free memory used when no size is given
     enable_prefix_caching: bool = True
-    num_blocks: Optional[int] = None             # set by the engine once sized
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
