@@ -15,7 +15,9 @@ from tokenmill.config import ModelConfig
 from tokenmill.executor.attention import AttentionBackend, AttentionMetadata
 from tokenmill.executor.layers.linear import Linear
 from tokenmill.executor.layers.norm import RMSNorm
-from tokenmill.executor.layers.rotary import RotaryEmbedding
+from tokenmill.executor.layers.rotary import RotaryEmbedding, apply_rotary
+
+Rope = tuple[torch.Tensor, torch.Tensor]   # cos, sin [T, 1, head_dim] of this step's positions
 
 
 class Attention(nn.Module):
@@ -32,16 +34,17 @@ class Attention(nn.Module):
         self.k_cache: Optional[torch.Tensor] = None   # bound by the runner: [slots, KV, D]
         self.v_cache: Optional[torch.Tensor] = None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                backend: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
+    def forward(self, x: torch.Tensor, rope: Rope, backend: AttentionBackend,
+                meta: AttentionMetadata) -> torch.Tensor:
+        T, H = x.shape[0], self.num_heads
+        qkv = self.qkv_proj(x)
+        # q and k side by side as [T, H + KV, D], so one rotation covers both
+        qk = qkv[:, :self.q_size + self.kv_size].view(T, H + self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+            qk = torch.cat([self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])], dim=1)
+        qk = apply_rotary(qk, *rope)
+        q, k = qk[:, :H], qk[:, H:]
         o = backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)   # [T, H, D]
         return self.o_proj(o.reshape(T, self.q_size))
 
@@ -66,8 +69,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rotary, backend, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, backend, meta)
+    def forward(self, x, rope, backend, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, backend, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -92,8 +95,9 @@ class DecoderForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T]. Returns hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, backend, meta)
+            x = layer(x, rope, backend, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
