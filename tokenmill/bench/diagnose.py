@@ -6,7 +6,6 @@ with the prompt). Slow to stream = decode-bound (memory: every step reads all we
 cache for one token per sequence, so batch size is the lever)."""
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -195,11 +194,8 @@ def diagnose(ev: Evidence, prefill_threshold: float = 0.5) -> Diagnosis:
 
 
 def diagnose_file(path: str | Path) -> Diagnosis:
-    with open(path) as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from None
+    from .workload import read_json
+    data = read_json(path)
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object from `tokenmill bench ... --output`")
     return diagnose(evidence_from_result(data))

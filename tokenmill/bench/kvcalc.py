@@ -5,10 +5,11 @@ ends. GQA/MQA shrink it by sharing K/V heads; a sliding-window layer stops growi
 """
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
+
+from .workload import read_json
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
 _DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
@@ -138,25 +139,20 @@ def format_report(r: dict[str, Any], label: str = "") -> str:
 
 # ---- where configs come from ----
 
+
 def load_config(model: Optional[str] = None, config: Optional[str] = None) -> tuple[dict[str, Any], str]:
     """(HF-style config dict, label) from a config.json, an HF folder, a .gguf file, or the bundled model."""
     if config is not None:
-        return _read_json(Path(config)), str(config)
+        return read_json(Path(config)), str(config)
     from tokenmill.executor.loader import default_model_path
     path = Path(model) if model else Path(default_model_path())
     if path.is_dir():
-        return _read_json(path / "config.json"), str(path)
+        return read_json(path / "config.json"), str(path)
     if path.suffix == ".gguf" and path.is_file():
         return gguf_config(path), str(path)
     if path.suffix == ".json" and path.is_file():
-        return _read_json(path), str(path)
+        return read_json(path), str(path)
     raise ValueError(f"{path}: not a Hugging Face folder, a config.json or a .gguf file")
-
-
-def _read_json(p: Path) -> dict[str, Any]:
-    if not p.is_file():
-        raise ValueError(f"{p}: no such file")
-    return json.loads(p.read_text())
 
 
 def gguf_config(path: Path) -> dict[str, Any]:

@@ -91,13 +91,19 @@ def validate(w: Any, source: str = "workload") -> Workload:
     return w
 
 
-def load(path: str | Path) -> Workload:
+def read_json(path: str | Path) -> Any:
+    """A JSON file, or a ValueError naming the file (shared by the bench tools)."""
+    if not Path(path).is_file():
+        raise ValueError(f"{path}: no such file")
     with open(path) as f:
         try:
-            data = json.load(f)
+            return json.load(f)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON ({e})") from None
-    return validate(data, str(path))
+
+
+def load(path: str | Path) -> Workload:
+    return validate(read_json(path), str(path))
 
 
 def save(w: Workload, path: str | Path) -> None:

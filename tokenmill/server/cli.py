@@ -28,12 +28,14 @@ def register(subparsers: Any) -> None:
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    """Bind before loading the model: a busy port fails in a second, not after the load; with --port 0 the
-    URL printed is the real one."""
+    """Bind and listen before loading the model: a busy port fails in a second, not after the load; with
+    --port 0 the URL printed is the real one; and a client that connects as soon as the URL is printed
+    waits in the backlog until uvicorn accepts, instead of being refused."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen(2048)
     except OSError as e:
         sock.close()
         raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}); pick another --port "
