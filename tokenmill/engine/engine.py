@@ -19,7 +19,7 @@ from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler, SchedulerStats
-from tokenmill.executor.loader import open_checkpoint, resolve_model_path
+from tokenmill.executor.loader import Checkpoint, open_checkpoint, resolve_model_path
 from tokenmill.executor.models.decoder import DecoderForCausalLM
 from tokenmill.executor.runner import ModelRunner, RunnerOutput
 from tokenmill.executor.sampler import bad_words_to_token_ids, check_params_for_vocab, make_generator
@@ -67,7 +67,7 @@ def pick_device(device: Optional[str]) -> torch.device:
 
 
 def load_model(path: str, mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int,
-               tensors) -> DecoderForCausalLM:
+               ckpt: Checkpoint, quantized_kernels: bool = True) -> DecoderForCausalLM:
     with torch.device("meta"):
         model = DecoderForCausalLM(mc, max_len)
     model = model.to_empty(device=device).to(dtype)
@@ -75,8 +75,12 @@ def load_model(path: str, mc: ModelConfig, dtype: torch.dtype, device: torch.dev
     from tokenmill.executor.layers.rotary import RotaryEmbedding
     model.rotary = RotaryEmbedding(mc.head_dim, mc.rope_theta, mc.rope_scaling, mc.max_position_embeddings,
                                    max_len).to(device)
-    model.load_weights(tensors())
+    model.load_weights(ckpt.tensors())
     model.finalize()
+    if quantized_kernels and ckpt.packed is not None and device.type == "cpu":
+        from tokenmill.executor.layers.quant import load_kernel
+        if load_kernel() is not None:
+            model.load_packed(ckpt.packed())
     return model.eval()
 
 
@@ -98,7 +102,7 @@ class LLMEngine:
                  block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  max_model_len: Optional[int] = None, kv_cache_memory_gb: Optional[float] = None,
                  enable_prefix_caching: bool = True, use_kv_cache: bool = True, attention_backend: str = "auto",
-                 seed: int = 0, tokenizer: Any = "auto"):
+                 quantized_kernels: bool = True, seed: int = 0, tokenizer: Any = "auto"):
         path = resolve_model_path(model)
         dev = pick_device(device)
         torch_dtype = resolve_dtype(dtype, dev)
@@ -113,14 +117,15 @@ class LLMEngine:
             enable_prefix_caching = False
         sched_cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, use_kv_cache)
         cache_cfg = CacheConfig(block_size, kv_cache_memory_gb, enable_prefix_caching=enable_prefix_caching)
-        self.config = EngineConfig(path, mc, cache_cfg, sched_cfg, torch_dtype, dev, attention_backend, seed)
+        self.config = EngineConfig(path, mc, cache_cfg, sched_cfg, torch_dtype, dev, attention_backend,
+                                   quantized_kernels, seed)
         self.model_config = mc
         torch.manual_seed(seed)
 
         if tokenizer == "auto":
             tokenizer = self._load_tokenizer(path)
         self.tokenizer = tokenizer
-        self.model = load_model(path, mc, torch_dtype, dev, max_model_len, ckpt.tensors)
+        self.model = load_model(path, mc, torch_dtype, dev, max_model_len, ckpt, quantized_kernels)
         num_blocks = self._size_kv_cache()
         self.runner = ModelRunner(self.config, self.model, num_blocks)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, mc.sliding_window)

@@ -15,6 +15,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from tokenmill.executor.layers import cpu_ops
+
 
 @dataclass
 class AttentionMetadata:
@@ -34,6 +36,7 @@ class AttentionMetadata:
     decode_starts: Optional[torch.Tensor] = None  # [Bd] int32 first attended position
     decode_lens: Optional[torch.Tensor] = None    # [Bd] int32 context length
     decode_max_len: int = 0
+    all_decode: bool = False                      # every request has one query token (rows are 0..B-1)
     device: torch.device = torch.device("cpu")
 
     @property
@@ -74,8 +77,9 @@ class AttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KV, D]; caches [slots, KV, D]. Returns [T, H, D]."""
-        k_cache[meta.slot_mapping] = k
-        v_cache[meta.slot_mapping] = v
+        if not cpu_ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping):
+            k_cache[meta.slot_mapping] = k
+            v_cache[meta.slot_mapping] = v
         return self._attend(q, k, v, k_cache, v_cache, meta, scale)
 
     def _attend(self, q, k, v, k_cache, v_cache, meta, scale) -> torch.Tensor:
@@ -177,6 +181,7 @@ class CpuKernelBackend(BatchedBackend):
             return
         nblocks = max(len(meta.block_tables[i]) for i in decode)
         meta.decode_rows = torch.tensor([qsl[i] for i in decode])
+        meta.all_decode = not meta.prefill_reqs
         meta.decode_tables = torch.tensor(
             [[max(b, 0) for b in meta.block_tables[i]] + [0] * (nblocks - len(meta.block_tables[i])) for i in decode],
             dtype=torch.int32)
@@ -186,6 +191,9 @@ class CpuKernelBackend(BatchedBackend):
 
     def _attend(self, q, k, v, k_cache, v_cache, meta, scale):
         from tokenmill.executor.attention.cpu_kernel import paged_decode
+        if meta.all_decode:       # a pure decode step: no row gather or scatter around the kernel
+            return paged_decode(q, k_cache, v_cache, meta.decode_tables, meta.decode_starts, meta.decode_lens,
+                                meta.block_size, scale, meta.decode_max_len)
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
             rows = meta.decode_rows

@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tokenmill.executor.layers.quant import MAX_ROWS, PackedWeight, qmatmul
 
 
 class Linear(nn.Module):
@@ -17,6 +21,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.register_buffer("weight_t", None)
+        self.packed: Optional[PackedWeight] = None   # GGUF blocks for few-row matmuls (layers/quant.py)
 
     def finalize(self) -> None:
         if self.weight.device.type != "cpu":
@@ -27,6 +32,9 @@ class Linear(nn.Module):
         self.weight_t = w.t().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.shape[0] <= MAX_ROWS:
+            y = qmatmul(x.float(), self.packed).to(x.dtype)
+            return y if self.bias is None else y + self.bias
         if self.weight_t is None:
             return F.linear(x, self.weight, self.bias)
         if self.bias is not None:

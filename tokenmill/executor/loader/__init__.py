@@ -5,9 +5,11 @@ import importlib.util
 import json
 import os
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
+
+from tokenmill.executor.layers.quant import PackedWeight
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -41,13 +43,14 @@ def resolve_model_path(model: str | None) -> str:
 class Checkpoint:
     config: dict                                            # HF config.json form
     tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]  # HF names, lazily
+    packed: Optional[Callable[[], Iterator[tuple[str, PackedWeight]]]] = None  # GGUF: matrices still in blocks
 
 
 def open_checkpoint(path: str) -> Checkpoint:
     if path.endswith(".gguf"):
         from tokenmill.executor.loader.gguf import read_gguf
         ck = read_gguf(path)
-        return Checkpoint(ck.config, ck.tensors)
+        return Checkpoint(ck.config, ck.tensors, ck.packed)
     try:
         with open(os.path.join(path, "config.json")) as f:
             config = json.load(f)

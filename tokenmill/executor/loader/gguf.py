@@ -19,6 +19,8 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quant_shape_to_byte_shape
 
+from tokenmill.executor.layers.quant import PackedWeight, pack_ggml, permute_rows
+
 # GGUF architecture name -> (HF model_type, HF architecture class).
 # Mistral GGUFs say "llama", and Llama's decoder is the same, so they load as Llama.
 ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -66,6 +68,7 @@ _SUPPORTED_TYPES = {
 class GGUFCheckpoint:
     config: dict[str, Any]  # Hugging Face config.json form
     tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]  # lazy: (HF name, float32 tensor)
+    packed: Callable[[], Iterator[tuple[str, PackedWeight]]]  # lazy: the Q4_0/Q4_1/Q8_0 matrices, still in blocks
 
 
 @dataclass(frozen=True)
@@ -338,4 +341,17 @@ def read_gguf(path: str) -> GGUFCheckpoint:
                 w = unpermute_qk(w, heads[proj])
             yield name, w
 
-    return GGUFCheckpoint(config=config, tensors=tensors)
+    def packed() -> Iterator[tuple[str, PackedWeight]]:
+        for info in f.tensors.values():
+            name = hf_name(info.name)
+            if name is None or len(info.shape) != 2:
+                continue
+            p = pack_ggml(info.type_name, f.raw(info), info.shape)
+            if p is None:
+                continue
+            proj = name.split(".")[-2]
+            if permuted and proj in heads:
+                p = permute_rows(p, lambda t, n=heads[proj]: unpermute_qk(t, n))
+            yield name, p
+
+    return GGUFCheckpoint(config=config, tensors=tensors, packed=packed)

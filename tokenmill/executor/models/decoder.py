@@ -13,7 +13,9 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.executor.attention import AttentionBackend, AttentionMetadata
+from tokenmill.executor.layers import cpu_ops
 from tokenmill.executor.layers.linear import Linear
+from tokenmill.executor.layers.quant import MAX_ROWS, PackedWeight, concat_rows, qmatmul
 from tokenmill.executor.layers.norm import RMSNorm
 from tokenmill.executor.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -43,7 +45,9 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])], dim=1)
-        qk = apply_rotary(qk, *rope)
+            qk = apply_rotary(qk, *rope)
+        elif not cpu_ops.rotary_(qkv, H + self.num_kv_heads, self.head_dim, *rope):   # in place in qkv
+            qk = apply_rotary(qk, *rope)
         q, k = qk[:, :H], qk[:, H:]
         o = backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)   # [T, H, D]
         return self.o_proj(o.reshape(T, self.q_size))
@@ -57,8 +61,12 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        h = cpu_ops.silu_mul(gate_up)
+        if h is None:
+            gate, up = gate_up.split(self.inter, dim=-1)
+            h = F.silu(gate) * up
+        return self.down_proj(h)
 
 
 class DecoderLayer(nn.Module):
@@ -69,9 +77,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope, backend, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, backend, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], rope: Rope, backend: AttentionBackend,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM's residual form: x is the previous layer's MLP output (the embeddings, with residual None, on
+        the first layer) and residual the running sum before it. Returns this layer's (MLP output, residual)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, rope, backend, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 # HF checkpoint names -> (our fused parameter, shard index) for the fused projections
@@ -88,6 +104,7 @@ class DecoderForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tied_head_t: Optional[torch.Tensor] = None    # set by finalize() on CPU
+        self.tied_head_packed: Optional[PackedWeight] = None  # set by load_packed() for a quantised GGUF
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings,
                                       max_len)
 
@@ -96,14 +113,17 @@ class DecoderForCausalLM(nn.Module):
         """input_ids, positions: [T]. Returns hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.tables(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, rope, backend, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, backend, meta)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [S, hidden] (only the rows that sample). Returns float32 logits [S, vocab]."""
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
+        if self.tied_head_packed is not None and hidden.shape[0] <= MAX_ROWS:
+            return qmatmul(hidden.float(), self.tied_head_packed)
         if self.tied_head_t is not None:
             return (hidden @ self.tied_head_t).float()
         return F.linear(hidden, self.embed_tokens.weight).float()
@@ -117,6 +137,36 @@ class DecoderForCausalLM(nn.Module):
         if self.lm_head is None and self.embed_tokens.weight.device.type == "cpu":
             # a tied head needs [vocab, hidden] for the lookup and [hidden, vocab] for a fast GEMM: keep both
             self.tied_head_t = self.embed_tokens.weight.data.t().contiguous()
+
+    def load_packed(self, weights: Iterable[tuple[str, PackedWeight]]) -> int:
+        """Give Linear layers (and a tied head) their GGUF blocks for few-row matmuls, after load_weights.
+        A fused layer gets them only if every shard came in the same block format. Returns the layers packed."""
+        modules = dict(self.named_modules())
+        shards: dict[str, dict[int, PackedWeight]] = {}
+        for name, p in weights:
+            name = name[len("model."):] if name.startswith("model.") else name
+            if name == "embed_tokens.weight":
+                if self.lm_head is None:
+                    self.tied_head_packed = p
+                continue
+            parts = name.split(".")
+            if parts[-1] != "weight":
+                continue
+            fused = next(((i, _FUSED[q]) for i, q in enumerate(parts) if q in _FUSED), None)
+            if fused is None:
+                shards.setdefault(".".join(parts[:-1]), {})[0] = p
+            else:
+                i, (target, shard) = fused
+                shards.setdefault(".".join(parts[:i] + [target]), {})[shard] = p
+        n_shards = {"qkv_proj": 3, "gate_up_proj": 2}
+        packed = 0
+        for mname, got in shards.items():
+            module = modules.get(mname)
+            if not isinstance(module, Linear) or len(got) != n_shards.get(mname.split(".")[-1], 1):
+                continue
+            module.packed = concat_rows([got[i] for i in sorted(got)])
+            packed += module.packed is not None
+        return packed + (self.tied_head_packed is not None)
 
     def bind_kv_cache(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for layer, (k, v) in zip(self.layers, caches):

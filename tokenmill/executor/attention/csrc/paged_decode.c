@@ -3,7 +3,7 @@
  * the G = heads / kv_heads query heads sharing a kv head are done together, so each K/V row is read once.
  * Math in float32 whatever the storage type (float32 or bfloat16).
  *
- *   q      [B, H, D]            out [B, H, D]
+ *   q      [B, H, D]            out [B, H, D]      (q's rows q_stride elements apart: a view into fused qkv)
  *   k, v   [slots, KV, D]       slot = tables[b][pos / block_size] * block_size + pos % block_size
  *   starts [B], lens [B]        attend positions start..len-1 (start > 0 under a sliding window)
  */
@@ -92,7 +92,7 @@ static inline __attribute__((always_inline)) void axpy4(float (*acc)[MAX_D], con
         default: CALL(G);                                                                           \
     }
 
-int paged_decode(const void *q, const void *k, const void *v, void *out, int bf16, const int32_t *tables,
+int paged_decode(const void *q, int q_stride, const void *k, const void *v, void *out, int bf16, const int32_t *tables,
                  int max_blocks, const int32_t *starts, const int32_t *lens, int B, int H, int KV, int D,
                  int block_size, float scale, int max_len, int num_threads) {
     const int G = H / KV;
@@ -109,7 +109,8 @@ int paged_decode(const void *q, const void *k, const void *v, void *out, int bf1
             const int32_t *table = tables + (size_t)b * max_blocks;
             float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], buf[4][MAX_D], mx[MAX_G], sum[MAX_G];
             for (int g = 0; g < G; g++) {
-                const float *qr = row(q, (size_t)b * H + h * G + g, D, bf16, buf[0]);
+                const void *qb = (const char *)q + (size_t)b * q_stride * (bf16 ? 2 : 4);
+                const float *qr = row(qb, (size_t)h * G + g, D, bf16, buf[0]);
                 for (int d = 0; d < D; d++) qf[g][d] = qr[d] * scale;
                 mx[g] = -FLT_MAX;
             }

@@ -1,0 +1,92 @@
+"""ctypes wrappers for csrc/cpu_ops.c: fused float32 CPU versions of the small per-layer ops.
+
+Each wrapper returns None when it does not apply (not float32 on CPU, or no C compiler), and the caller then
+runs the torch version. Both are tested against each other in tests/test_cpu_ops.py."""
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from tokenmill.executor.native import build_library
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.c"
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+@lru_cache(maxsize=1)
+def lib() -> Optional[ctypes.CDLL]:
+    dll = build_library(SOURCE, "fused layer ops")
+    if dll is None:
+        return None
+    for name, args in {"add_rms_norm": [_P, _P, _P, _P, _I, _I, _F, _I, _I],
+                       "rotary": [_P, _P, _P, _I, _I, _I, _I, _I],
+                       "silu_mul": [_P, _P, _I, _I, _I],
+                       "write_kv": [_P, _P, _I, _P, _P, _P, _I, _I, ctypes.c_int64]}.items():
+        fn = getattr(dll, name)
+        fn.argtypes, fn.restype = args, None
+    dll.write_kv.restype = ctypes.c_int
+    return dll
+
+
+def _usable(*ts: torch.Tensor) -> Optional[ctypes.CDLL]:
+    for t in ts:      # a plain loop: this runs ~10 times a layer, and a generator costs more than the check
+        if t.dtype != torch.float32 or not t.is_cpu:
+            return None
+    return lib()
+
+
+def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
+                 eps: float) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """With residual: residual += x in place and returns (rms_norm(residual) * weight, residual); without:
+    (rms_norm(x) * weight, x). x [..., dim] contiguous."""
+    dll = _usable(x, weight)
+    if dll is None or not x.is_contiguous() or (residual is not None and not residual.is_contiguous()):
+        return None
+    dim = x.shape[-1]
+    res = x if residual is None else residual
+    out = torch.empty_like(x)
+    dll.add_rms_norm(x.data_ptr(), res.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps,
+                     int(residual is not None), torch.get_num_threads())
+    return out, res
+
+
+def rotary_(qkv: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Rotate the first `heads` head vectors of each row of qkv [T, width] in place; cos, sin [T, 1, head_dim].
+    False (nothing done) when the C path does not apply."""
+    dll = _usable(qkv, cos, sin)
+    if dll is None or qkv.stride(-1) != 1 or not cos.is_contiguous() or not sin.is_contiguous():
+        return False
+    dll.rotary(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), qkv.shape[0], heads, head_dim, qkv.stride(0),
+               torch.get_num_threads())
+    return True
+
+
+def silu_mul(gate_up: torch.Tensor) -> Optional[torch.Tensor]:
+    """silu(gate) * up for gate_up [T, 2 * inter] (gate first). Returns [T, inter]."""
+    dll = _usable(gate_up)
+    if dll is None or not gate_up.is_contiguous():
+        return None
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, inter)
+    dll.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, inter, torch.get_num_threads())
+    return out
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor) -> bool:
+    """k_cache[slots] = k and v_cache[slots] = v, for k, v [T, KV, D] views of rows with stride(0) and dense
+    inner dims (the fused qkv rows). False (nothing done) when the C path does not apply."""
+    dll = _usable(k, v, k_cache, v_cache)
+    width = k.shape[1] * k.shape[2]
+    if dll is None or slots.dtype != torch.int64 or k.stride(0) != v.stride(0) \
+            or k.stride(1) != k.shape[2] or k.stride(2) != 1 or v.stride(1) != v.shape[2] or v.stride(2) != 1 \
+            or not k_cache.is_contiguous() or not v_cache.is_contiguous() or not slots.is_contiguous():
+        return False
+    if dll.write_kv(k.data_ptr(), v.data_ptr(), k.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                    slots.data_ptr(), k.shape[0], width, k_cache.numel() // width) != 0:
+        raise IndexError("KV slot out of range of the cache")
+    return True

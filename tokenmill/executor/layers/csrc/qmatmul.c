@@ -1,0 +1,140 @@
+/* Matmul against weights kept in llama.cpp's 32-wide quantised blocks, for the few rows of a decode step:
+ * there the step is bound by reading the weights, and 4-bit codes are 1/8 of float32's bytes.
+ *
+ *   x [B, K] float32      y [B, N] float32      y[b][n] = sum_k x[b][k] * w[n][k]
+ *   block i of row n:     w[n][32i + j] = d[n][i] * c_j + m[n][i]
+ *   q4 codes [N, K/2]:    16 bytes a block; byte j holds c_j (low nibble) and c_{j+16} (high nibble)
+ *   q8 codes [N, K]:      32 signed bytes a block; no m
+ *
+ * Each block is dequantised in registers (d * c + m, as llama.cpp's reference dequantiser does) and multiplied
+ * into float32 x, so the result differs from x @ dequantised(w)^T only in summation order.
+ * Written with GCC vector extensions plus AVX-512 widening where -march=native has it. K is a multiple of 32.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QK 32
+#define MAX_B 8
+
+typedef float v16f __attribute__((vector_size(64)));
+
+static inline v16f load16(const float *p) {
+    v16f v;
+    memcpy(&v, p, 64);
+    return v;
+}
+
+/* The two halves (weights 0-15 and 16-31) of a block, dequantised to float32: d * code (+ m for q4). GCC turns a generic byte-to-float
+ * __builtin_convertvector into scalar code, so the widening is spelled out per instruction set. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline __attribute__((always_inline)) void q4_block(const uint8_t *codes, float d, float m, v16f *lo, v16f *hi) {
+    const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
+    *lo = (v16f)_mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(15))) * d + m;
+    *hi = (v16f)_mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)) * d + m;
+}
+static inline __attribute__((always_inline)) void q8_block(const int8_t *codes, float d, v16f *lo, v16f *hi) {
+    *lo = (v16f)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes))) * d;
+    *hi = (v16f)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16)))) * d;
+}
+/* Horizontal sum as a shuffle tree. (A memcpy-based version made GCC keep every accumulator on the stack.) */
+static inline float hsum(v16f v) { return _mm512_reduce_add_ps((__m512)v); }
+
+/* acc + a * b as one fused op: -ffast-math would otherwise regroup two FMAs into mul + fma + add */
+static inline v16f fma16(v16f a, v16f b, v16f acc) { return (v16f)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc); }
+#else
+static inline v16f fma16(v16f a, v16f b, v16f acc) { return a * b + acc; }
+static inline float hsum(v16f v) {
+    float s = 0.f;
+    for (int i = 0; i < 16; i++) s += v[i];
+    return s;
+}
+static inline __attribute__((always_inline)) void q4_block(const uint8_t *codes, float d, float m, v16f *lo,
+                                                           v16f *hi) {
+    for (int j = 0; j < 16; j++) {
+        (*lo)[j] = (float)(codes[j] & 15) * d + m;
+        (*hi)[j] = (float)(codes[j] >> 4) * d + m;
+    }
+}
+static inline __attribute__((always_inline)) void q8_block(const int8_t *codes, float d, v16f *lo, v16f *hi) {
+    for (int j = 0; j < 16; j++) {
+        (*lo)[j] = (float)codes[j] * d;
+        (*hi)[j] = (float)codes[j + 16] * d;
+    }
+}
+#endif
+
+/* R rows against B inputs: R * B independent accumulators, so a single input still keeps several FMA chains
+ * in flight. R and B are compile-time constants at each call site (the switch below). */
+static inline __attribute__((always_inline)) void rows(int q4, const float *x, int B, int K,
+                                                       int N, const uint8_t *codes, const float *d, const float *m,
+                                                       float *y, int n0, int R) {
+    const int nb = K / QK;
+    const size_t row_bytes = q4 ? (size_t)K / 2 : (size_t)K;
+    v16f acc[4][MAX_B];   /* fully unrolled below, so these live in registers */
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int b = 0; b < B; b++) acc[r][b] = (v16f){0};
+    for (int i = 0; i < nb; i++) {
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const size_t n = (size_t)n0 + r;
+            v16f lo, hi;
+            if (q4) q4_block(codes + n * row_bytes + (size_t)i * 16, d[n * nb + i], m[n * nb + i], &lo, &hi);
+            else q8_block((const int8_t *)codes + n * row_bytes + (size_t)i * 32, d[n * nb + i], &lo, &hi);
+#pragma GCC unroll 8
+            for (int b = 0; b < B; b++) {
+                const float *xb = x + ((size_t)i * B + b) * QK;   /* x blocked as [K/32][B][32] */
+                acc[r][b] = fma16(hi, load16(xb + 16), fma16(lo, load16(xb), acc[r][b]));
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const size_t n = (size_t)n0 + r;
+        for (int b = 0; b < B; b++) y[(size_t)b * N + n] = hsum(acc[r][b]);
+    }
+}
+
+/* Rows n0 .. n0+count-1 (count a multiple of 4 except at the end), for B inputs. */
+static inline __attribute__((always_inline)) void row_range(int q4, const float *x, int B, int K, int N, const uint8_t *codes,
+                      const float *d, const float *m, float *y, int n0, int count) {
+    int n = n0;
+#define RUN(BC, RC)                                                                                    \
+    for (; n + (RC) <= n0 + count; n += (RC)) rows(q4, x, BC, K, N, codes, d, m, y, n, RC);       \
+    for (; n < n0 + count; n++) rows(q4, x, BC, K, N, codes, d, m, y, n, 1);
+    switch (B) {
+        case 1: RUN(1, 4) break;
+        case 2: RUN(2, 4) break;
+        case 3: RUN(3, 2) break;
+        case 4: RUN(4, 2) break;
+        case 5: RUN(5, 2) break;
+        case 6: RUN(6, 2) break;
+        case 7: RUN(7, 2) break;
+        default: RUN(8, 2) break;
+    }
+#undef RUN
+}
+
+/* y = x @ w^T for B <= MAX_B rows of x. Returns 0, or a negative status for arguments it cannot take. */
+int qmatmul(int q4, const float *x, int B, int K, int N, const uint8_t *codes, const float *d, const float *m,
+            float *y, int num_threads) {
+    if (B < 1 || B > MAX_B || K % QK != 0 || N < 1) return -1;
+    /* x as [K/32][B][32]: the B slices a block multiplies sit together instead of K floats apart (at K = 1536
+     * those strides alias in L1 and B = 8 ran 3x slower) */
+    float *xt = (float *)malloc(sizeof(float) * (size_t)B * K);
+    if (!xt) return -2;
+    for (int b = 0; b < B; b++)
+        for (int i = 0; i < K / QK; i++) memcpy(xt + ((size_t)i * B + b) * QK, x + (size_t)b * K + (size_t)i * QK, QK * 4);
+    const int chunk = 16;  /* rows per task: whole 4-row groups, small enough to balance two threads */
+    const int tasks = (N + chunk - 1) / chunk;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int t = 0; t < tasks; t++) {
+        const int n0 = t * chunk, count = n0 + chunk <= N ? chunk : N - n0;
+        if (q4) row_range(1, xt, B, K, N, codes, d, m, y, n0, count);
+        else row_range(0, xt, B, K, N, codes, d, m, y, n0, count);
+    }
+    free(xt);
+    return 0;
+}
