@@ -1,0 +1,143 @@
+"""The C fast paths against the plain torch ones they replace: the quantised-block matmul (layers/quant.py) and
+the fused per-layer ops (layers/cpu_ops.py), op by op and then through the engine on a quantised GGUF."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.test_gguf import _write_tiny
+from tokenmill import LLM, SamplingParams
+from tokenmill.executor.layers import cpu_ops
+from tokenmill.executor.layers.linear import Linear
+from tokenmill.executor.layers.quant import MAX_ROWS, load_kernel, pack_ggml, qmatmul
+from tokenmill.executor.layers.rotary import apply_rotary
+
+pytestmark = pytest.mark.skipif(load_kernel() is None or cpu_ops.lib() is None, reason="no C compiler")
+QTYPES = ["Q4_0", "Q4_1", "Q8_0"]
+
+
+def _packed(qtype: str, n: int, k: int, seed: int = 0):
+    """A random [n, k] matrix through gguf's quantiser: (PackedWeight, gguf's own dequantisation)."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    t = gguf.GGMLQuantizationType[qtype]
+    raw = gguf.quants.quantize(w, t)
+    ref = torch.from_numpy(np.asarray(gguf.quants.dequantize(raw, t), dtype=np.float32).reshape(n, k))
+    return pack_ggml(qtype, raw, (n, k)), ref
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_pack_dequantizes_like_gguf(qtype: str) -> None:
+    p, ref = _packed(qtype, 37, 96)
+    assert p.bits == (8 if qtype == "Q8_0" else 4)
+    # Q4_0 is d * (c - 8) in gguf and d * c - 8d here: equal up to one rounding
+    torch.testing.assert_close(p.dequantize(), ref, rtol=1e-6, atol=1e-6)
+    if qtype != "Q4_0":
+        assert torch.equal(p.dequantize(), ref)
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("n,k", [(1, 32), (5, 96), (37, 64), (130, 160)])
+def test_qmatmul_matches_dense(qtype: str, n: int, k: int) -> None:
+    p, ref = _packed(qtype, n, k, seed=n + k)
+    for b in range(1, MAX_ROWS + 1):
+        x = torch.randn(b, k, generator=torch.Generator().manual_seed(b))
+        torch.testing.assert_close(qmatmul(x, p), x @ ref.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_qmatmul_rejects_what_it_cannot_take() -> None:
+    p, _ = _packed("Q4_1", 8, 64)
+    with pytest.raises(ValueError, match="qmatmul takes"):
+        qmatmul(torch.randn(MAX_ROWS + 1, 64), p)
+    with pytest.raises(ValueError, match="qmatmul takes"):
+        qmatmul(torch.randn(1, 32), p)
+    assert pack_ggml("Q4_K", np.zeros((1, 144), np.uint8), (1, 256)) is None
+
+
+def test_linear_uses_blocks_for_few_rows_only() -> None:
+    p, ref = _packed("Q4_1", 48, 64)
+    lin = Linear(64, 48)
+    lin.weight.data.copy_(ref)
+    lin.finalize()
+    dense = [lin(torch.randn(r, 64)) for r in (1, MAX_ROWS + 3)]   # reference outputs, no blocks yet
+    lin.packed = p
+    x1, xb = torch.randn(1, 64), torch.randn(MAX_ROWS + 3, 64)
+    torch.testing.assert_close(lin(x1), x1 @ ref.t(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(lin(xb), xb @ lin.weight_t)                  # many rows: the dense GEMM, bit for bit
+    assert [d.shape for d in dense] == [(1, 48), (MAX_ROWS + 3, 48)]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 100])
+def test_add_rms_norm_matches_torch(rows: int) -> None:
+    x, res, w = torch.randn(rows, 96), torch.randn(rows, 96), torch.randn(96)
+    want_res = res + x
+    want = w * F.rms_norm(want_res, (96,), eps=1e-5)
+    out, got_res = cpu_ops.add_rms_norm(x, res.clone(), w, 1e-5)
+    assert torch.equal(got_res, want_res)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    out, same = cpu_ops.add_rms_norm(x, None, w, 1e-5)
+    assert same is x
+    torch.testing.assert_close(out, w * F.rms_norm(x, (96,), eps=1e-5), rtol=1e-5, atol=1e-6)
+    assert cpu_ops.add_rms_norm(x.double(), None, w.double(), 1e-5) is None     # not float32: torch's turn
+
+
+@pytest.mark.parametrize("rows", [1, 70])
+def test_rotary_matches_torch(rows: int) -> None:
+    heads, d, kv = 6, 16, 2
+    qkv = torch.randn(rows, (heads + kv) * d)
+    cos, sin = torch.randn(rows, 1, d), torch.randn(rows, 1, d)
+    want = apply_rotary(qkv[:, :heads * d].view(rows, heads, d), cos, sin)
+    v_before = qkv[:, heads * d:].clone()
+    assert cpu_ops.rotary_(qkv, heads, d, cos, sin)
+    torch.testing.assert_close(qkv[:, :heads * d].view(rows, heads, d), want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(qkv[:, heads * d:], v_before)                # only the first `heads` vectors move
+
+
+def test_silu_mul_matches_torch() -> None:
+    gu = torch.randn(5, 2 * 40) * 4
+    gate, up = gu.split(40, dim=-1)
+    torch.testing.assert_close(cpu_ops.silu_mul(gu), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+
+
+def test_write_kv_matches_index_put() -> None:
+    kv, d, t = 2, 8, 3
+    qkv = torch.randn(t, (4 + 2 * kv) * d)                         # k and v are strided views of these rows
+    k = qkv[:, 4 * d:(4 + kv) * d].view(t, kv, d)
+    v = qkv[:, (4 + kv) * d:].view(t, kv, d)
+    slots = torch.tensor([7, 0, 12])
+    kc, vc = torch.zeros(16, kv, d), torch.zeros(16, kv, d)
+    want_k, want_v = kc.clone(), vc.clone()
+    want_k[slots], want_v[slots] = k, v
+    assert cpu_ops.write_kv(k, v, kc, vc, slots)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    with pytest.raises(IndexError):
+        cpu_ops.write_kv(k, v, kc, vc, torch.tensor([7, 0, 16]))
+    assert torch.equal(kc, want_k)                                   # a bad slot writes nothing
+
+
+def test_engine_on_quantised_gguf_matches_dequantised_weights(tmp_path: Path) -> None:
+    """Blocks on vs off through the whole engine (decode steps of 1-3 rows use the kernel): same greedy ids,
+    logprobs within float32 summation-order noise."""
+    path = tmp_path / "tiny.gguf"
+    _write_tiny(path)
+    prompts = [{"prompt_token_ids": [3, 17, 5, 9, 30]}, {"prompt_token_ids": [11, 4]},
+               {"prompt_token_ids": list(range(3, 40))}]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    runs = {}
+    for on in (True, False):
+        llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.01, quantized_kernels=on, tokenizer=None)
+        model = llm.llm_engine.model
+        packed = [m for m in model.modules() if isinstance(m, Linear) and m.packed is not None]
+        # gate (Q4_0) + up (Q4_1) fuse, down is Q8_0; qkv mixes F32/Q8_0/F16 and stays dense
+        assert len(packed) == (4 if on else 0)
+        runs[on] = llm.generate(prompts, sp, use_tqdm=False)
+    for a, b in zip(runs[True], runs[False]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            (ta, pa), = la.items()
+            (tb, pb), = lb.items()
+            assert ta == tb and abs(pa.logprob - pb.logprob) < 1e-4
