@@ -21,21 +21,29 @@ def _meta(ctx_lens, q_lens, block_size, window, num_blocks, seed=0):
     return AttentionMetadata(torch.tensor(slots), qsl, computed, list(ctx_lens), tables, block_size, window)
 
 
+# mixed: decodes and prefills (fresh and with context). Pure decode steps take the C kernel's direct path, with
+# q a strided view (as it is of fused qkv): one request (heads split over threads) and six (one item each).
+CASES = {"mixed": ([1, 9, 37, 64, 5, 50], [1, 1, 1, 1, 5, 13]), "decode1": ([45], [1]),
+         "decode6": ([1, 9, 37, 64, 17, 50], [1] * 6)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("backend", ["batched", "cpu"])
-def test_backend_matches_reference(backend, window, dtype):
+def test_backend_matches_reference(backend, window, dtype, case):
     if backend == "cpu":
         from tokenmill.executor.attention.cpu_kernel import load_kernel
         if load_kernel() is None:
             pytest.skip("no C compiler: the cpu kernel backend is not available here")
     H, KV, D, bs, nblocks = 6, 2, 32, 4, 200
-    ctx, qn = [1, 9, 37, 64, 5, 50], [1, 1, 1, 1, 5, 13]      # decodes and prefills (fresh and with context)
+    ctx, qn = CASES[case]
     torch.manual_seed(0)
     k_cache = torch.randn(nblocks * bs, KV, D).to(dtype)
     v_cache = torch.randn(nblocks * bs, KV, D).to(dtype)
     T = sum(qn)
-    q, k, v = torch.randn(T, H, D).to(dtype), torch.randn(T, KV, D).to(dtype), torch.randn(T, KV, D).to(dtype)
+    q = torch.randn(T, H + 2, D).to(dtype)[:, 1:H + 1]          # rows strided, as a view of qkv is
+    k, v = torch.randn(T, KV, D).to(dtype), torch.randn(T, KV, D).to(dtype)
     outs = {}
     for name in ("torch", backend):
         meta = _meta(ctx, qn, bs, window, nblocks)
