@@ -63,3 +63,25 @@ def build_library(source: Path, what: str) -> Optional[ctypes.CDLL]:
                     return None
             os.replace(out, lib)      # atomic: concurrent processes never load a half-written file
     return ctypes.CDLL(str(lib))
+
+
+_MADV_HUGEPAGE = 14
+_HUGE = 2 << 20
+
+
+def advise_huge_pages(t: torch.Tensor) -> bool:
+    """Ask Linux to back a large, not yet touched CPU tensor with 2 MB pages (madvise MADV_HUGEPAGE).
+
+    For the KV cache: it is allocated untouched (start-up does not pay for the whole budget), so each 4 KB page
+    faults the first time a step writes into it. In a VM such a fault costs tens of microseconds, and a decode
+    step of 64 requests touched ~700 new pages: ~10 ms a step. 2 MB pages fault 512x less often and also spare
+    the TLB when attention walks the blocks. A no-op (False) off Linux or where THP is off."""
+    if t.device.type != "cpu" or not sys.platform.startswith("linux"):
+        return False
+    start = -(-t.data_ptr() // _HUGE) * _HUGE                 # whole huge pages inside the tensor only
+    end = (t.data_ptr() + t.numel() * t.element_size()) // _HUGE * _HUGE
+    if end <= start:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise(start, end - start, _MADV_HUGEPAGE) == 0

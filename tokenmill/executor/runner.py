@@ -8,6 +8,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.scheduler import SchedulerOutput
+from tokenmill.executor.native import advise_huge_pages
 from tokenmill.executor.attention import AttentionMetadata, get_backend
 from tokenmill.executor.models.decoder import DecoderForCausalLM
 from tokenmill.executor.sampler import Sampler, SamplingInput, compute_prompt_logprobs
@@ -37,6 +38,9 @@ class ModelRunner:
         self.kv_caches = [(torch.empty(shape, dtype=config.dtype, device=self.device),
                            torch.empty(shape, dtype=config.dtype, device=self.device))
                           for _ in range(mc.num_hidden_layers)]
+        for k, v in self.kv_caches:
+            advise_huge_pages(k)
+            advise_huge_pages(v)
         model.bind_kv_cache(self.kv_caches)
         self.sampler = Sampler(mc.vocab_size, set(mc.eos_token_ids))
 
