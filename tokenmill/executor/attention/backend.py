@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from tokenmill.executor.attention.cpu_kernel import paged_decode
 from tokenmill.executor.layers import cpu_ops
 
 
@@ -190,7 +191,6 @@ class CpuKernelBackend(BatchedBackend):
         meta.decode_max_len = int(max(meta.seq_lens[i] for i in decode))
 
     def _attend(self, q, k, v, k_cache, v_cache, meta, scale):
-        from tokenmill.executor.attention.cpu_kernel import paged_decode
         if meta.all_decode:       # a pure decode step: no row gather or scatter around the kernel
             return paged_decode(q, k_cache, v_cache, meta.decode_tables, meta.decode_starts, meta.decode_lens,
                                 meta.block_size, scale, meta.decode_max_len)

@@ -33,7 +33,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.shape[0] <= MAX_ROWS:
-            y = qmatmul(x.float(), self.packed).to(x.dtype)
+            y = qmatmul(x, self.packed) if x.dtype == torch.float32 else qmatmul(x.float(), self.packed).to(x.dtype)
             return y if self.bias is None else y + self.bias
         if self.weight_t is None:
             return F.linear(x, self.weight, self.bias)

@@ -108,12 +108,14 @@ static inline void prefetch_row(const void *base, const int32_t *table, int pos,
 /* Request b, kv heads h0 .. h1-1. Each group of four positions is read for all those heads together: with
  * h0 = 0, h1 = KV that walks each cache row (KV * D values) front to back, one contiguous stream per block,
  * instead of one strided pass per head (at 64 requests the strided order ran at a third of the bandwidth). */
-static void attend(const void *q, int q_stride, const void *k, const void *v, void *out, int bf16,
-                   const int32_t *table, int start, int n, int b, int h0, int h1, int H, int KV, int D, int G,
-                   int bs_shift, int bs_mask, float scale, float *scores, float (*qf)[MAX_D], float (*acc)[MAX_D]) {
+static void attend(const void *q, int q_stride, const void *k, const void *v, int bf16, const int32_t *table,
+                   int start, int n, int b, int h0, int h1, int KV, int D, int G, int bs_shift, int bs_mask,
+                   float scale, float *scores, float (*qf)[MAX_D], float (*acc)[MAX_D], float *mx, float *sum) {
+    /* Positions start .. start+n-1 only: leaves acc = sum_i e_i v_i unnormalised, with mx (the max score) and
+     * sum (of e_i = exp(score_i - mx)) per query head, so parts of one context can be merged (combine()). */
     const int NH = h1 - h0;               /* kv heads in this item; query heads (h, g) sit at (h - h0) * G + g */
     const size_t n4 = ((size_t)n + 3) / 4 * 4;
-    float buf[4][MAX_D], mx[MAX_H];
+    float buf[4][MAX_D];
     for (int h = h0; h < h1; h++)
         for (int g = 0; g < G; g++) {
             const int r = (h - h0) * G + g;
@@ -149,7 +151,6 @@ static void attend(const void *q, int q_stride, const void *k, const void *v, vo
             }
         }
     }
-    float sum[MAX_H];
     for (int r = 0; r < NH * G; r++) {    /* softmax numerators */
         float t = 0.f;
         for (int i = 0; i < n; i++) {
@@ -180,16 +181,32 @@ static void attend(const void *q, int q_stride, const void *k, const void *v, vo
 #undef WSUM
         }
     }
-    for (int h = h0; h < h1; h++)
-        for (int g = 0; g < G; g++) {
-            const int r = (h - h0) * G + g;
-            const float inv = 1.f / sum[r];
-            const size_t o = ((size_t)b * H + h * G + g) * D;
-            for (int d = 0; d < D; d++) {
-                if (bf16) ((uint16_t *)out)[o + d] = f32_to_bf16(acc[r][d] * inv);
-                else ((float *)out)[o + d] = acc[r][d] * inv;
-            }
+}
+
+/* Output rows b * H + qh0 + r (r < rows) from `parts` partial results of the same query heads over disjoint
+ * position ranges: part p's row r is at p * rows + r. Each part is rescaled by exp(mx_p - M) to the common max
+ * M, as in flash-decoding. With one part this is just acc / sum. */
+static void combine(void *out, int bf16, int b, int qh0, int rows, int H, int D, int parts, float (*acc)[MAX_D],
+                    const float *mx, const float *sum) {
+    for (int r = 0; r < rows; r++) {
+        float M = -FLT_MAX, total = 0.f, o[MAX_D];
+        memset(o, 0, sizeof(float) * D);
+        for (int p = 0; p < parts; p++)
+            if (sum[p * rows + r] > 0.f && mx[p * rows + r] > M) M = mx[p * rows + r];
+        for (int p = 0; p < parts; p++) {
+            const int pr = p * rows + r;
+            if (sum[pr] <= 0.f) continue;     /* a part with no positions */
+            const float w = expf(mx[pr] - M);
+            total += w * sum[pr];
+            for (int d = 0; d < D; d++) o[d] += w * acc[pr][d];
         }
+        const float inv = 1.f / total;
+        const size_t row = (size_t)b * H + qh0 + r;
+        for (int d = 0; d < D; d++) {
+            if (bf16) ((uint16_t *)out)[row * D + d] = f32_to_bf16(o[d] * inv);
+            else ((float *)out)[row * D + d] = o[d] * inv;
+        }
+    }
 }
 
 int paged_decode(const void *q, int q_stride, const void *k, const void *v, void *out, int bf16, const int32_t *tables,
@@ -200,29 +217,51 @@ int paged_decode(const void *q, int q_stride, const void *k, const void *v, void
     if (block_size <= 0 || (block_size & (block_size - 1))) return -1;
     /* block_size is a power of two: shifts and masks, not two integer divisions per position */
     const int bs_shift = __builtin_ctz(block_size), bs_mask = block_size - 1;
-    /* Enough requests to keep every thread busy: one item per request, all heads. Otherwise (a single stream)
-     * one item per (request, kv head), so the heads spread over the threads. */
+    /* Work units: with enough requests to keep every thread busy, one per request with all its heads; otherwise
+     * one per (request, kv head). Too few units even so (a single stream: 1 x KV), and each unit's positions
+     * are split into parts that run in parallel and are merged after (flash-decoding), parts of >= 64. */
     const int per_head = B < 2 * num_threads;
-    const int items = per_head ? B * KV : B;
-    int status = 0;
+    const int units = per_head ? B * KV : B, rows = per_head ? G : H;
+    int parts = units < 2 * num_threads ? (2 * num_threads + units - 1) / units : 1;
+    if (parts > max_len / 64) parts = max_len / 64 > 1 ? max_len / 64 : 1;
+    const int items = units * parts;
+    float(*acc)[MAX_D] = malloc(sizeof(float) * MAX_D * (size_t)items * rows);
+    float *mx = malloc(sizeof(float) * (size_t)items * rows), *sum = malloc(sizeof(float) * (size_t)items * rows);
+    int status = (acc && mx && sum) ? 0 : -2;
+    if (status == 0) {
 #pragma omp parallel num_threads(num_threads)
-    {
-        const int rows = per_head ? G : H;
-        float *scores = (float *)malloc(sizeof(float) * (size_t)rows * ((size_t)max_len + 4));
-        float(*qf)[MAX_D] = malloc(sizeof(float) * MAX_D * (size_t)rows);
-        float(*acc)[MAX_D] = malloc(sizeof(float) * MAX_D * (size_t)rows);
-        if (!scores || !qf || !acc) status = -2;
+        {
+            float *scores = (float *)malloc(sizeof(float) * (size_t)rows * ((size_t)max_len + 4));
+            float(*qf)[MAX_D] = malloc(sizeof(float) * MAX_D * (size_t)rows);
+            if (!scores || !qf) status = -2;
 #pragma omp for schedule(dynamic, 1)
-        for (int item = 0; item < items; item++) {
-            if (!scores || !qf || !acc) continue;
-            const int b = per_head ? item / KV : item;
-            const int h0 = per_head ? item % KV : 0, h1 = per_head ? h0 + 1 : KV;
-            attend(q, q_stride, k, v, out, bf16, tables + (size_t)b * max_blocks, starts[b], lens[b] - starts[b],
-                   b, h0, h1, H, KV, D, G, bs_shift, bs_mask, scale, scores, qf, acc);
+            for (int item = 0; item < items; item++) {
+                if (!scores || !qf) continue;
+                const int unit = item / parts, p = item % parts;
+                const int b = per_head ? unit / KV : unit, h0 = per_head ? unit % KV : 0;
+                const int n = lens[b] - starts[b], chunk = (n + parts - 1) / parts;
+                const int first = p * chunk, count = n - first < chunk ? n - first : chunk;
+                const size_t at = (size_t)item * rows;
+                if (count <= 0) {             /* a short context split into more parts than it fills */
+                    for (int r = 0; r < rows; r++) sum[at + r] = 0.f;
+                    continue;
+                }
+                attend(q, q_stride, k, v, bf16, tables + (size_t)b * max_blocks, starts[b] + first, count, b, h0,
+                       per_head ? h0 + 1 : KV, KV, D, G, bs_shift, bs_mask, scale, scores, qf, acc + at, mx + at,
+                       sum + at);
+            }
+#pragma omp for schedule(static)
+            for (int unit = 0; unit < units; unit++) {
+                const int b = per_head ? unit / KV : unit, h0 = per_head ? unit % KV : 0;
+                const size_t at = (size_t)unit * parts * rows;
+                combine(out, bf16, b, h0 * G, rows, H, D, parts, acc + at, mx + at, sum + at);
+            }
+            free(scores);
+            free(qf);
         }
-        free(scores);
-        free(qf);
-        free(acc);
     }
+    free(acc);
+    free(mx);
+    free(sum);
     return status;
 }
