@@ -16,6 +16,7 @@
 
 #define QK 32
 #define MAX_B 8
+#define PREFETCH_ROWS 16
 
 typedef float v16f __attribute__((vector_size(64)));
 
@@ -72,6 +73,20 @@ static inline __attribute__((always_inline)) void rows(int q4, const float *x, i
                                                        float *y, int n0, int R) {
     const int nb = K / QK;
     const size_t row_bytes = q4 ? (size_t)K / 2 : (size_t)K;
+    /* Ask for the rows PREFETCH_ROWS ahead now: one core alone only keeps ~10 misses in flight and read its
+     * rows at ~6 GB/s; with the next rows already on their way it streams. Past the end of the task's range
+     * this touches the next range's rows (or beyond N: a prefetch never faults). */
+    {
+        const size_t ahead = (size_t)n0 + PREFETCH_ROWS;
+        if (ahead + R <= (size_t)N) {
+            const char *c = (const char *)codes + ahead * row_bytes;
+            for (size_t off = 0; off < (size_t)R * row_bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+            for (size_t off = 0; off < (size_t)R * nb * 4; off += 64) {
+                __builtin_prefetch((const char *)(d + ahead * nb) + off, 0, 3);
+                if (m) __builtin_prefetch((const char *)(m + ahead * nb) + off, 0, 3);
+            }
+        }
+    }
     v16f acc[4][MAX_B];   /* fully unrolled below, so these live in registers */
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
