@@ -1,7 +1,6 @@
-"""Builds our C kernels (attention, quantised matmul) into shared libraries with the system C compiler.
-
-Each library is compiled once per machine into ~/.cache/tokenmill (keyed by the source, the CPU flags and the
-compiler), in well under a second; a caller gets None when no compiler is found and falls back to torch."""
+"""Builds our C kernels (csrc/: paged decode attention, quantised-block matmul, fused layer ops) into one shared
+library with the system C compiler, once per machine, into ~/.cache/tokenmill (keyed by the sources, the CPU
+flags and the compiler), in about a second. Callers get None where that cannot be done and fall back to torch."""
 from __future__ import annotations
 
 import ctypes
@@ -12,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
@@ -36,33 +36,54 @@ def _openmp_link_flags() -> list[str]:
     return ["-fopenmp"]
 
 
-def build_library(source: Path, what: str) -> Optional[ctypes.CDLL]:
-    """Compile `source` (or reuse the cached build) and load it; None, with a note on stderr, when we cannot.
-    `what` names the kernel in that note."""
+SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
+
+_P, _I, _F, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64
+# every exported kernel: (argument types, return type)
+_SIGNATURES: dict[str, tuple[list, object]] = {
+    "paged_decode": ([_P, _I, _P, _P, _P, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _I, _I], _I),
+    "decode_attention": ([_P, _I, _P, _P, _P, _I64, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _I, _I], _I),
+    "qmatmul": ([_I, _P, _I, _I, _I, _P, _P, _P, _P, _I], _I),
+    "add_rms_norm": ([_P, _P, _P, _P, _I, _I, _F, _I, _I], None),
+    "rotary": ([_P, _P, _P, _I, _I, _I, _I, _I], None),
+    "silu_mul": ([_P, _P, _I, _I, _I], None),
+    "write_kv": ([_P, _P, _I, _P, _P, _P, _I, _I, _I64], _I),
+}
+
+
+@lru_cache(maxsize=1)
+def kernels() -> Optional[ctypes.CDLL]:
+    """Our C kernels (csrc/*.c, one library), built on first use; None, with a note on stderr, when they cannot
+    be built here (no compiler, or TOKENMILL_NO_C_KERNEL set) and every caller falls back to torch."""
     if os.environ.get("TOKENMILL_NO_C_KERNEL"):
         return None
     cc = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
     if cc is None:
-        print(f"tokenmill: no C compiler found; {what} falls back to torch", file=sys.stderr)
+        print("tokenmill: no C compiler found; using the torch versions of the CPU kernels", file=sys.stderr)
         return None
-    src = source.read_bytes()
-    key = hashlib.sha256(src + _cpu_id().encode() + cc.encode()).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + _cpu_id().encode() + cc.encode())
     cache = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
-    lib = cache / f"{source.stem}-{key}.so"
+    lib = cache / f"kernels-{key.hexdigest()[:16]}.so"
     if not lib.exists():
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            obj, out = Path(tmp) / "kernel.o", Path(tmp) / lib.name
-            steps = [[cc, "-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c", str(source), "-o", str(obj)],
-                     [cc, "-shared", str(obj), "-o", str(out), "-lm", *_openmp_link_flags()]]
+            objs = [Path(tmp) / f"{src.stem}.o" for src in SOURCES]
+            out = Path(tmp) / lib.name
+            steps = [[cc, "-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-c", str(src), "-o", str(obj)]
+                     for src, obj in zip(SOURCES, objs)]
+            steps.append([cc, "-shared", *map(str, objs), "-o", str(out), "-lm", *_openmp_link_flags()])
             for cmd in steps:
                 res = subprocess.run(cmd, capture_output=True, text=True)
                 if res.returncode != 0:
-                    print(f"tokenmill: could not build the C kernel for {what} ({res.stderr.strip()[:300]}); "
-                          f"it falls back to torch", file=sys.stderr)
+                    print(f"tokenmill: could not build the C kernels ({res.stderr.strip()[:300]}); "
+                          f"using their torch versions", file=sys.stderr)
                     return None
             os.replace(out, lib)      # atomic: concurrent processes never load a half-written file
-    return ctypes.CDLL(str(lib))
+    dll = ctypes.CDLL(str(lib))
+    for name, (args, ret) in _SIGNATURES.items():
+        fn = getattr(dll, name)
+        fn.argtypes, fn.restype = args, ret
+    return dll
 
 
 _MADV_HUGEPAGE = 14

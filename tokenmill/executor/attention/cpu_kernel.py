@@ -1,31 +1,19 @@
-"""Builds and calls the C paged-decode kernel (csrc/paged_decode.c) through ctypes.
+"""Calls the C paged-decode kernel (executor/csrc/paged_decode.c) through ctypes.
 
 Built by tokenmill.executor.native; without a compiler the engine falls back to the torch backend."""
 from __future__ import annotations
 
 import ctypes
-from functools import lru_cache
-from pathlib import Path
 from typing import Optional
 
 import torch
 
-from tokenmill.executor.native import build_library
-
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
+from tokenmill.executor.native import kernels
 
 
-@lru_cache(maxsize=1)
 def load_kernel() -> Optional[ctypes.CDLL]:
-    """The compiled library, or None (with a note on stderr) when it cannot be built here."""
-    dll = build_library(SOURCE, "paged decode attention")
-    if dll is None:
-        return None
-    dll.paged_decode.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 3 \
-        + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int] \
-        + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
-    dll.paged_decode.restype = ctypes.c_int
-    return dll
+    """The compiled kernels, or None (with a note on stderr) when they cannot be built here."""
+    return kernels()
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,

@@ -1,35 +1,19 @@
-"""ctypes wrappers for csrc/cpu_ops.c: fused float32 CPU versions of the small per-layer ops.
+"""ctypes wrappers for executor/csrc/cpu_ops.c: fused float32 CPU versions of the small per-layer ops.
 
 Each wrapper returns None when it does not apply (not float32 on CPU, or no C compiler), and the caller then
-runs the torch version. Both are tested against each other in tests/test_cpu_ops.py."""
+runs the torch version. Both are tested against each other in tests/test_cpu_kernels.py."""
 from __future__ import annotations
 
 import ctypes
-from functools import lru_cache
-from pathlib import Path
 from typing import Optional
 
 import torch
 
-from tokenmill.executor.native import build_library
-
-SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.c"
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+from tokenmill.executor.native import kernels
 
 
-@lru_cache(maxsize=1)
 def lib() -> Optional[ctypes.CDLL]:
-    dll = build_library(SOURCE, "fused layer ops")
-    if dll is None:
-        return None
-    for name, args in {"add_rms_norm": [_P, _P, _P, _P, _I, _I, _F, _I, _I],
-                       "rotary": [_P, _P, _P, _I, _I, _I, _I, _I],
-                       "silu_mul": [_P, _P, _I, _I, _I],
-                       "write_kv": [_P, _P, _I, _P, _P, _P, _I, _I, ctypes.c_int64]}.items():
-        fn = getattr(dll, name)
-        fn.argtypes, fn.restype = args, None
-    dll.write_kv.restype = ctypes.c_int
-    return dll
+    return kernels()
 
 
 def _usable(*ts: torch.Tensor) -> Optional[ctypes.CDLL]:

@@ -1,23 +1,21 @@
 """Weights kept in llama.cpp's quantised blocks (Q4_0, Q4_1, Q8_0) for small-batch matmuls.
 
 A GGUF checkpoint's weights are dequantised to float for the dense path (prefill, big batches); the blocks
-are also kept, repacked for csrc/qmatmul.c, and a decode step with few rows reads those instead: 5 bits a
+are also kept, repacked for executor/csrc/qmatmul.c, and a decode step with few rows reads those instead: 5 bits a
 weight for Q4_1 rather than 32, and the step is bound by reading weights. The kernel computes with exactly
 the dequantised values (d * code + m), so the two paths differ only in float32 summation order."""
 from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
-from pathlib import Path
+from functools import cached_property
 from typing import Optional
 
 import numpy as np
 import torch
 
-from tokenmill.executor.native import build_library
+from tokenmill.executor.native import kernels
 
-SOURCE = Path(__file__).parent / "csrc" / "qmatmul.c"
 BLOCK = 32
 MAX_ROWS = 8            # the kernel's limit on rows of x per call; more rows go to the dense GEMM
 PACKABLE = ("Q4_0", "Q4_1", "Q8_0")
@@ -90,15 +88,8 @@ def permute_rows(p: PackedWeight, fn) -> PackedWeight:
                         None if p.offset is None else fn(p.offset).contiguous(), p.shape)
 
 
-@lru_cache(maxsize=1)
 def load_kernel() -> Optional[ctypes.CDLL]:
-    dll = build_library(SOURCE, "quantised matmul")
-    if dll is None:
-        return None
-    dll.qmatmul.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int] \
-        + [ctypes.c_void_p] * 4 + [ctypes.c_int]
-    dll.qmatmul.restype = ctypes.c_int
-    return dll
+    return kernels()
 
 
 def qmatmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:

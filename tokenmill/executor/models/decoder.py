@@ -40,6 +40,11 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         T, H = x.shape[0], self.num_heads
         qkv = self.qkv_proj(x)
+        if self.q_norm is None:
+            o = backend.decode_fused(qkv, H, self.num_kv_heads, self.head_dim, rope, self.k_cache, self.v_cache,
+                                     meta, self.scale)
+            if o is not None:
+                return self.o_proj(o.view(T, self.q_size))
         # q and k side by side as [T, H + KV, D], so one rotation covers both
         qk = qkv[:, :self.q_size + self.kv_size].view(T, H + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
