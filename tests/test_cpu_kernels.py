@@ -14,7 +14,7 @@ from tests.test_gguf import _write_tiny
 from tokenmill import LLM, SamplingParams
 from tokenmill.executor.layers import cpu_ops
 from tokenmill.executor.layers.linear import Linear
-from tokenmill.executor.layers.quant import MAX_ROWS, load_kernel, pack_ggml, qmatmul
+from tokenmill.executor.layers.quant import MAX_ROWS, PACKED_MAX_ROWS, load_kernel, pack_ggml, qmatmul
 from tokenmill.executor.layers.rotary import apply_rotary
 
 pytestmark = pytest.mark.skipif(load_kernel() is None or cpu_ops.lib() is None, reason="no C compiler")
@@ -44,7 +44,7 @@ def test_pack_dequantizes_like_gguf(qtype: str) -> None:
 @pytest.mark.parametrize("n,k", [(1, 32), (5, 96), (37, 64), (130, 160)])
 def test_qmatmul_matches_dense(qtype: str, n: int, k: int) -> None:
     p, ref = _packed(qtype, n, k, seed=n + k)
-    for b in range(1, MAX_ROWS + 1):
+    for b in [*range(1, 10), 15, 16, 17, 33, MAX_ROWS]:   # 8 inputs a pass: whole, partial and several passes
         x = torch.randn(b, k, generator=torch.Generator().manual_seed(b))
         torch.testing.assert_close(qmatmul(x, p), x @ ref.t(), rtol=1e-5, atol=1e-5)
 
@@ -63,12 +63,12 @@ def test_linear_uses_blocks_for_few_rows_only() -> None:
     lin = Linear(64, 48)
     lin.weight.data.copy_(ref)
     lin.finalize()
-    dense = [lin(torch.randn(r, 64)) for r in (1, MAX_ROWS + 3)]   # reference outputs, no blocks yet
+    dense = [lin(torch.randn(r, 64)) for r in (1, PACKED_MAX_ROWS + 3)]   # reference outputs, no blocks yet
     lin.packed = p
-    x1, xb = torch.randn(1, 64), torch.randn(MAX_ROWS + 3, 64)
+    x1, xb = torch.randn(1, 64), torch.randn(PACKED_MAX_ROWS + 3, 64)
     torch.testing.assert_close(lin(x1), x1 @ ref.t(), rtol=1e-5, atol=1e-5)
     assert torch.equal(lin(xb), xb @ lin.weight_t)                  # many rows: the dense GEMM, bit for bit
-    assert [d.shape for d in dense] == [(1, 48), (MAX_ROWS + 3, 48)]
+    assert [d.shape for d in dense] == [(1, 48), (PACKED_MAX_ROWS + 3, 48)]
 
 
 @pytest.mark.parametrize("rows", [1, 3, 100])

@@ -15,7 +15,8 @@
 #include <string.h>
 
 #define QK 32
-#define MAX_B 8
+#define MAX_B 8      /* inputs per pass over a row group (accumulators in registers) */
+#define MAX_ROWS 64  /* inputs per call */
 #define PREFETCH_ROWS 16
 
 typedef float v16f __attribute__((vector_size(64)));
@@ -68,15 +69,15 @@ static inline __attribute__((always_inline)) void q8_block(const int8_t *codes, 
 
 /* R rows against B inputs: R * B independent accumulators, so a single input still keeps several FMA chains
  * in flight. R and B are compile-time constants at each call site (the switch below). */
-static inline __attribute__((always_inline)) void rows(int q4, const float *x, int B, int K,
+static inline __attribute__((always_inline)) void rows(int q4, const float *x, int XB, int B, int K,
                                                        int N, const uint8_t *codes, const float *d, const float *m,
-                                                       float *y, int n0, int R) {
+                                                       float *y, int n0, int R, int prefetch) {
     const int nb = K / QK;
     const size_t row_bytes = q4 ? (size_t)K / 2 : (size_t)K;
     /* Ask for the rows PREFETCH_ROWS ahead now: one core alone only keeps ~10 misses in flight and read its
      * rows at ~6 GB/s; with the next rows already on their way it streams. Past the end of the task's range
      * this touches the next range's rows (or beyond N: a prefetch never faults). */
-    {
+    if (prefetch) {
         const size_t ahead = (size_t)n0 + PREFETCH_ROWS;
         if (ahead + R <= (size_t)N) {
             const char *c = (const char *)codes + ahead * row_bytes;
@@ -101,7 +102,7 @@ static inline __attribute__((always_inline)) void rows(int q4, const float *x, i
             else q8_block((const int8_t *)codes + n * row_bytes + (size_t)i * 32, d[n * nb + i], &lo, &hi);
 #pragma GCC unroll 8
             for (int b = 0; b < B; b++) {
-                const float *xb = x + ((size_t)i * B + b) * QK;   /* x blocked as [K/32][B][32] */
+                const float *xb = x + ((size_t)i * XB + b) * QK;  /* x blocked as [K/32][XB][32] */
                 acc[r][b] = fma16(hi, load16(xb + 16), fma16(lo, load16(xb), acc[r][b]));
             }
         }
@@ -112,30 +113,41 @@ static inline __attribute__((always_inline)) void rows(int q4, const float *x, i
     }
 }
 
-/* Rows n0 .. n0+count-1 (count a multiple of 4 except at the end), for B inputs. */
-static inline __attribute__((always_inline)) void row_range(int q4, const float *x, int B, int K, int N, const uint8_t *codes,
-                      const float *d, const float *m, float *y, int n0, int count) {
-    int n = n0;
-#define RUN(BC, RC)                                                                                    \
-    for (; n + (RC) <= n0 + count; n += (RC)) rows(q4, x, BC, K, N, codes, d, m, y, n, RC);       \
-    for (; n < n0 + count; n++) rows(q4, x, BC, K, N, codes, d, m, y, n, 1);
-    switch (B) {
-        case 1: RUN(1, 4) break;
-        case 2: RUN(2, 4) break;
-        case 3: RUN(3, 2) break;
-        case 4: RUN(4, 2) break;
-        case 5: RUN(5, 2) break;
-        case 6: RUN(6, 2) break;
-        case 7: RUN(7, 2) break;
-        default: RUN(8, 2) break;
+/* One group of RC rows against all XB inputs, MAX_B at a time: the group's codes (a few KB) stay in L1 while
+ * each chunk of inputs passes over them, so more inputs cost FMAs, not weight reads. */
+#define GROUP(RC)                                                                                       \
+    for (int c0 = 0; c0 < XB; c0 += MAX_B) {                                                        \
+        const float *xc = x + (size_t)c0 * QK;                                                      \
+        float *yc = y + (size_t)c0 * N;                                                             \
+        switch (XB - c0 < MAX_B ? XB - c0 : MAX_B) {                                                \
+            case 1: rows(q4, xc, XB, 1, K, N, codes, d, m, yc, n, RC, c0 == 0); break;              \
+            case 2: rows(q4, xc, XB, 2, K, N, codes, d, m, yc, n, RC, c0 == 0); break;              \
+            case 3: rows(q4, xc, XB, 3, K, N, codes, d, m, yc, n, RC, c0 == 0); break;              \
+            case 4: rows(q4, xc, XB, 4, K, N, codes, d, m, yc, n, RC, c0 == 0); break;              \
+            case 5: rows(q4, xc, XB, 5, K, N, codes, d, m, yc, n, RC, c0 == 0); break;              \
+            case 6: rows(q4, xc, XB, 6, K, N, codes, d, m, yc, n, RC, c0 == 0); break;              \
+            case 7: rows(q4, xc, XB, 7, K, N, codes, d, m, yc, n, RC, c0 == 0); break;              \
+            default: rows(q4, xc, XB, 8, K, N, codes, d, m, yc, n, RC, c0 == 0); break;             \
+        }                                                                                           \
     }
-#undef RUN
-}
 
-/* y = x @ w^T for B <= MAX_B rows of x. Returns 0, or a negative status for arguments it cannot take. */
+/* Rows n0 .. n0+count-1 for XB inputs: groups of 4 rows for one or two inputs (more FMA chains in flight),
+ * of 2 otherwise (registers: 2 rows x 8 inputs of accumulators), single rows at the end. */
+static inline __attribute__((always_inline)) void row_range(int q4, const float *x, int XB, int K, int N,
+                                                            const uint8_t *codes, const float *d, const float *m,
+                                                            float *y, int n0, int count) {
+    int n = n0;
+    if (XB <= 2)
+        for (; n + 4 <= n0 + count; n += 4) GROUP(4)
+    for (; n + 2 <= n0 + count; n += 2) GROUP(2)
+    for (; n < n0 + count; n++) GROUP(1)
+}
+#undef GROUP
+
+/* y = x @ w^T for B <= MAX_ROWS rows of x. Returns 0, or a negative status for arguments it cannot take. */
 int qmatmul(int q4, const float *x, int B, int K, int N, const uint8_t *codes, const float *d, const float *m,
             float *y, int num_threads) {
-    if (B < 1 || B > MAX_B || K % QK != 0 || N < 1) return -1;
+    if (B < 1 || B > MAX_ROWS || K % QK != 0 || N < 1) return -1;
     /* x as [K/32][B][32]: the B slices a block multiplies sit together instead of K floats apart (at K = 1536
      * those strides alias in L1 and B = 8 ran 3x slower) */
     float *xt = (float *)malloc(sizeof(float) * (size_t)B * K);
