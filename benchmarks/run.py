@@ -54,6 +54,22 @@ def weight_bytes(dtype_bytes: int) -> int:
     return int(sh([PY, "-c", code]).strip()) * dtype_bytes
 
 
+def packed_bytes_per_step() -> int:
+    """Bytes of weights tokenmill's single-stream decode step reads: the GGUF blocks (codes, scales, offsets)
+    where a matrix has them, dense float32 where not; embeddings read one row, so they do not count."""
+    code = ("from tokenmill import LLM\n"
+            "from tokenmill.executor.layers.linear import Linear\n"
+            "m = LLM().llm_engine.model; n = 0\n"
+            "def size(p): return sum(t.numel() * t.element_size() for t in (p.codes, p.scale, p.offset) if t is not None)\n"
+            "for mod in m.modules():\n"
+            "    if isinstance(mod, Linear):\n"
+            "        n += size(mod.packed) if mod.packed is not None else mod.weight_t.numel() * 4\n"
+            "h = m.tied_head_packed\n"
+            "n += size(h) if h is not None else m.config.vocab_size * m.config.hidden_size * 4\n"
+            "print(n)")
+    return int(sh([PY, "-c", code]).strip().splitlines()[-1])
+
+
 def startup() -> dict:
     code = ("import time; t=time.perf_counter(); from tokenmill import LLM; llm=LLM(); "
             "print(time.perf_counter()-t)")
@@ -134,6 +150,8 @@ def main() -> None:
                      "read_bandwidth_gbs": bw,
                      "bf16_memory_limit_tok_s": bw * 1e9 / (2 * n_params),
                      "fp32_memory_limit_tok_s": bw * 1e9 / (4 * n_params)}
+    ours_bytes = packed_bytes_per_step()
+    res["single"]["tokenmill"].update(weight_bytes_per_step=ours_bytes, own_memory_limit_tok_s=bw * 1e9 / ours_bytes)
     if not a.skip_vllm:
         py = PEERS / "vllm" / "bin" / "python"
         res["single"]["vllm"] = last_json(sh([py, ROOT / "benchmarks" / "peer_latency_vllm.py", hf_dir, 256, 256],
@@ -168,6 +186,10 @@ def report(res: dict) -> None:
     print(f"single stream: tokenmill TTFT {s['tokenmill']['ttft_ms']:.0f} ms, decode {d:.1f} tok/s; "
           f"bf16 memory limit {s['bf16_memory_limit_tok_s']:.0f} tok/s (ratio {d / s['bf16_memory_limit_tok_s']:.2f}), "
           f"fp32 limit {s['fp32_memory_limit_tok_s']:.0f}")
+    if "own_memory_limit_tok_s" in s["tokenmill"]:
+        print(f"  tokenmill reads {s['tokenmill']['weight_bytes_per_step'] / 1e6:.0f} MB of weights a step (GGUF "
+              f"blocks): its own limit {s['tokenmill']['own_memory_limit_tok_s']:.0f} tok/s "
+              f"(ratio {d / s['tokenmill']['own_memory_limit_tok_s']:.2f})")
     for peer in ("vllm", "llama.cpp"):
         if peer in s:
             print(f"  {peer:10s} TTFT {s[peer]['ttft_ms']:.0f} ms, decode {s[peer]['decode_tok_s']:.1f} tok/s "
