@@ -141,3 +141,23 @@ def test_engine_on_quantised_gguf_matches_dequantised_weights(tmp_path: Path) ->
             (ta, pa), = la.items()
             (tb, pb), = lb.items()
             assert ta == tb and abs(pa.logprob - pb.logprob) < 1e-4
+
+
+def test_fused_decode_layer_matches_layer_by_layer() -> None:
+    """The bundled Q4_1 GGUF qualifies for the one-call decode layer; with it and without it (the same kernels
+    called one by one from Python), greedy ids are equal and logprobs agree."""
+    llm = LLM(dtype="float32", kv_cache_memory_gb=0.1, max_model_len=512, enable_prefix_caching=False)
+    layers = llm.llm_engine.model.layers
+    assert all(layer.fused is not None for layer in layers)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+    fused = llm.generate(prompts, sp, use_tqdm=False)
+    for layer in layers:
+        layer.fused = None
+    plain = llm.generate(prompts, sp, use_tqdm=False)
+    for a, b in zip(fused, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            (ta, pa), = la.items()
+            (tb, pb), = lb.items()
+            assert ta == tb and abs(pa.logprob - pb.logprob) < 1e-4

@@ -18,6 +18,7 @@ from tokenmill.executor.layers.linear import Linear
 from tokenmill.executor.layers.quant import PACKED_MAX_ROWS, PackedWeight, concat_rows, qmatmul
 from tokenmill.executor.layers.norm import RMSNorm
 from tokenmill.executor.layers.rotary import RotaryEmbedding, apply_rotary
+from tokenmill.executor.models.fused_decode import FusedDecodeLayer
 
 Rope = tuple[torch.Tensor, torch.Tensor]   # cos, sin [T, 1, head_dim] of this step's positions
 
@@ -81,11 +82,16 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.fused: Optional[FusedDecodeLayer] = None   # set by load_packed() when the C layer call applies
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], rope: Rope, backend: AttentionBackend,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """vLLM's residual form: x is the previous layer's MLP output (the embeddings, with residual None, on
         the first layer) and residual the running sum before it. Returns this layer's (MLP output, residual)."""
+        if self.fused is not None:
+            done = self.fused.run(x, residual, rope, meta, self.self_attn.k_cache, self.self_attn.v_cache)
+            if done is not None:
+                return done
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
@@ -171,6 +177,8 @@ class DecoderForCausalLM(nn.Module):
                 continue
             module.packed = concat_rows([got[i] for i in sorted(got)])
             packed += module.packed is not None
+        for layer in self.layers:
+            layer.fused = FusedDecodeLayer.build(layer)
         return packed + (self.tied_head_packed is not None)
 
     def bind_kv_cache(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
