@@ -105,6 +105,18 @@ static inline void prefetch_row(const void *base, const int32_t *table, int pos,
     for (size_t off = 0; off < (size_t)NH * D * es; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
+/* Slots of positions start+i .. start+i+3 (the last real one repeated past n: its weight is zero), asking for
+ * base's rows PREFETCH_AHEAD positions further on. */
+static inline void slots4(size_t *slot, const void *base, const int32_t *table, int start, int i, int n,
+                          int bs_shift, int bs_mask, int KV, int h0, int NH, int D, int bf16) {
+    for (int j = 0; j < 4; j++) {
+        const int pos = start + (i + j < n ? i + j : n - 1);
+        slot[j] = ((size_t)table[pos >> bs_shift] << bs_shift) + (pos & bs_mask);
+        if (i + j + PREFETCH_AHEAD < n)
+            prefetch_row(base, table, start + i + j + PREFETCH_AHEAD, bs_shift, bs_mask, KV, h0, NH, D, bf16);
+    }
+}
+
 /* Request b, kv heads h0 .. h1-1. Each group of four positions is read for all those heads together: with
  * h0 = 0, h1 = KV that walks each cache row (KV * D values) front to back, one contiguous stream per block,
  * instead of one strided pass per head (at 64 requests the strided order ran at a third of the bandwidth). */
@@ -128,12 +140,7 @@ static void attend(const void *q, int q_stride, const void *k, const void *v, in
     for (int j = 0; j < PREFETCH_AHEAD && j < n; j++)
         prefetch_row(k, table, start + j, bs_shift, bs_mask, KV, h0, NH, D, bf16);
     for (int i = 0; i < n; i += 4) {      /* scores = q . k, four positions at a time */
-        for (int j = 0; j < 4; j++) {
-            const int pos = start + (i + j < n ? i + j : n - 1);
-            slot[j] = ((size_t)table[pos >> bs_shift] << bs_shift) + (pos & bs_mask);
-            if (i + j + PREFETCH_AHEAD < n)
-                prefetch_row(k, table, start + i + j + PREFETCH_AHEAD, bs_shift, bs_mask, KV, h0, NH, D, bf16);
-        }
+        slots4(slot, k, table, start, i, n, bs_shift, bs_mask, KV, h0, NH, D, bf16);
         for (int h = h0; h < h1; h++) {
             const float *kr[4];
             float s4[MAX_G * 4];
@@ -165,12 +172,7 @@ static void attend(const void *q, int q_stride, const void *k, const void *v, in
     for (int j = 0; j < PREFETCH_AHEAD && j < n; j++)   /* V's first rows, while the softmax runs */
         prefetch_row(v, table, start + j, bs_shift, bs_mask, KV, h0, NH, D, bf16);
     for (int i = 0; i < n; i += 4) {      /* weighted sum of values, four positions at a time */
-        for (int j = 0; j < 4; j++) {
-            const int pos = start + (i + j < n ? i + j : n - 1);
-            slot[j] = ((size_t)table[pos >> bs_shift] << bs_shift) + (pos & bs_mask);
-            if (i + j + PREFETCH_AHEAD < n)
-                prefetch_row(v, table, start + i + j + PREFETCH_AHEAD, bs_shift, bs_mask, KV, h0, NH, D, bf16);
-        }
+        slots4(slot, v, table, start, i, n, bs_shift, bs_mask, KV, h0, NH, D, bf16);
         for (int h = h0; h < h1; h++) {
             const float *vr[4];
             for (int j = 0; j < 4; j++) vr[j] = row(v, slot[j] * KV + h, D, bf16, buf[j]);
