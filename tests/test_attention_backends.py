@@ -33,8 +33,8 @@ CASES = {"mixed": ([1, 9, 37, 64, 5, 50], [1, 1, 1, 1, 5, 13]), "decode1": ([45]
 @pytest.mark.parametrize("backend", ["batched", "cpu"])
 def test_backend_matches_reference(backend, window, dtype, case):
     if backend == "cpu":
-        from tokenmill.executor.attention.cpu_kernel import load_kernel
-        if load_kernel() is None:
+        from tokenmill.executor.native import kernels
+        if kernels() is None:
             pytest.skip("no C compiler: the cpu kernel backend is not available here")
     H, KV, D, bs, nblocks = 6, 2, 32, 4, 200
     ctx, qn = CASES[case]
@@ -55,8 +55,8 @@ def test_backend_matches_reference(backend, window, dtype, case):
 
 
 def test_cpu_backend_token_exact(tiny_llama):
-    from tokenmill.executor.attention.cpu_kernel import load_kernel
-    if load_kernel() is None:
+    from tokenmill.executor.native import kernels
+    if kernels() is None:
         pytest.skip("no C compiler: the cpu kernel backend is not available here")
     prompts = random_prompts([5, 33, 70, 12, 1, 48], seed=11)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -72,9 +72,9 @@ def test_cpu_backend_token_exact(tiny_llama):
 def test_cpu_fused_decode_matches_rotary_then_reference(ctx):
     """The C backend's one-call decode (rotary + KV write + attention from the fused qkv rows) against rotating
     in torch and the reference backend: same output, same caches."""
-    from tokenmill.executor.attention.cpu_kernel import load_kernel
+    from tokenmill.executor.native import kernels
     from tokenmill.executor.layers.rotary import apply_rotary
-    if load_kernel() is None:
+    if kernels() is None:
         pytest.skip("no C compiler: the cpu kernel backend is not available here")
     H, KV, D, bs, nblocks = 6, 2, 32, 4, 200
     torch.manual_seed(1)

@@ -14,10 +14,11 @@ from tests.test_gguf import _write_tiny
 from tokenmill import LLM, SamplingParams
 from tokenmill.executor.layers import cpu_ops
 from tokenmill.executor.layers.linear import Linear
-from tokenmill.executor.layers.quant import MAX_ROWS, PACKED_MAX_ROWS, load_kernel, pack_ggml, qmatmul
+from tokenmill.executor.layers.quant import MAX_ROWS, PACKED_MAX_ROWS, pack_ggml, qmatmul
+from tokenmill.executor.native import kernels
 from tokenmill.executor.layers.rotary import apply_rotary
 
-pytestmark = pytest.mark.skipif(load_kernel() is None or cpu_ops.lib() is None, reason="no C compiler")
+pytestmark = pytest.mark.skipif(kernels() is None, reason="no C compiler")
 QTYPES = ["Q4_0", "Q4_1", "Q8_0"]
 
 

@@ -78,8 +78,8 @@ def load_model(path: str, mc: ModelConfig, dtype: torch.dtype, device: torch.dev
     model.load_weights(ckpt.tensors())
     model.finalize()
     if quantized_kernels and ckpt.packed is not None and device.type == "cpu":
-        from tokenmill.executor.layers.quant import load_kernel
-        if load_kernel() is not None:
+        from tokenmill.executor.native import kernels
+        if kernels() is not None:
             model.load_packed(ckpt.packed())
     return model.eval()
 

@@ -42,7 +42,7 @@ _P, _I, _F, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64
 # every exported kernel: (argument types, return type)
 _SIGNATURES: dict[str, tuple[list, object]] = {
     "paged_decode": ([_P, _I, _P, _P, _P, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _I, _I], _I),
-    "decode_attention": ([_P, _I, _P, _P, _P, _I64, _P, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _I, _I], _I),
+    "decode_attention": ([_P, _I, _P, _P, _P, _P, _I64, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _I, _I], _I),
     "qmatmul": ([_I, _P, _I, _I, _I, _P, _P, _P, _P, _I], _I),
     "decode_layer": ([_P, _P, _P, _I, _P, _P, _P, _P, _I64, _P, _P, _P, _I, _P, _P, _I, _I, _F, _I, _I], _I),
     "add_rms_norm": ([_P, _P, _P, _P, _I, _I, _F, _I, _I], None),
@@ -50,6 +50,15 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "silu_mul": ([_P, _P, _I, _I, _I], None),
     "write_kv": ([_P, _P, _I, _P, _P, _P, _I, _I, _I64], _I),
 }
+
+
+def check(status: int, what: str) -> None:
+    """Raise for a kernel's non-zero status: -3 is a KV slot outside the cache (what indexing in torch would
+    raise), anything else a failure of `what`."""
+    if status == -3:
+        raise IndexError("KV slot out of range of the cache")
+    if status != 0:
+        raise RuntimeError(f"{what} kernel failed with status {status}")
 
 
 @lru_cache(maxsize=1)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from tokenmill.executor.attention.cpu_kernel import paged_decode
 from tokenmill.executor.layers import cpu_ops
-from tokenmill.executor.native import kernels
+from tokenmill.executor.native import check, kernels
 
 
 @dataclass
@@ -84,13 +84,27 @@ class AttentionBackend:
             v_cache[meta.slot_mapping] = v
         return self._attend(q, k, v, k_cache, v_cache, meta, scale)
 
+    def decode_args(self, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata) -> Optional[tuple]:
+        """For a pure decode step that the C kernels can run whole (executor/csrc: decode_attention, and
+        decode_layer on top of it): the arguments they share, from cos to the context lengths. None where
+        this backend or this step cannot (then the caller rotates, writes and attends through forward())."""
+        return None
+
     def decode_fused(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
                      rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor,
                      meta: AttentionMetadata, scale: float) -> Optional[torch.Tensor]:
-        """Rotary, KV write and attention of a pure decode step in one call, from the fused qkv rows
-        [T, (H + 2 KV) * D] and rope = (cos, sin) [T, 1, D]; returns [T, H, D]. None where a backend cannot:
-        the caller then rotates q and k itself and calls forward()."""
-        return None
+        """Rotary, KV write and attention of a pure decode step in one C call, from the fused qkv rows
+        [T, (H + 2 KV) * D] and rope = (cos, sin) [T, 1, D]; returns [T, H, D], or None as decode_args."""
+        args = self.decode_args(rope, k_cache, v_cache, meta)
+        if args is None or qkv.dtype != torch.float32 or qkv.stride(1) != 1:
+            return None
+        T = qkv.shape[0]
+        out = torch.empty(T, num_heads, head_dim)
+        check(kernels().decode_attention(qkv.data_ptr(), qkv.stride(0), out.data_ptr(), *args, T, num_heads,
+                                         num_kv_heads, head_dim, meta.block_size, scale, meta.decode_max_len,
+                                         torch.get_num_threads()), "decode attention")
+        return out
 
     def _attend(self, q, k, v, k_cache, v_cache, meta, scale) -> torch.Tensor:
         raise NotImplementedError
@@ -199,25 +213,16 @@ class CpuKernelBackend(BatchedBackend):
         meta.decode_lens = torch.tensor([meta.seq_lens[i] for i in decode], dtype=torch.int32)
         meta.decode_max_len = int(max(meta.seq_lens[i] for i in decode))
 
-    def decode_fused(self, qkv, num_heads, num_kv_heads, head_dim, rope, k_cache, v_cache, meta, scale):
+    def decode_args(self, rope, k_cache, v_cache, meta):
         cos, sin = rope
-        if not meta.all_decode or qkv.dtype != torch.float32 or not qkv.is_cpu or qkv.stride(1) != 1 \
-                or cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()) \
-                or meta.slot_mapping.dtype != torch.int64 or not k_cache.is_contiguous():
+        if not meta.all_decode or cos.dtype != torch.float32 or not cos.is_cpu \
+                or not (cos.is_contiguous() and sin.is_contiguous()) or meta.slot_mapping.dtype != torch.int64 \
+                or k_cache.dtype != torch.float32 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             return None
-        T = qkv.shape[0]
-        out = torch.empty(T, num_heads, head_dim)
         tables = meta.decode_tables
-        rc = kernels().decode_attention(
-            qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(),
-            k_cache.shape[0], k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), tables.data_ptr(),
-            tables.shape[1], meta.decode_starts.data_ptr(), meta.decode_lens.data_ptr(), T, num_heads,
-            num_kv_heads, head_dim, meta.block_size, scale, meta.decode_max_len, torch.get_num_threads())
-        if rc == -3:
-            raise IndexError("KV slot out of range of the cache")
-        if rc != 0:
-            raise RuntimeError(f"decode attention kernel failed with status {rc}")
-        return out
+        return (cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(), k_cache.shape[0], k_cache.data_ptr(),
+                v_cache.data_ptr(), tables.data_ptr(), tables.shape[1], meta.decode_starts.data_ptr(),
+                meta.decode_lens.data_ptr())
 
     def _attend(self, q, k, v, k_cache, v_cache, meta, scale):
         if meta.all_decode:       # a pure decode step: no row gather or scatter around the kernel
@@ -237,13 +242,11 @@ def get_backend(name: str, device: torch.device, head_dim: int = 64, group: int 
     kernel_fits = head_dim % 8 == 0 and head_dim <= 256 and group <= 16
     if name == "auto":
         if device.type == "cpu" and kernel_fits:
-            from tokenmill.executor.attention.cpu_kernel import load_kernel
-            if load_kernel() is not None:
+            if kernels() is not None:
                 return CpuKernelBackend()
         return BatchedBackend()
     if name == "cpu":
-        from tokenmill.executor.attention.cpu_kernel import load_kernel
-        if load_kernel() is None:
+        if kernels() is None:
             raise ValueError("attention_backend='cpu' needs a C compiler (gcc) to build its kernel")
         if not kernel_fits:
             raise ValueError("attention_backend='cpu' needs head_dim a multiple of 8 (<= 256) and at most 16 "

@@ -24,8 +24,8 @@ int qmatmul(int q4, const float *x, int B, int K, int N, const uint8_t *codes, c
 void add_rms_norm(float *x, float *residual, const float *weight, float *out, int rows, int dim, float eps, int add,
                   int num_threads);
 void silu_mul(const float *gate_up, float *out, int rows, int inter, int num_threads);
-int decode_attention(float *qkv, int qkv_stride, const float *cos, const float *sin, const int64_t *slots,
-                     int64_t num_slots, float *k_cache, float *v_cache, float *out, const int32_t *tables,
+int decode_attention(float *qkv, int qkv_stride, float *out, const float *cos, const float *sin,
+                     const int64_t *slots, int64_t num_slots, float *k_cache, float *v_cache, const int32_t *tables,
                      int max_blocks, const int32_t *starts, const int32_t *lens, int B, int H, int KV, int D,
                      int block_size, float scale, int max_len, int num_threads);
 
@@ -51,7 +51,7 @@ int decode_layer(const layer_t *L, float *x, float *residual, int add, float *ou
         rc = mm(&L->qkv, h, B, hid, width, qkv, num_threads);
     }
     if (rc == 0)
-        rc = decode_attention(qkv, width, cos, sin, slots, num_slots, k_cache, v_cache, att, tables, max_blocks,
+        rc = decode_attention(qkv, width, att, cos, sin, slots, num_slots, k_cache, v_cache, tables, max_blocks,
                               starts, lens, B, L->heads, L->kv_heads, L->head_dim, block_size, scale, max_len,
                               num_threads);
     if (rc == 0) rc = mm(&L->o, att, B, q, hid, o, num_threads);

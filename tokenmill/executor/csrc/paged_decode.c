@@ -276,15 +276,15 @@ int write_kv(const float *k, const float *v, int src_stride, float *k_cache, flo
 
 /* A whole decode step's attention for one layer, float32, in one call: rotate q and k in place in the fused
  * qkv rows [B, (H + 2 KV) * D] (row stride qkv_stride), write k and v into their cache slots, attend.
- * Returns paged_decode's status, or -3 for a slot outside the cache (nothing written). */
-int decode_attention(float *qkv, int qkv_stride, const float *cos, const float *sin, const int64_t *slots,
-                     int64_t num_slots, float *k_cache, float *v_cache, float *out, const int32_t *tables,
+ * Returns paged_decode's status, or write_kv's -3 for a slot outside the cache (nothing written). */
+int decode_attention(float *qkv, int qkv_stride, float *out, const float *cos, const float *sin,
+                     const int64_t *slots, int64_t num_slots, float *k_cache, float *v_cache, const int32_t *tables,
                      int max_blocks, const int32_t *starts, const int32_t *lens, int B, int H, int KV, int D,
                      int block_size, float scale, int max_len, int num_threads) {
     rotary(qkv, cos, sin, B, H + KV, D, qkv_stride, 1);
-    if (write_kv(qkv + (size_t)H * D, qkv + (size_t)(H + KV) * D, qkv_stride, k_cache, v_cache, slots, B, KV * D,
-                 num_slots) != 0)
-        return -3;
+    const int rc = write_kv(qkv + (size_t)H * D, qkv + (size_t)(H + KV) * D, qkv_stride, k_cache, v_cache, slots,
+                            B, KV * D, num_slots);
+    if (rc != 0) return rc;
     return paged_decode(qkv, qkv_stride, k_cache, v_cache, out, 0, tables, max_blocks, starts, lens, B, H, KV, D,
                         block_size, scale, max_len, num_threads);
 }

@@ -9,18 +9,14 @@ from typing import Optional
 
 import torch
 
-from tokenmill.executor.native import kernels
-
-
-def lib() -> Optional[ctypes.CDLL]:
-    return kernels()
+from tokenmill.executor.native import check, kernels
 
 
 def _usable(*ts: torch.Tensor) -> Optional[ctypes.CDLL]:
     for t in ts:      # a plain loop: this runs ~10 times a layer, and a generator costs more than the check
         if t.dtype != torch.float32 or not t.is_cpu:
             return None
-    return lib()
+    return kernels()
 
 
 def add_rms_norm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
@@ -70,7 +66,6 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             or k.stride(1) != k.shape[2] or k.stride(2) != 1 or v.stride(1) != v.shape[2] or v.stride(2) != 1 \
             or not k_cache.is_contiguous() or not v_cache.is_contiguous() or not slots.is_contiguous():
         return False
-    if dll.write_kv(k.data_ptr(), v.data_ptr(), k.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                    slots.data_ptr(), k.shape[0], width, k_cache.numel() // width) != 0:
-        raise IndexError("KV slot out of range of the cache")
+    check(dll.write_kv(k.data_ptr(), v.data_ptr(), k.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                       slots.data_ptr(), k.shape[0], width, k_cache.numel() // width), "KV write")
     return True

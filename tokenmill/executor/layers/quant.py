@@ -6,7 +6,6 @@ weight for Q4_1 rather than 32, and the step is bound by reading weights. The ke
 the dequantised values (d * code + m), so the two paths differ only in float32 summation order."""
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional
@@ -14,7 +13,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from tokenmill.executor.native import kernels
+from tokenmill.executor.native import check, kernels
 
 BLOCK = 32
 MAX_ROWS = 64           # the kernel's limit on rows of x per call (csrc/qmatmul.c)
@@ -92,13 +91,9 @@ def permute_rows(p: PackedWeight, fn) -> PackedWeight:
                         None if p.offset is None else fn(p.offset).contiguous(), p.shape)
 
 
-def load_kernel() -> Optional[ctypes.CDLL]:
-    return kernels()
-
-
 def qmatmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     """x [B, K] float32 with B <= MAX_ROWS, on CPU. Returns x @ W^T, float32 [B, N]."""
-    dll = load_kernel()
+    dll = kernels()
     if not x.is_contiguous():
         x = x.contiguous()
     b, k = x.shape
@@ -106,7 +101,6 @@ def qmatmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     if k != w.shape[1] or b > MAX_ROWS or x.dtype != torch.float32:
         raise ValueError(f"qmatmul takes float32 [<= {MAX_ROWS}, {w.shape[1]}], got {x.dtype} {tuple(x.shape)}")
     y = torch.empty(b, n, dtype=torch.float32)
-    rc = dll.qmatmul(w.bits == 4, x.data_ptr(), b, k, n, *w.pointers, y.data_ptr(), torch.get_num_threads())
-    if rc != 0:
-        raise RuntimeError(f"quantised matmul kernel failed with status {rc}")
+    check(dll.qmatmul(w.bits == 4, x.data_ptr(), b, k, n, *w.pointers, y.data_ptr(), torch.get_num_threads()),
+          "quantised matmul")
     return y

@@ -330,15 +330,19 @@ def read_gguf(path: str) -> GGUFCheckpoint:
     permuted = f.metadata["general.architecture"] in _PERMUTED_ARCHS
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
 
+    def permuted_heads(name: str) -> int:
+        """How many heads llama.cpp interleaved this tensor's rows over (0: it did not)."""
+        proj = name.split(".")[-2]
+        return heads[proj] if permuted and proj in heads else 0
+
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for info in f.tensors.values():
             name = hf_name(info.name)
             if name is None:
                 continue
             w = _dequantize(f, info)
-            proj = name.split(".")[-2]
-            if permuted and proj in heads:
-                w = unpermute_qk(w, heads[proj])
+            if n := permuted_heads(name):
+                w = unpermute_qk(w, n)
             yield name, w
 
     def packed() -> Iterator[tuple[str, PackedWeight]]:
@@ -349,9 +353,8 @@ def read_gguf(path: str) -> GGUFCheckpoint:
             p = pack_ggml(info.type_name, f.raw(info), info.shape)
             if p is None:
                 continue
-            proj = name.split(".")[-2]
-            if permuted and proj in heads:
-                p = permute_rows(p, lambda t, n=heads[proj]: unpermute_qk(t, n))
+            if n := permuted_heads(name):
+                p = permute_rows(p, lambda t: unpermute_qk(t, n))
             yield name, p
 
     return GGUFCheckpoint(config=config, tensors=tensors, packed=packed)

@@ -89,7 +89,8 @@ class DecoderLayer(nn.Module):
         """vLLM's residual form: x is the previous layer's MLP output (the embeddings, with residual None, on
         the first layer) and residual the running sum before it. Returns this layer's (MLP output, residual)."""
         if self.fused is not None:
-            done = self.fused.run(x, residual, rope, meta, self.self_attn.k_cache, self.self_attn.v_cache)
+            args = backend.decode_args(rope, self.self_attn.k_cache, self.self_attn.v_cache, meta)
+            done = None if args is None else self.fused.run(x, residual, args, meta)
             if done is not None:
                 return done
         if residual is None:
@@ -104,6 +105,19 @@ class DecoderLayer(nn.Module):
 # HF checkpoint names -> (our fused parameter, shard index) for the fused projections
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+_NUM_SHARDS = {"qkv_proj": 3, "gate_up_proj": 2}
+
+
+def _our_name(name: str) -> tuple[str, Optional[int]]:
+    """An HF parameter name -> (our parameter name, shard index within a fused projection, or None)."""
+    if name.startswith("model."):
+        name = name[len("model."):]
+    parts = name.split(".")
+    for i, p in enumerate(parts):
+        if p in _FUSED:
+            target, shard = _FUSED[p]
+            return ".".join(parts[:i] + [target] + parts[i + 1:]), shard
+    return name, None
 
 
 class DecoderForCausalLM(nn.Module):
@@ -155,25 +169,18 @@ class DecoderForCausalLM(nn.Module):
         modules = dict(self.named_modules())
         shards: dict[str, dict[int, PackedWeight]] = {}
         for name, p in weights:
-            name = name[len("model."):] if name.startswith("model.") else name
-            if name == "embed_tokens.weight":
+            pname, shard = _our_name(name)
+            if pname == "embed_tokens.weight":
                 if self.lm_head is None:
                     self.tied_head_packed = p
                 continue
-            parts = name.split(".")
-            if parts[-1] != "weight":
-                continue
-            fused = next(((i, _FUSED[q]) for i, q in enumerate(parts) if q in _FUSED), None)
-            if fused is None:
-                shards.setdefault(".".join(parts[:-1]), {})[0] = p
-            else:
-                i, (target, shard) = fused
-                shards.setdefault(".".join(parts[:i] + [target]), {})[shard] = p
-        n_shards = {"qkv_proj": 3, "gate_up_proj": 2}
+            mname, kind = pname.rsplit(".", 1)
+            if kind == "weight":
+                shards.setdefault(mname, {})[shard or 0] = p
         packed = 0
         for mname, got in shards.items():
             module = modules.get(mname)
-            if not isinstance(module, Linear) or len(got) != n_shards.get(mname.split(".")[-1], 1):
+            if not isinstance(module, Linear) or len(got) != _NUM_SHARDS.get(mname.split(".")[-1], 1):
                 continue
             module.packed = concat_rows([got[i] for i in sorted(got)])
             packed += module.packed is not None
@@ -194,27 +201,19 @@ class DecoderForCausalLM(nn.Module):
         shard_rows = {"qkv_proj": [q, kv, kv], "gate_up_proj": [cfg.intermediate_size] * 2}
         loaded: set[str] = set()
         for name, tensor in weights:
-            if name.startswith("model."):
-                name = name[len("model."):]
+            pname, shard = _our_name(name)
+            name = name[len("model."):] if name.startswith("model.") else name
             if "rotary_emb" in name:
                 continue
             if cfg.tie_word_embeddings and name == "lm_head.weight":
                 continue  # some tied checkpoints store a copy anyway
-            parts = name.split(".")
-            fused = next(((i, _FUSED[p]) for i, p in enumerate(parts) if p in _FUSED), None)
-            if fused is not None:
-                i, (target, shard) = fused
-                pname = ".".join(parts[:i] + [target] + parts[i + 1:])
-                if pname not in params:
-                    raise ValueError(f"unexpected tensor {name!r} in checkpoint")
-                rows = shard_rows[target]
-                start = sum(rows[:shard])
-                dst = params[pname].data.narrow(0, start, rows[shard])
+            if pname not in params:
+                raise ValueError(f"unexpected tensor {name!r} in checkpoint")
+            if shard is not None:
+                rows = shard_rows[pname.split(".")[-2]]
+                dst = params[pname].data.narrow(0, sum(rows[:shard]), rows[shard])
                 key = f"{pname}#{shard}"
             else:
-                pname = name
-                if pname not in params:
-                    raise ValueError(f"unexpected tensor {name!r} in checkpoint")
                 dst = params[pname].data
                 key = pname
             if tuple(dst.shape) != tuple(tensor.shape):

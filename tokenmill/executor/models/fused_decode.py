@@ -1,7 +1,7 @@
 """A decoder layer's pure decode step as one C call (executor/csrc/decode_layer.c).
 
-Only for what that call covers: float32 on CPU, the C attention backend, a step of decodes only with few rows,
-and all four matrices in GGUF blocks with no biases and no q/k norm (SmolLM2's Q4_1, Llama/Mistral GGUFs).
+Only for what that call covers: a step the attention backend can run in C (its decode_args(): the C backend,
+float32, decodes only), few rows, and all four matrices in GGUF blocks with no biases and no q/k norm (SmolLM2's Q4_1, Llama/Mistral GGUFs).
 It runs the very kernels DecoderLayer.forward would call one by one, so it is tested against that path token
 for token; it only saves the Python and ctypes overhead between them."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from tokenmill.executor.attention import AttentionMetadata
 from tokenmill.executor.layers.quant import PACKED_MAX_ROWS, PackedWeight
-from tokenmill.executor.native import kernels
+from tokenmill.executor.native import check, kernels
 
 
 class _Packed(ctypes.Structure):
@@ -59,27 +59,17 @@ class FusedDecodeLayer:
             return None
         return FusedDecodeLayer(layer)
 
-    def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor],
-            meta: AttentionMetadata, k_cache: torch.Tensor,
-            v_cache: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """DecoderLayer.forward's (MLP output, residual) for this step, or None when the step is not one the
-        C call covers (the caller then runs the layer in Python)."""
-        cos, sin = rope
+    def run(self, x: torch.Tensor, residual: Optional[torch.Tensor], decode_args: tuple,
+            meta: AttentionMetadata) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """DecoderLayer.forward's (MLP output, residual) for this step, or None when the rows are not ones the
+        C call covers (the caller then runs the layer in Python). decode_args: the backend's decode_args()."""
         B = x.shape[0]
-        if not meta.all_decode or meta.decode_tables is None or B > PACKED_MAX_ROWS or x.dtype != torch.float32 \
-                or not x.is_contiguous() or (residual is not None and not residual.is_contiguous()) \
-                or cos.dtype != torch.float32 or meta.slot_mapping.dtype != torch.int64:
+        if B > PACKED_MAX_ROWS or x.dtype != torch.float32 or not x.is_contiguous() \
+                or (residual is not None and not residual.is_contiguous()):
             return None
         res = x if residual is None else residual
         out = torch.empty_like(x)
-        tables = meta.decode_tables
-        rc = kernels().decode_layer(
-            self.addr, x.data_ptr(), res.data_ptr(), int(residual is not None), out.data_ptr(), cos.data_ptr(),
-            sin.data_ptr(), meta.slot_mapping.data_ptr(), k_cache.shape[0], k_cache.data_ptr(), v_cache.data_ptr(),
-            tables.data_ptr(), tables.shape[1], meta.decode_starts.data_ptr(), meta.decode_lens.data_ptr(), B,
-            meta.block_size, self.scale, meta.decode_max_len, torch.get_num_threads())
-        if rc == -3:
-            raise IndexError("KV slot out of range of the cache")
-        if rc != 0:
-            raise RuntimeError(f"fused decode layer failed with status {rc}")
+        check(kernels().decode_layer(self.addr, x.data_ptr(), res.data_ptr(), int(residual is not None),
+                                     out.data_ptr(), *decode_args, B, meta.block_size, self.scale,
+                                     meta.decode_max_len, torch.get_num_threads()), "fused decode layer")
         return out, res
