@@ -7,13 +7,15 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.executor.attention.backend import AttentionMetadata, get_backend
 
 
-def _meta(ctx_lens, q_lens, block_size, window, num_blocks, seed=0):
+def _meta(ctx_lens, q_lens, block_size, window, num_blocks, seed=0, shared_blocks=0):
+    """shared_blocks: every request's table starts with the same blocks (a cached common prefix)."""
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(num_blocks, generator=g).tolist()
+    prefix = [perm.pop() for _ in range(shared_blocks)]
     tables, slots, qsl, computed = [], [], [0], []
     for c, n in zip(ctx_lens, q_lens):
         nb = -(-c // block_size)
-        table = [perm.pop() for _ in range(nb)]
+        table = prefix + [perm.pop() for _ in range(nb - shared_blocks)]
         tables.append(table)
         computed.append(c - n)
         slots += [table[p // block_size] * block_size + p % block_size for p in range(c - n, c)]
@@ -23,8 +25,15 @@ def _meta(ctx_lens, q_lens, block_size, window, num_blocks, seed=0):
 
 # mixed: decodes and prefills (fresh and with context). Pure decode steps take the C kernel's direct path, with
 # q a strided view (as it is of fused qkv): one request (heads split over threads) and six (one item each).
-CASES = {"mixed": ([1, 9, 37, 64, 5, 50], [1, 1, 1, 1, 5, 13]), "decode1": ([45], [1]),
-         "decode6": ([1, 9, 37, 64, 17, 50], [1] * 6)}
+# cascade: the first 17 blocks (68 positions) are the same for every request, so the C kernel attends them once
+# for the batch (without a window); with a prefill in the step too. context: prompts over a cached context,
+# longer than a tile of query tokens and a chunk of positions. Values: (context lengths, query lengths, shared
+# blocks).
+CASES = {"mixed": ([1, 9, 37, 64, 5, 50], [1, 1, 1, 1, 5, 13], 0), "decode1": ([45], [1], 0),
+         "decode6": ([1, 9, 37, 64, 17, 50], [1] * 6, 0),
+         "cascade": ([70, 90, 130, 77, 200], [1] * 5, 17),
+         "cascade_mixed": ([70, 90, 130, 77, 200, 150], [1, 1, 1, 1, 1, 30], 17),
+         "context": ([150, 45, 300], [40, 20, 70], 0)}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -37,7 +46,7 @@ def test_backend_matches_reference(backend, window, dtype, case):
         if kernels() is None:
             pytest.skip("no C compiler: the cpu kernel backend is not available here")
     H, KV, D, bs, nblocks = 6, 2, 32, 4, 200
-    ctx, qn = CASES[case]
+    ctx, qn, shared = CASES[case]
     torch.manual_seed(0)
     k_cache = torch.randn(nblocks * bs, KV, D).to(dtype)
     v_cache = torch.randn(nblocks * bs, KV, D).to(dtype)
@@ -46,10 +55,12 @@ def test_backend_matches_reference(backend, window, dtype, case):
     k, v = torch.randn(T, KV, D).to(dtype), torch.randn(T, KV, D).to(dtype)
     outs = {}
     for name in ("torch", backend):
-        meta = _meta(ctx, qn, bs, window, nblocks)
+        meta = _meta(ctx, qn, bs, window, nblocks, shared_blocks=shared)
         be = get_backend(name, torch.device("cpu"))
         be.prepare(meta)
         outs[name] = be.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, D ** -0.5).float()
+        if name == "cpu":
+            assert meta.decode_shared_len == (68 if shared and window is None else 0)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[backend], outs["torch"], atol=tol, rtol=tol)
 

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from tokenmill.executor.attention.cpu_kernel import paged_decode
+from tokenmill.executor.attention.cpu_kernel import paged_decode, paged_prefill
 from tokenmill.executor.layers import cpu_ops
 from tokenmill.executor.native import check, kernels
 
@@ -38,6 +38,7 @@ class AttentionMetadata:
     decode_starts: Optional[torch.Tensor] = None  # [Bd] int32 first attended position
     decode_lens: Optional[torch.Tensor] = None    # [Bd] int32 context length
     decode_max_len: int = 0
+    decode_shared_len: int = 0                    # positions every decoding request reads from the same blocks
     all_decode: bool = False                      # every request has one query token (rows are 0..B-1)
     device: torch.device = torch.device("cpu")
 
@@ -181,20 +182,43 @@ class BatchedBackend(AttentionBackend):
     def _prefill(self, q, k, v, k_cache, v_cache, meta, scale, out) -> None:
         for i in meta.prefill_reqs or ():
             a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            fresh = meta.num_computed[i] == 0 and (meta.sliding_window is None or b - a <= meta.sliding_window)
-            if fresh:  # the whole context is this step's tokens: no need to read the cache back
-                o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
-                                                   v[a:b].transpose(0, 1), is_causal=True, scale=scale,
-                                                   enable_gqa=True)
-                out[a:b] = o.transpose(0, 1)
+            if _fresh(meta, i):
+                _fresh_prefill(q, k, v, a, b, scale, out)
             else:
                 out[a:b] = self._one_request(q[a:b], k_cache, v_cache, meta, i, scale)
 
 
+def _fresh(meta: AttentionMetadata, i: int) -> bool:
+    """Request i's context is all this step's tokens (no need to read the cache back)."""
+    n = meta.query_start_loc[i + 1] - meta.query_start_loc[i]
+    return meta.num_computed[i] == 0 and (meta.sliding_window is None or n <= meta.sliding_window)
+
+
+def _fresh_prefill(q, k, v, a: int, b: int, scale: float, out: torch.Tensor) -> None:
+    """Rows a:b of a fresh prompt: causal SDPA over its own new K/V."""
+    o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
+                                       is_causal=True, scale=scale, enable_gqa=True)
+    out[a:b] = o.transpose(0, 1)
+
+
+def _int32_tables(tables: list[list[int]]) -> torch.Tensor:
+    """[R, max blocks] int32 block tables for the C kernels: freed (-1) and padding entries as block 0, which
+    they never read (they attend only positions a table covers)."""
+    width = max(len(t) for t in tables)
+    return torch.tensor([[max(b, 0) for b in t] + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+
+
 class CpuKernelBackend(BatchedBackend):
-    """Decodes through the C paged-decode kernel, which reads K/V in place (no gather copy); prefill as
-    BatchedBackend."""
+    """Attends through the C kernels, which read K/V in place (no gather copy): decoding requests in one call,
+    prompts with context in the cache (prefix-cache hits, later prefill chunks) in another; fresh prompts with
+    causal SDPA as BatchedBackend.
+
+    Cascade attention: when every decoding request's table starts with the same blocks (a prefix cache hit on
+    a shared system prompt), those positions are attended once for the whole batch and merged with each
+    request's own part, instead of once per request."""
     name = "cpu"
+    min_shared_len = 64      # shorter common prefixes are not worth a separate pass
+    min_shared_batch = 4
 
     def prepare(self, meta: AttentionMetadata) -> None:
         qsl = meta.query_start_loc
@@ -203,15 +227,24 @@ class CpuKernelBackend(BatchedBackend):
         meta.decode_rows = None
         if not decode:
             return
-        nblocks = max(len(meta.block_tables[i]) for i in decode)
         meta.decode_rows = torch.tensor([qsl[i] for i in decode])
         meta.all_decode = not meta.prefill_reqs
-        meta.decode_tables = torch.tensor(
-            [[max(b, 0) for b in meta.block_tables[i]] + [0] * (nblocks - len(meta.block_tables[i])) for i in decode],
-            dtype=torch.int32)
+        meta.decode_tables = _int32_tables([meta.block_tables[i] for i in decode])
         meta.decode_starts = torch.tensor([_window_start(meta, i) for i in decode], dtype=torch.int32)
         meta.decode_lens = torch.tensor([meta.seq_lens[i] for i in decode], dtype=torch.int32)
         meta.decode_max_len = int(max(meta.seq_lens[i] for i in decode))
+        meta.decode_shared_len = self._shared_len(meta, decode)
+
+    def _shared_len(self, meta: AttentionMetadata, decode: list[int]) -> int:
+        """Leading positions that all decoding requests read from the same blocks (0: no cascade)."""
+        if len(decode) < self.min_shared_batch or meta.sliding_window is not None:
+            return 0
+        tables = meta.decode_tables
+        same = (tables == tables[:1]).all(0).to(torch.int32)          # [blocks] True while all tables agree
+        blocks = int(same.cumprod(0).sum())
+        # capped at the shortest context: every request has all these positions (padding never counts)
+        shared = min(blocks * meta.block_size, min(meta.seq_lens[i] for i in decode))
+        return shared if shared >= self.min_shared_len else 0
 
     def decode_args(self, rope, k_cache, v_cache, meta):
         cos, sin = rope
@@ -222,19 +255,37 @@ class CpuKernelBackend(BatchedBackend):
         tables = meta.decode_tables
         return (cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(), k_cache.shape[0], k_cache.data_ptr(),
                 v_cache.data_ptr(), tables.data_ptr(), tables.shape[1], meta.decode_starts.data_ptr(),
-                meta.decode_lens.data_ptr())
+                meta.decode_lens.data_ptr(), meta.decode_shared_len)
 
     def _attend(self, q, k, v, k_cache, v_cache, meta, scale):
         if meta.all_decode:       # a pure decode step: no row gather or scatter around the kernel
             return paged_decode(q, k_cache, v_cache, meta.decode_tables, meta.decode_starts, meta.decode_lens,
-                                meta.block_size, scale, meta.decode_max_len)
-        out = torch.empty_like(q)
+                                meta.block_size, scale, meta.decode_max_len, meta.decode_shared_len)
+        out = torch.empty(q.shape, dtype=q.dtype)
         if meta.decode_rows is not None:
             rows = meta.decode_rows
             out[rows] = paged_decode(q[rows], k_cache, v_cache, meta.decode_tables, meta.decode_starts,
-                                     meta.decode_lens, meta.block_size, scale, meta.decode_max_len)
+                                     meta.decode_lens, meta.block_size, scale, meta.decode_max_len,
+                                     meta.decode_shared_len)
         self._prefill(q, k, v, k_cache, v_cache, meta, scale, out)
         return out
+
+    def _prefill(self, q, k, v, k_cache, v_cache, meta, scale, out) -> None:
+        """Fresh prompts with causal SDPA; all prompts with context in the cache in one C call."""
+        context = []
+        for i in meta.prefill_reqs or ():
+            if _fresh(meta, i):
+                _fresh_prefill(q, k, v, meta.query_start_loc[i], meta.query_start_loc[i + 1], scale, out)
+            else:
+                context.append(i)
+        if not context:
+            return
+        qsl = meta.query_start_loc
+        paged_prefill(q, k_cache, v_cache, out, _int32_tables([meta.block_tables[i] for i in context]),
+                      torch.tensor([qsl[i] for i in context], dtype=torch.int32),
+                      torch.tensor([qsl[i + 1] - qsl[i] for i in context], dtype=torch.int32),
+                      torch.tensor([meta.num_computed[i] for i in context], dtype=torch.int32),
+                      meta.block_size, meta.sliding_window or 0, scale)
 
 
 def get_backend(name: str, device: torch.device, head_dim: int = 64, group: int = 1) -> AttentionBackend:

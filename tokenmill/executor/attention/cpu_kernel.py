@@ -1,4 +1,4 @@
-"""Calls the C paged-decode kernel (executor/csrc/paged_decode.c) through ctypes.
+"""Calls the C paged-attention kernels (executor/csrc/paged_decode.c) through ctypes.
 
 Built by tokenmill.executor.native; without a compiler the engine falls back to the torch backend."""
 from __future__ import annotations
@@ -10,20 +10,40 @@ from tokenmill.executor.native import check, kernels
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                  starts: torch.Tensor, lens: torch.Tensor, block_size: int, scale: float,
-                 max_len: int) -> torch.Tensor:
+                 max_len: int, shared_len: int = 0) -> torch.Tensor:
     """q [B, H, D] (rows may be strided, as in a view of fused qkv); caches [slots, KV, D]; tables int32
-    [B, max_blocks]; starts, lens int32 [B]. Returns [B, H, D]."""
-    dll = kernels()
+    [B, max_blocks]; starts, lens int32 [B]. shared_len > 0: positions below it sit in the same blocks for
+    every request (and every start is 0), attended once for the batch (cascade). Returns [B, H, D]."""
     B, H, D = q.shape
-    if q.stride(2) != 1 or q.stride(1) != D:
-        q = q.contiguous()
-    KV = k_cache.shape[1]
+    q = _rows_dense(q)
     out = torch.empty(B, H, D, dtype=q.dtype)
-    if q.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"the C decode kernel takes float32 or bfloat16, not {q.dtype}")
-    check(dll.paged_decode(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-                           int(q.dtype == torch.bfloat16), tables.data_ptr(), tables.shape[1], starts.data_ptr(),
-                           lens.data_ptr(), B, H, KV, D, block_size, scale, max_len, torch.get_num_threads()),
-          "paged decode")
+    check(kernels().paged_decode(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+                                 int(q.dtype == torch.bfloat16), tables.data_ptr(), tables.shape[1],
+                                 starts.data_ptr(), lens.data_ptr(), shared_len, B, H, k_cache.shape[1], D,
+                                 block_size, scale, max_len, torch.get_num_threads()), "paged decode")
     return out
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                  tables: torch.Tensor, row0: torch.Tensor, count: torch.Tensor, computed: torch.Tensor,
+                  block_size: int, window: int, scale: float) -> None:
+    """Causal attention of several query tokens per request over a context already in the cache: request i's
+    tokens are rows row0[i] .. row0[i]+count[i]-1 of q [T, H, D] at positions computed[i] onwards; writes
+    those rows of out [T, H, D] (contiguous). tables int32 [R, max_blocks]; window 0 = none."""
+    T, H, D = q.shape
+    q = _rows_dense(q)
+    assert out.is_contiguous() and out.dtype == q.dtype
+    check(kernels().paged_prefill(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+                                  int(q.dtype == torch.bfloat16), tables.data_ptr(), tables.shape[1],
+                                  row0.data_ptr(), count.data_ptr(), computed.data_ptr(), tables.shape[0], H,
+                                  k_cache.shape[1], D, block_size, window, scale, torch.get_num_threads()),
+          "paged prefill")
+
+
+def _rows_dense(q: torch.Tensor) -> torch.Tensor:
+    """q with each token's heads contiguous (tokens may be strided apart), in a dtype the kernels take."""
+    if q.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the C attention kernels take float32 or bfloat16, not {q.dtype}")
+    D = q.shape[2]
+    return q if q.stride(2) == 1 and q.stride(1) == D else q.contiguous()
 

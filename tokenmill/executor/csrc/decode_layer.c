@@ -26,8 +26,8 @@ void add_rms_norm(float *x, float *residual, const float *weight, float *out, in
 void silu_mul(const float *gate_up, float *out, int rows, int inter, int num_threads);
 int decode_attention(float *qkv, int qkv_stride, float *out, const float *cos, const float *sin,
                      const int64_t *slots, int64_t num_slots, float *k_cache, float *v_cache, const int32_t *tables,
-                     int max_blocks, const int32_t *starts, const int32_t *lens, int B, int H, int KV, int D,
-                     int block_size, float scale, int max_len, int num_threads);
+                     int max_blocks, const int32_t *starts, const int32_t *lens, int shared_len, int B, int H, int KV,
+                     int D, int block_size, float scale, int max_len, int num_threads);
 
 static int mm(const packed_t *w, const float *x, int B, int K, int N, float *y, int threads) {
     return qmatmul(w->bits == 4, x, B, K, N, (const uint8_t *)w->codes, w->scale, w->offset, y, threads);
@@ -38,8 +38,8 @@ static int mm(const packed_t *w, const float *x, int B, int K, int N, float *y, 
  * output. The rest is decode_attention's. Returns 0, or the first failing kernel's status. */
 int decode_layer(const layer_t *L, float *x, float *residual, int add, float *out, const float *cos,
                  const float *sin, const int64_t *slots, int64_t num_slots, float *k_cache, float *v_cache,
-                 const int32_t *tables, int max_blocks, const int32_t *starts, const int32_t *lens, int B,
-                 int block_size, float scale, int max_len, int num_threads) {
+                 const int32_t *tables, int max_blocks, const int32_t *starts, const int32_t *lens, int shared_len,
+                 int B, int block_size, float scale, int max_len, int num_threads) {
     const int hid = L->hidden, q = L->heads * L->head_dim, kv = L->kv_heads * L->head_dim;
     const int width = q + 2 * kv;
     float *h = malloc(sizeof(float) * (size_t)B * hid), *qkv = malloc(sizeof(float) * (size_t)B * width);
@@ -52,7 +52,7 @@ int decode_layer(const layer_t *L, float *x, float *residual, int add, float *ou
     }
     if (rc == 0)
         rc = decode_attention(qkv, width, att, cos, sin, slots, num_slots, k_cache, v_cache, tables, max_blocks,
-                              starts, lens, B, L->heads, L->kv_heads, L->head_dim, block_size, scale, max_len,
+                              starts, lens, shared_len, B, L->heads, L->kv_heads, L->head_dim, block_size, scale, max_len,
                               num_threads);
     if (rc == 0) rc = mm(&L->o, att, B, q, hid, o, num_threads);
     if (rc == 0) {

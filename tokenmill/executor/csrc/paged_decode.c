@@ -1,6 +1,11 @@
-/* Paged decode attention for CPU: one query token per request, keys and values read in place from the
- * paged cache through each request's block table (no gather copy). Parallel over (request, kv head);
- * the G = heads / kv_heads query heads sharing a kv head are done together, so each K/V row is read once.
+/* Paged attention for CPU, reading keys and values in place from the paged cache through block tables (no
+ * gather copy). Three entry points share one core (attend_rows):
+ *   paged_decode   one query token per request; a prefix of blocks that every request shares (prefix caching)
+ *                  can be attended once for the whole batch (cascade attention) and merged with each
+ *                  request's own suffix;
+ *   paged_prefill  several query tokens per request over a context already in the cache (a prefix-cache hit,
+ *                  a later chunk of a chunked prefill), causal;
+ *   decode_attention  rotary + KV write + paged_decode of a fused qkv row, for the fused decode layer.
  * Math in float32 whatever the storage type (float32 or bfloat16).
  *
  *   q      [B, H, D]            out [B, H, D]      (q's rows q_stride elements apart: a view into fused qkv)
@@ -14,10 +19,14 @@
 #include <string.h>
 
 #define MAX_G 16
-#define MAX_H 128   /* query heads */
+#define MAX_H 128    /* query heads */
 #define MAX_D 256
+#define MAX_ROWS 128 /* query rows one attend_rows call carries: a request's heads, or a tile of requests/tokens */
+#define CHUNK 64     /* positions per online-softmax step: 16 KB of K (or V) per head of 64, L1-resident */
+#define TILE_ROWS 48 /* rows per cascade / prefill work item: each K/V chunk is loaded once for this many queries */
 
 typedef float v8 __attribute__((vector_size(32)));
+typedef int v8i __attribute__((vector_size(32)));
 
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;
@@ -34,237 +43,434 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* Row `idx` (D elements) of a float32 or bfloat16 tensor as float32: in place, or converted into buf. */
-static inline const float *row(const void *base, size_t idx, int D, int bf16, float *buf) {
-    if (!bf16) return (const float *)base + idx * D;
-    const uint16_t *r = (const uint16_t *)base + idx * D;
-    for (int d = 0; d < D; d++) buf[d] = bf16_to_f32(r[d]);
-    return buf;
+/* Where one context's K/V rows live. */
+typedef struct {
+    const void *k, *v;
+    int bf16, KV, D, bs_shift, bs_mask;   /* block_size = 1 << bs_shift */
+    const int32_t *table;
+} ctx_t;
+
+static inline size_t slot_of(const ctx_t *c, int pos) {
+    return ((size_t)c->table[pos >> c->bs_shift] << c->bs_shift) + (pos & c->bs_mask);
 }
 
-/* Four key rows at once against G query heads: 4 * G independent FMA chains, so the loop runs at the FMA
- * units' throughput instead of their latency. G is a compile-time constant at each call site (the switch
- * below), which keeps the accumulators in registers. out[g * 4 + j] = q_g . k_j. D is a multiple of 8. */
-static inline __attribute__((always_inline)) void score4(const float (*qf)[MAX_D], const float *const *kr, int D,
-                                                         int G, float *out) {
-    v8 acc[MAX_G][4];
-    for (int g = 0; g < G; g++)
-        for (int j = 0; j < 4; j++) acc[g][j] = (v8){0};
+/* Query row `idx` (D values) of q, scaled, as float32 into dst. */
+static inline void load_q(float *dst, const void *q, int bf16, size_t idx, int D, float scale) {
+    if (bf16)
+        for (int d = 0; d < D; d++) dst[d] = bf16_to_f32(((const uint16_t *)q)[idx * D + d]) * scale;
+    else
+        for (int d = 0; d < D; d++) dst[d] = ((const float *)q)[idx * D + d] * scale;
+}
+
+/* Eight horizontal sums at once: r[j] = sum of a[j]'s lanes. Three rounds of pairwise adds on shuffles that map
+ * to single instructions (vshufps, vperm2f128), instead of a scalar reduction per dot product. */
+static inline v8 hsum8(const v8 *a) {
+    const v8i lo = {0, 2, 8, 10, 4, 6, 12, 14}, hi = {1, 3, 9, 11, 5, 7, 13, 15};
+    v8 x[4];
+    for (int i = 0; i < 4; i++)
+        x[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo) + __builtin_shuffle(a[2 * i], a[2 * i + 1], hi);
+    const v8 y0 = __builtin_shuffle(x[0], x[1], lo) + __builtin_shuffle(x[0], x[1], hi);   /* a0..a3 per lane */
+    const v8 y1 = __builtin_shuffle(x[2], x[3], lo) + __builtin_shuffle(x[2], x[3], hi);   /* a4..a7 */
+    const v8i first = {0, 1, 2, 3, 8, 9, 10, 11}, second = {4, 5, 6, 7, 12, 13, 14, 15};
+    return __builtin_shuffle(y0, y1, first) + __builtin_shuffle(y0, y1, second);
+}
+
+/* Scores of NR (1 or 2) query rows against 8 key rows: out[r][j] = q_r . k_j. The NR rows share each key load;
+ * 8 * NR independent FMA chains keep the FMA units busy. NR is a constant at each call site. */
+static inline __attribute__((always_inline)) void score8(const float *const *q, int NR, const float *const *kr,
+                                                         int D, float *const *out) {
+    v8 acc[2][8];
+    for (int r = 0; r < NR; r++)
+        for (int j = 0; j < 8; j++) acc[r][j] = (v8){0};
     for (int d = 0; d < D; d += 8) {
-        v8 y[4];
-        for (int j = 0; j < 4; j++) memcpy(&y[j], kr[j] + d, 32);
-        for (int g = 0; g < G; g++) {
-            v8 x;
-            memcpy(&x, qf[g] + d, 32);
-            for (int j = 0; j < 4; j++) acc[g][j] += x * y[j];
+        v8 x[2];
+        for (int r = 0; r < NR; r++) memcpy(&x[r], q[r] + d, 32);
+        for (int j = 0; j < 8; j++) {
+            v8 y;
+            memcpy(&y, kr[j] + d, 32);
+            for (int r = 0; r < NR; r++) acc[r][j] += x[r] * y;
         }
     }
-    for (int g = 0; g < G; g++)
-        for (int j = 0; j < 4; j++) {
-            v8 t = acc[g][j];
-            out[g * 4 + j] = ((t[0] + t[4]) + (t[1] + t[5])) + ((t[2] + t[6]) + (t[3] + t[7]));
-        }
-}
-
-/* acc_g += sum_j p[g][j] * v_j over four value rows: one load and store of acc per 4 rows. */
-static inline __attribute__((always_inline)) void axpy4(float (*acc)[MAX_D], const float *p, int n,
-                                                        const float *const *vr, int D, int G) {
-    for (int d = 0; d < D; d += 8) {
-        v8 y[4];
-        for (int j = 0; j < 4; j++) memcpy(&y[j], vr[j] + d, 32);
-        for (int g = 0; g < G; g++) {
-            v8 a;
-            memcpy(&a, acc[g] + d, 32);
-            const float *pg = p + (size_t)g * n;
-            a += pg[0] * y[0] + pg[1] * y[1] + pg[2] * y[2] + pg[3] * y[3];
-            memcpy(acc[g] + d, &a, 32);
-        }
+    for (int r = 0; r < NR; r++) {
+        const v8 s = hsum8(acc[r]);
+        memcpy(out[r], &s, 32);
     }
 }
 
-#define BY_G(CALL)                                                                                  \
-    switch (G) { /* constant G per case: the accumulators stay in registers */                      \
-        case 1: CALL(1); break;                                                                     \
-        case 2: CALL(2); break;                                                                     \
-        case 3: CALL(3); break;                                                                     \
-        case 4: CALL(4); break;                                                                     \
-        case 6: CALL(6); break;                                                                     \
-        case 8: CALL(8); break;                                                                     \
-        default: CALL(G);                                                                           \
-    }
-
-/* Ask for the cache rows (heads h0 .. h0+NH-1) of position `pos` ahead of use. Blocks sit anywhere in the
- * pool, so the hardware prefetcher, which stops at page edges, loses the stream at each block; without this a
- * core waits on DRAM latency and reads K/V at ~6 GB/s. */
-#define PREFETCH_AHEAD 16   /* positions: about 12 KB of K or V in flight for 3 heads of 64 */
-static inline void prefetch_row(const void *base, const int32_t *table, int pos, int bs_shift, int bs_mask,
-                                int KV, int h0, int NH, int D, int bf16) {
-    const size_t slot = ((size_t)table[pos >> bs_shift] << bs_shift) + (pos & bs_mask);
-    const size_t es = bf16 ? 2 : 4;
-    const char *p = (const char *)base + (slot * KV + h0) * D * es;
-    for (size_t off = 0; off < (size_t)NH * D * es; off += 64) __builtin_prefetch(p + off, 0, 3);
-}
-
-/* Slots of positions start+i .. start+i+3 (the last real one repeated past n: its weight is zero), asking for
- * base's rows PREFETCH_AHEAD positions further on. */
-static inline void slots4(size_t *slot, const void *base, const int32_t *table, int start, int i, int n,
-                          int bs_shift, int bs_mask, int KV, int h0, int NH, int D, int bf16) {
-    for (int j = 0; j < 4; j++) {
-        const int pos = start + (i + j < n ? i + j : n - 1);
-        slot[j] = ((size_t)table[pos >> bs_shift] << bs_shift) + (pos & bs_mask);
-        if (i + j + PREFETCH_AHEAD < n)
-            prefetch_row(base, table, start + i + j + PREFETCH_AHEAD, bs_shift, bs_mask, KV, h0, NH, D, bf16);
-    }
-}
-
-/* Request b, kv heads h0 .. h1-1. Each group of four positions is read for all those heads together: with
- * h0 = 0, h1 = KV that walks each cache row (KV * D values) front to back, one contiguous stream per block,
- * instead of one strided pass per head (at 64 requests the strided order ran at a third of the bandwidth). */
-static void attend(const void *q, int q_stride, const void *k, const void *v, int bf16, const int32_t *table,
-                   int start, int n, int b, int h0, int h1, int KV, int D, int G, int bs_shift, int bs_mask,
-                   float scale, float *scores, float (*qf)[MAX_D], float (*acc)[MAX_D], float *mx, float *sum) {
-    /* Positions start .. start+n-1 only: leaves acc = sum_i e_i v_i unnormalised, with mx (the max score) and
-     * sum (of e_i = exp(score_i - mx)) per query head, so parts of one context can be merged (combine()). */
-    const int NH = h1 - h0;               /* kv heads in this item; query heads (h, g) sit at (h - h0) * G + g */
-    const size_t n4 = ((size_t)n + 3) / 4 * 4;
-    float buf[4][MAX_D];
-    for (int h = h0; h < h1; h++)
-        for (int g = 0; g < G; g++) {
-            const int r = (h - h0) * G + g;
-            const void *qb = (const char *)q + (size_t)b * q_stride * (bf16 ? 2 : 4);
-            const float *qr = row(qb, (size_t)h * G + g, D, bf16, buf[0]);
-            for (int d = 0; d < D; d++) qf[r][d] = qr[d] * scale;
-            mx[r] = -FLT_MAX;
+/* acc_r[d0 .. d0 + 8 NV) += sum_j p_r[j] * v_j[...] over n value rows, for NR rows sharing each value load; the
+ * accumulators stay in registers for the whole run of positions. NR and NV are constants at each call site. */
+static inline __attribute__((always_inline)) void wsum(float *const *acc, const float *const *p, int NR,
+                                                       const float *const *vr, int n, int d0, int NV) {
+    v8 a[2][8];
+    for (int r = 0; r < NR; r++)
+        for (int i = 0; i < NV; i++) memcpy(&a[r][i], acc[r] + d0 + 8 * i, 32);
+    for (int j = 0; j < n; j++)
+        for (int i = 0; i < NV; i++) {
+            v8 y;
+            memcpy(&y, vr[j] + d0 + 8 * i, 32);
+            for (int r = 0; r < NR; r++) a[r][i] += p[r][j] * y;
         }
-    size_t slot[4];
-    for (int j = 0; j < PREFETCH_AHEAD && j < n; j++)
-        prefetch_row(k, table, start + j, bs_shift, bs_mask, KV, h0, NH, D, bf16);
-    for (int i = 0; i < n; i += 4) {      /* scores = q . k, four positions at a time */
-        slots4(slot, k, table, start, i, n, bs_shift, bs_mask, KV, h0, NH, D, bf16);
-        for (int h = h0; h < h1; h++) {
-            const float *kr[4];
-            float s4[MAX_G * 4];
-            for (int j = 0; j < 4; j++) kr[j] = row(k, slot[j] * KV + h, D, bf16, buf[j]);
-            float(*qh)[MAX_D] = qf + (h - h0) * G;
-#define SCORE(GC) score4(qh, kr, D, GC, s4)
-            BY_G(SCORE)
-#undef SCORE
-            for (int g = 0; g < G; g++) {
-                const int r = (h - h0) * G + g;
-                for (int j = 0; j < 4 && i + j < n; j++) {
-                    scores[r * n4 + i + j] = s4[g * 4 + j];
-                    if (s4[g * 4 + j] > mx[r]) mx[r] = s4[g * 4 + j];
+    for (int r = 0; r < NR; r++)
+        for (int i = 0; i < NV; i++) memcpy(acc[r] + d0 + 8 * i, &a[r][i], 32);
+}
+
+/* Fold one chunk's scores s[0 .. n) of a row into its online-softmax state (running max m, sum l, unnormalised
+ * acc), attending only positions lo .. hi-1 of the chunk. Leaves s as the weights e^(s - m_new) (0 outside
+ * lo .. hi-1) and rescales acc by e^(m_old - m_new). Returns 0 when the row attends nothing here. */
+static int fold(float *s, int n, int lo, int hi, float *m, float *l, float *acc, int D) {
+    if (lo >= hi) return 0;
+    float cm = -FLT_MAX;
+    for (int j = lo; j < hi; j++) cm = s[j] > cm ? s[j] : cm;
+    const float mn = cm > *m ? cm : *m;
+    float t = 0.f;
+#pragma omp simd reduction(+ : t)
+    for (int j = 0; j < n; j++) {   /* one vector exp (libmvec) over the chunk; masked lanes weigh 0 */
+        const float e = expf(s[j] - mn);
+        s[j] = (j >= lo && j < hi) ? e : 0.f;
+        t += s[j];
+    }
+    if (mn > *m) {
+        const float alpha = *m == -FLT_MAX ? 0.f : expf(*m - mn);
+        for (int d = 0; d < D; d++) acc[d] *= alpha;
+        *l *= alpha;
+        *m = mn;
+    }
+    *l += t;
+    return 1;
+}
+
+/* Pointers to the K and V rows of kv head h at the chunk's slots (n8 of them, padded slots repeat a real one);
+ * bfloat16 rows are converted into kbuf/vbuf. */
+static void chunk_rows(const ctx_t *c, const size_t *slot, int n8, int h, const float **kr, const float **vr,
+                       float (*kbuf)[MAX_D], float (*vbuf)[MAX_D]) {
+    const int D = c->D;
+    for (int j = 0; j < n8; j++) {
+        const size_t idx = (slot[j] * c->KV + h) * D;
+        if (!c->bf16) {
+            kr[j] = (const float *)c->k + idx;
+            vr[j] = (const float *)c->v + idx;
+            continue;
+        }
+        for (int d = 0; d < D; d++) {
+            kbuf[j][d] = bf16_to_f32(((const uint16_t *)c->k)[idx + d]);
+            vbuf[j][d] = bf16_to_f32(((const uint16_t *)c->v)[idx + d]);
+        }
+        kr[j] = kbuf[j];
+        vr[j] = vbuf[j];
+    }
+}
+
+/* Ask for the K or V rows (heads h0 .. h0+NH-1) of positions p .. p+n-1 ahead of use. Blocks sit anywhere in
+ * the pool, so the hardware prefetcher, which stops at page edges, loses the stream at each block; without
+ * this a core waits on DRAM latency (it read K/V at ~6 GB/s). */
+static inline void prefetch_rows(const ctx_t *c, int p, int n, int h0, int NH) {
+    const size_t es = c->bf16 ? 2 : 4, bytes = (size_t)NH * c->D * es;
+    for (int j = 0; j < n; j++) {
+        const size_t off = (slot_of(c, p + j) * c->KV + h0) * c->D * es;
+        for (size_t b = 0; b < bytes; b += 64) {
+            __builtin_prefetch((const char *)c->k + off + b, 0, 2);
+            __builtin_prefetch((const char *)c->v + off + b, 0, 2);
+        }
+    }
+}
+
+/* The core. Query rows against positions p0 .. p1-1 of one context, kv heads h0 .. h0+NH-1: row (h-h0)*RG + i
+ * is qs[that row] (scaled q) and attends positions [begin[i], end[i]) (all of p0 .. p1-1 where begin is NULL).
+ * Updates each row's online-softmax state m, l, acc. Chunk by chunk, all heads of a chunk together, so the
+ * cache rows (KV * D values) are walked front to back; row pairs share each K and V load. */
+static void attend_rows(const ctx_t *c, int h0, int NH, int RG, float (*qs)[MAX_D], const int *begin,
+                        const int *end, int p0, int p1, float *m, float *l, float (*acc)[MAX_D],
+                        float (*kbuf)[MAX_D], float (*vbuf)[MAX_D]) {
+    const int D = c->D;
+    size_t slot[CHUNK];
+    prefetch_rows(c, p0, p1 - p0 < CHUNK ? p1 - p0 : CHUNK, h0, NH);
+    const int passes = NH * ((RG + 1) / 2) * (CHUNK / 8);   /* 8-position steps a full chunk takes */
+    for (int c0 = p0; c0 < p1; c0 += CHUNK) {
+        const int n = p1 - c0 < CHUNK ? p1 - c0 : CHUNK, n8 = (n + 7) & ~7;
+        for (int j = 0; j < n8; j++) slot[j] = slot_of(c, c0 + (j < n ? j : n - 1));
+        /* the next chunk streams in while this one is computed: a few of its positions per 8-position step */
+        int ahead = c0 + CHUNK;
+        const int per_step = (CHUNK + passes - 1) / passes;
+        for (int h = h0; h < h0 + NH; h++) {
+            const float *kr[CHUNK], *vr[CHUNK];
+            chunk_rows(c, slot, n8, h, kr, vr, kbuf, vbuf);
+            for (int i = 0; i < RG; i += 2) {
+                const int nr = RG - i >= 2 ? 2 : 1, row = (h - h0) * RG + i;
+                int lo[2], hi[2], top = 0;      /* each row's window inside this chunk, and their union's end */
+                for (int r = 0; r < nr; r++) {
+                    const int b = begin ? begin[i + r] : p0, e = end ? end[i + r] : p1;
+                    lo[r] = b > c0 ? b - c0 : 0;
+                    hi[r] = e - c0 < n ? e - c0 : n;
+                    if (hi[r] > lo[r] && hi[r] > top) top = hi[r];
+                }
+                if (top == 0) continue;         /* causal: this chunk is after both rows */
+                const int top8 = (top + 7) & ~7;
+                float s[2][CHUNK];
+                const float *q[2] = {qs[row], qs[row + nr - 1]};
+                for (int j = 0; j < top8; j += 8) {
+                    if (ahead < p1 && ahead < c0 + 2 * CHUNK) {
+                        const int m = p1 - ahead < per_step ? p1 - ahead : per_step;
+                        prefetch_rows(c, ahead, m, h0, NH);
+                        ahead += m;
+                    }
+                    float *o[2] = {s[0] + j, s[1] + j};
+                    if (nr == 2) score8(q, 2, kr + j, D, o);
+                    else score8(q, 1, kr + j, D, o);
+                }
+                int live = 0;
+                for (int r = 0; r < nr; r++)
+                    live += fold(s[r], top, lo[r], hi[r], &m[row + r], &l[row + r], acc[row + r], D);
+                if (!live) continue;
+                if (hi[0] <= lo[0]) memset(s[0], 0, sizeof(float) * top);   /* a dead row of a pair weighs 0 */
+                if (nr == 2 && hi[1] <= lo[1]) memset(s[1], 0, sizeof(float) * top);
+                float *a[2] = {acc[row], acc[row + nr - 1]};
+                const float *p[2] = {s[0], s[1]};
+                for (int d0 = 0; d0 < D; d0 += 64) {
+                    const int nv = D - d0 >= 64 ? 8 : (D - d0) / 8;
+                    if (nr == 2) {
+                        if (nv == 8) wsum(a, p, 2, vr, top, d0, 8);
+                        else wsum(a, p, 2, vr, top, d0, nv);
+                    } else {
+                        if (nv == 8) wsum(a, p, 1, vr, top, d0, 8);
+                        else wsum(a, p, 1, vr, top, d0, nv);
+                    }
                 }
             }
         }
     }
-    for (int r = 0; r < NH * G; r++) {    /* softmax numerators */
-        float t = 0.f;
-        for (int i = 0; i < n; i++) {
-            const float e = expf(scores[r * n4 + i] - mx[r]);
-            scores[r * n4 + i] = e;
-            t += e;
-        }
-        for (size_t i = n; i < n4; i++) scores[r * n4 + i] = 0.f;   /* padding rows weigh nothing */
-        sum[r] = t;
-        memset(acc[r], 0, sizeof(float) * D);
-    }
-    for (int j = 0; j < PREFETCH_AHEAD && j < n; j++)   /* V's first rows, while the softmax runs */
-        prefetch_row(v, table, start + j, bs_shift, bs_mask, KV, h0, NH, D, bf16);
-    for (int i = 0; i < n; i += 4) {      /* weighted sum of values, four positions at a time */
-        slots4(slot, v, table, start, i, n, bs_shift, bs_mask, KV, h0, NH, D, bf16);
-        for (int h = h0; h < h1; h++) {
-            const float *vr[4];
-            for (int j = 0; j < 4; j++) vr[j] = row(v, slot[j] * KV + h, D, bf16, buf[j]);
-            float(*ah)[MAX_D] = acc + (h - h0) * G;
-            const float *sh = scores + (size_t)(h - h0) * G * n4 + i;
-#define WSUM(GC) axpy4(ah, sh, (int)n4, vr, D, GC)
-            BY_G(WSUM)
-#undef WSUM
-        }
+}
+
+/* Per-thread scratch of attend_rows' callers. */
+typedef struct {
+    float (*qs)[MAX_D], (*acc)[MAX_D], (*kbuf)[MAX_D], (*vbuf)[MAX_D];
+    float *m, *l;
+    int *begin, *end;
+} scratch_t;
+
+static int scratch_init(scratch_t *s) {
+    s->qs = malloc(sizeof(float) * MAX_D * MAX_ROWS);
+    s->acc = malloc(sizeof(float) * MAX_D * MAX_ROWS);
+    s->kbuf = malloc(sizeof(float) * MAX_D * CHUNK);
+    s->vbuf = malloc(sizeof(float) * MAX_D * CHUNK);
+    s->m = malloc(sizeof(float) * MAX_ROWS);
+    s->l = malloc(sizeof(float) * MAX_ROWS);
+    s->begin = malloc(sizeof(int) * MAX_ROWS);
+    s->end = malloc(sizeof(int) * MAX_ROWS);
+    return s->qs && s->acc && s->kbuf && s->vbuf && s->m && s->l && s->begin && s->end;
+}
+
+static void scratch_free(scratch_t *s) {
+    free(s->qs);
+    free(s->acc);
+    free(s->kbuf);
+    free(s->vbuf);
+    free(s->m);
+    free(s->l);
+    free(s->begin);
+    free(s->end);
+}
+
+static void reset_rows(scratch_t *s, int rows, int D) {
+    for (int r = 0; r < rows; r++) {
+        s->m[r] = -FLT_MAX;
+        s->l[r] = 0.f;
+        memset(s->acc[r], 0, sizeof(float) * D);
     }
 }
 
-/* Output rows b * H + qh0 + r (r < rows) from `parts` partial results of the same query heads over disjoint
- * position ranges: part p's row r is at p * rows + r. Each part is rescaled by exp(mx_p - M) to the common max
- * M, as in flash-decoding. With one part this is just acc / sum. */
-static void combine(void *out, int bf16, int b, int qh0, int rows, int H, int D, int parts, float (*acc)[MAX_D],
-                    const float *mx, const float *sum) {
-    for (int r = 0; r < rows; r++) {
-        float M = -FLT_MAX, total = 0.f, o[MAX_D];
-        memset(o, 0, sizeof(float) * D);
-        for (int p = 0; p < parts; p++)
-            if (sum[p * rows + r] > 0.f && mx[p * rows + r] > M) M = mx[p * rows + r];
-        for (int p = 0; p < parts; p++) {
-            const int pr = p * rows + r;
-            if (sum[pr] <= 0.f) continue;     /* a part with no positions */
-            const float w = expf(mx[pr] - M);
-            total += w * sum[pr];
-            for (int d = 0; d < D; d++) o[d] += w * acc[pr][d];
-        }
-        const float inv = 1.f / total;
-        const size_t row = (size_t)b * H + qh0 + r;
-        for (int d = 0; d < D; d++) {
-            if (bf16) ((uint16_t *)out)[row * D + d] = f32_to_bf16(o[d] * inv);
-            else ((float *)out)[row * D + d] = o[d] * inv;
-        }
+/* Output row `orow` from partial results of one query over disjoint position ranges (flash-decoding): part p
+ * is (mx[p * step], sum[p * step], acc[p * step]); each is rescaled by exp(mx_p - M) to the common max M. An
+ * optional extra part (xm, xl, xacc: the shared prefix of cascade attention) joins them. */
+static void combine(void *out, int bf16, size_t orow, int D, int parts, int step, float (*acc)[MAX_D],
+                    const float *mx, const float *sum, const float *xm, const float *xl, const float *xacc) {
+    float M = -FLT_MAX, total = 0.f, o[MAX_D];
+    memset(o, 0, sizeof(float) * D);
+    if (xm && *xl > 0.f) M = *xm;
+    for (int p = 0; p < parts; p++)
+        if (sum[p * step] > 0.f && mx[p * step] > M) M = mx[p * step];
+    if (xm && *xl > 0.f) {
+        const float w = expf(*xm - M);
+        total += w * *xl;
+        for (int d = 0; d < D; d++) o[d] += w * xacc[d];
+    }
+    for (int p = 0; p < parts; p++) {
+        if (sum[p * step] <= 0.f) continue;     /* a part with no positions */
+        const float w = expf(mx[p * step] - M);
+        total += w * sum[p * step];
+        for (int d = 0; d < D; d++) o[d] += w * acc[p * step][d];
+    }
+    const float inv = 1.f / total;
+    for (int d = 0; d < D; d++) {
+        if (bf16) ((uint16_t *)out)[orow * D + d] = f32_to_bf16(o[d] * inv);
+        else ((float *)out)[orow * D + d] = o[d] * inv;
     }
 }
 
 int paged_decode(const void *q, int q_stride, const void *k, const void *v, void *out, int bf16, const int32_t *tables,
-                 int max_blocks, const int32_t *starts, const int32_t *lens, int B, int H, int KV, int D,
-                 int block_size, float scale, int max_len, int num_threads) {
+                 int max_blocks, const int32_t *starts, const int32_t *lens, int shared_len, int B, int H, int KV,
+                 int D, int block_size, float scale, int max_len, int num_threads) {
+    /* shared_len > 0 (cascade): positions 0 .. shared_len-1 sit in the same blocks for every request (the
+     * caller checked the tables and that no request starts later than 0); they are attended once per tile of
+     * requests, and each request's items cover only shared_len .. len-1. */
     const int G = H / KV;
     if (G > MAX_G || D > MAX_D || D % 8 != 0 || H % KV != 0 || H > MAX_H) return -1;
     if (block_size <= 0 || (block_size & (block_size - 1))) return -1;
-    /* block_size is a power of two: shifts and masks, not two integer divisions per position */
     const int bs_shift = __builtin_ctz(block_size), bs_mask = block_size - 1;
+    const size_t es = bf16 ? 2 : 4;
     /* Work units: with enough requests to keep every thread busy, one per request with all its heads; otherwise
      * one per (request, kv head). Too few units even so (a single stream: 1 x KV), and each unit's positions
      * are split into parts that run in parallel and are merged after (flash-decoding), parts of >= 64. */
     const int per_head = B < 2 * num_threads;
     const int units = per_head ? B * KV : B, rows = per_head ? G : H;
+    const int own = max_len - shared_len;       /* the longest per-request range */
     int parts = units < 2 * num_threads ? (2 * num_threads + units - 1) / units : 1;
-    if (parts > max_len / 64) parts = max_len / 64 > 1 ? max_len / 64 : 1;
+    if (parts > own / 64) parts = own / 64 > 1 ? own / 64 : 1;
     const int items = units * parts;
+    /* cascade: tiles of requests whose G rows per kv head together stay within TILE_ROWS */
+    const int tile = shared_len > 0 ? (TILE_ROWS / G > 0 ? TILE_ROWS / G : 1) : 0;
+    const int tiles = shared_len > 0 ? (B + tile - 1) / tile : 0;
     float(*acc)[MAX_D] = malloc(sizeof(float) * MAX_D * (size_t)items * rows);
     float *mx = malloc(sizeof(float) * (size_t)items * rows), *sum = malloc(sizeof(float) * (size_t)items * rows);
-    int status = (acc && mx && sum) ? 0 : -2;
+    float(*xacc)[MAX_D] = shared_len > 0 ? malloc(sizeof(float) * MAX_D * (size_t)B * H) : NULL;
+    float *xm = shared_len > 0 ? malloc(sizeof(float) * (size_t)B * H) : NULL;
+    float *xl = shared_len > 0 ? malloc(sizeof(float) * (size_t)B * H) : NULL;
+    int status = (acc && mx && sum && (shared_len == 0 || (xacc && xm && xl))) ? 0 : -2;
     if (status == 0) {
 #pragma omp parallel num_threads(num_threads)
         {
-            float *scores = (float *)malloc(sizeof(float) * (size_t)rows * ((size_t)max_len + 4));
-            float(*qf)[MAX_D] = malloc(sizeof(float) * MAX_D * (size_t)rows);
-            if (!scores || !qf) status = -2;
+            scratch_t s;
+            const int ok = scratch_init(&s);
+            if (!ok) status = -2;
+            /* the shared prefix: item = (kv head, tile of requests), rows (request, g) of that head */
+#pragma omp for schedule(dynamic, 1) nowait
+            for (int item = 0; item < KV * tiles; item++) {
+                if (!ok) continue;
+                const int h = item % KV, b0 = (item / KV) * tile, nb = B - b0 < tile ? B - b0 : tile;
+                const ctx_t c = {k, v, bf16, KV, D, bs_shift, bs_mask, tables};   /* request 0's table */
+                for (int i = 0; i < nb; i++)
+                    for (int g = 0; g < G; g++)
+                        load_q(s.qs[i * G + g], (const char *)q + (size_t)(b0 + i) * q_stride * es, bf16,
+                               (size_t)h * G + g, D, scale);
+                reset_rows(&s, nb * G, D);
+                attend_rows(&c, h, 1, nb * G, s.qs, NULL, NULL, 0, shared_len, s.m, s.l, s.acc, s.kbuf, s.vbuf);
+                for (int i = 0; i < nb; i++)
+                    for (int g = 0; g < G; g++) {
+                        const size_t at = (size_t)(b0 + i) * H + h * G + g;
+                        xm[at] = s.m[i * G + g];
+                        xl[at] = s.l[i * G + g];
+                        memcpy(xacc[at], s.acc[i * G + g], sizeof(float) * D);
+                    }
+            }
+            /* each request's own positions */
 #pragma omp for schedule(dynamic, 1)
             for (int item = 0; item < items; item++) {
-                if (!scores || !qf) continue;
+                if (!ok) continue;
                 const int unit = item / parts, p = item % parts;
                 const int b = per_head ? unit / KV : unit, h0 = per_head ? unit % KV : 0;
-                const int n = lens[b] - starts[b], chunk = (n + parts - 1) / parts;
+                const int from = shared_len > 0 ? shared_len : starts[b];
+                const int n = lens[b] - from, chunk = (n + parts - 1) / parts;
                 const int first = p * chunk, count = n - first < chunk ? n - first : chunk;
                 const size_t at = (size_t)item * rows;
                 if (count <= 0) {             /* a short context split into more parts than it fills */
                     for (int r = 0; r < rows; r++) sum[at + r] = 0.f;
                     continue;
                 }
-                attend(q, q_stride, k, v, bf16, tables + (size_t)b * max_blocks, starts[b] + first, count, b, h0,
-                       per_head ? h0 + 1 : KV, KV, D, G, bs_shift, bs_mask, scale, scores, qf, acc + at, mx + at,
-                       sum + at);
+                const ctx_t c = {k, v, bf16, KV, D, bs_shift, bs_mask, tables + (size_t)b * max_blocks};
+                const void *qb = (const char *)q + (size_t)b * q_stride * es;
+                for (int r = 0; r < rows; r++) {
+                    load_q(s.qs[r], qb, bf16, (size_t)h0 * G + r, D, scale);
+                    mx[at + r] = -FLT_MAX;
+                    sum[at + r] = 0.f;
+                    memset(acc[at + r], 0, sizeof(float) * D);
+                }
+                attend_rows(&c, h0, per_head ? 1 : KV, G, s.qs, NULL, NULL, from + first, from + first + count,
+                            mx + at, sum + at, acc + at, s.kbuf, s.vbuf);
             }
 #pragma omp for schedule(static)
             for (int unit = 0; unit < units; unit++) {
                 const int b = per_head ? unit / KV : unit, h0 = per_head ? unit % KV : 0;
                 const size_t at = (size_t)unit * parts * rows;
-                combine(out, bf16, b, h0 * G, rows, H, D, parts, acc + at, mx + at, sum + at);
+                for (int r = 0; r < rows; r++) {
+                    const size_t orow = (size_t)b * H + h0 * G + r;
+                    combine(out, bf16, orow, D, parts, rows, acc + at + r, mx + at + r, sum + at + r,
+                            xm ? xm + orow : NULL, xl ? xl + orow : NULL, xacc ? xacc[orow] : NULL);
+                }
             }
-            free(scores);
-            free(qf);
+            if (ok) scratch_free(&s);
         }
     }
     free(acc);
     free(mx);
     free(sum);
+    free(xacc);
+    free(xm);
+    free(xl);
+    return status;
+}
+
+/* Several query tokens per request over a context already in the cache (their own K/V written this step):
+ * request i's tokens are rows row0[i] .. row0[i]+count[i]-1 of q and out, at positions
+ * computed[i] .. computed[i]+count[i]-1, each attending causally (and within `window` positions when
+ * window > 0). Items are (request, kv head, tile of tokens), so each K/V chunk is loaded once per tile. */
+int paged_prefill(const void *q, int q_stride, const void *k, const void *v, void *out, int bf16,
+                  const int32_t *tables, int max_blocks, const int32_t *row0, const int32_t *count,
+                  const int32_t *computed, int R, int H, int KV, int D, int block_size, int window, float scale,
+                  int num_threads) {
+    const int G = H / KV;
+    if (G > MAX_G || D > MAX_D || D % 8 != 0 || H % KV != 0 || H > MAX_H) return -1;
+    if (block_size <= 0 || (block_size & (block_size - 1))) return -1;
+    const int bs_shift = __builtin_ctz(block_size), bs_mask = block_size - 1;
+    const size_t es = bf16 ? 2 : 4;
+    const int tok = TILE_ROWS / G > 0 ? TILE_ROWS / G : 1;      /* tokens per tile */
+    int *first_item = malloc(sizeof(int) * ((size_t)R + 1));    /* request i's items start here */
+    if (!first_item) return -2;
+    first_item[0] = 0;
+    for (int i = 0; i < R; i++) first_item[i + 1] = first_item[i] + KV * ((count[i] + tok - 1) / tok);
+    int status = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        scratch_t s;
+        const int ok = scratch_init(&s);
+        if (!ok) status = -2;
+        int i = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < first_item[R]; item++) {
+            if (!ok) continue;
+            while (first_item[i + 1] <= item) i++;   /* items ascend within a thread */
+            while (first_item[i] > item) i--;
+            const int local = item - first_item[i], h = local % KV, t0 = (local / KV) * tok;
+            const int nt = count[i] - t0 < tok ? count[i] - t0 : tok;
+            const ctx_t c = {k, v, bf16, KV, D, bs_shift, bs_mask, tables + (size_t)i * max_blocks};
+            int p0 = 1 << 30, p1 = 0;
+            for (int t = 0; t < nt; t++) {
+                const int pos = computed[i] + t0 + t;
+                const int b = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+                for (int g = 0; g < G; g++) {
+                    const int r = t * G + g;
+                    load_q(s.qs[r], (const char *)q + (size_t)(row0[i] + t0 + t) * q_stride * es, bf16,
+                           (size_t)h * G + g, D, scale);
+                    s.begin[r] = b;
+                    s.end[r] = pos + 1;
+                }
+                if (b < p0) p0 = b;
+                if (pos + 1 > p1) p1 = pos + 1;
+            }
+            reset_rows(&s, nt * G, D);
+            attend_rows(&c, h, 1, nt * G, s.qs, s.begin, s.end, p0, p1, s.m, s.l, s.acc, s.kbuf, s.vbuf);
+            for (int t = 0; t < nt; t++)
+                for (int g = 0; g < G; g++) {
+                    const int r = t * G + g;
+                    const size_t orow = (size_t)(row0[i] + t0 + t) * H + h * G + g;
+                    const float inv = 1.f / s.l[r];
+                    for (int d = 0; d < D; d++) {
+                        if (bf16) ((uint16_t *)out)[orow * D + d] = f32_to_bf16(s.acc[r][d] * inv);
+                        else ((float *)out)[orow * D + d] = s.acc[r][d] * inv;
+                    }
+                }
+        }
+        if (ok) scratch_free(&s);
+    }
+    free(first_item);
     return status;
 }
 
@@ -279,12 +485,12 @@ int write_kv(const float *k, const float *v, int src_stride, float *k_cache, flo
  * Returns paged_decode's status, or write_kv's -3 for a slot outside the cache (nothing written). */
 int decode_attention(float *qkv, int qkv_stride, float *out, const float *cos, const float *sin,
                      const int64_t *slots, int64_t num_slots, float *k_cache, float *v_cache, const int32_t *tables,
-                     int max_blocks, const int32_t *starts, const int32_t *lens, int B, int H, int KV, int D,
-                     int block_size, float scale, int max_len, int num_threads) {
+                     int max_blocks, const int32_t *starts, const int32_t *lens, int shared_len, int B, int H, int KV,
+                     int D, int block_size, float scale, int max_len, int num_threads) {
     rotary(qkv, cos, sin, B, H + KV, D, qkv_stride, 1);
     const int rc = write_kv(qkv + (size_t)H * D, qkv + (size_t)(H + KV) * D, qkv_stride, k_cache, v_cache, slots,
                             B, KV * D, num_slots);
     if (rc != 0) return rc;
-    return paged_decode(qkv, qkv_stride, k_cache, v_cache, out, 0, tables, max_blocks, starts, lens, B, H, KV, D,
-                        block_size, scale, max_len, num_threads);
+    return paged_decode(qkv, qkv_stride, k_cache, v_cache, out, 0, tables, max_blocks, starts, lens, shared_len, B,
+                        H, KV, D, block_size, scale, max_len, num_threads);
 }
