@@ -182,23 +182,14 @@ class BatchedBackend(AttentionBackend):
     def _prefill(self, q, k, v, k_cache, v_cache, meta, scale, out) -> None:
         for i in meta.prefill_reqs or ():
             a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            if _fresh(meta, i):
-                _fresh_prefill(q, k, v, a, b, scale, out)
+            fresh = meta.num_computed[i] == 0 and (meta.sliding_window is None or b - a <= meta.sliding_window)
+            if fresh:  # the whole context is this step's tokens: no need to read the cache back
+                o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
+                                                   v[a:b].transpose(0, 1), is_causal=True, scale=scale,
+                                                   enable_gqa=True)
+                out[a:b] = o.transpose(0, 1)
             else:
                 out[a:b] = self._one_request(q[a:b], k_cache, v_cache, meta, i, scale)
-
-
-def _fresh(meta: AttentionMetadata, i: int) -> bool:
-    """Request i's context is all this step's tokens (no need to read the cache back)."""
-    n = meta.query_start_loc[i + 1] - meta.query_start_loc[i]
-    return meta.num_computed[i] == 0 and (meta.sliding_window is None or n <= meta.sliding_window)
-
-
-def _fresh_prefill(q, k, v, a: int, b: int, scale: float, out: torch.Tensor) -> None:
-    """Rows a:b of a fresh prompt: causal SDPA over its own new K/V."""
-    o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
-                                       is_causal=True, scale=scale, enable_gqa=True)
-    out[a:b] = o.transpose(0, 1)
 
 
 def _int32_tables(tables: list[list[int]]) -> torch.Tensor:
@@ -210,8 +201,7 @@ def _int32_tables(tables: list[list[int]]) -> torch.Tensor:
 
 class CpuKernelBackend(BatchedBackend):
     """Attends through the C kernels, which read K/V in place (no gather copy): decoding requests in one call,
-    prompts with context in the cache (prefix-cache hits, later prefill chunks) in another; fresh prompts with
-    causal SDPA as BatchedBackend.
+    prompt chunks (fresh, prefix-cache hits, later chunks of a chunked prefill) in another.
 
     Cascade attention: when every decoding request's table starts with the same blocks (a prefix cache hit on
     a shared system prompt), those positions are attended once for the whole batch and merged with each
@@ -271,20 +261,17 @@ class CpuKernelBackend(BatchedBackend):
         return out
 
     def _prefill(self, q, k, v, k_cache, v_cache, meta, scale, out) -> None:
-        """Fresh prompts with causal SDPA; all prompts with context in the cache in one C call."""
-        context = []
-        for i in meta.prefill_reqs or ():
-            if _fresh(meta, i):
-                _fresh_prefill(q, k, v, meta.query_start_loc[i], meta.query_start_loc[i + 1], scale, out)
-            else:
-                context.append(i)
-        if not context:
+        """Every prompt chunk of the step in one C call, fresh or over a cached context: their K/V are in the
+        cache already (forward() wrote them), and the kernel runs ~5x faster than torch's SDPA, which takes its
+        math path here (a 440-token prompt, 9 heads of 64: 2.4 ms against 13.8 ms)."""
+        reqs = meta.prefill_reqs
+        if not reqs:
             return
         qsl = meta.query_start_loc
-        paged_prefill(q, k_cache, v_cache, out, _int32_tables([meta.block_tables[i] for i in context]),
-                      torch.tensor([qsl[i] for i in context], dtype=torch.int32),
-                      torch.tensor([qsl[i + 1] - qsl[i] for i in context], dtype=torch.int32),
-                      torch.tensor([meta.num_computed[i] for i in context], dtype=torch.int32),
+        paged_prefill(q, k_cache, v_cache, out, _int32_tables([meta.block_tables[i] for i in reqs]),
+                      torch.tensor([qsl[i] for i in reqs], dtype=torch.int32),
+                      torch.tensor([qsl[i + 1] - qsl[i] for i in reqs], dtype=torch.int32),
+                      torch.tensor([meta.num_computed[i] for i in reqs], dtype=torch.int32),
                       meta.block_size, meta.sliding_window or 0, scale)
 
 
