@@ -80,12 +80,16 @@ def test_preemption_equals_no_preemption(tiny_llama, prompts, plain):
 
 
 def test_shared_prefix_computed_once(tiny_llama):
-    """16 requests with a common 200-token prefix: the prefix is prefilled once."""
+    """16 requests with a common 200-token prefix: the prefix is prefilled once, and the tokens are the plain
+    path's (on CPU the hits go through the paged prefill kernel and the decode steps through cascade attention
+    over the 192 shared positions)."""
     shared = random_prompts([200], seed=7)[0]
     suffixes = random_prompts([5 + i for i in range(16)], seed=8)
     ps = [shared + s for s in suffixes]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    _, llm = run(tiny_llama[0], ps, params)
+    toks, llm = run(tiny_llama[0], ps, params)
+    plain, _ = run(tiny_llama[0], ps, params, attention_backend="torch", enable_prefix_caching=False)
+    assert toks == plain
     stats = llm.get_stats()
     # 200 shared tokens = 12 full blocks (192 tokens) cached; everything else is computed per request
     assert stats["prefill_tokens"] == len(ps[0]) + sum(len(s) + 8 for s in suffixes[1:])
