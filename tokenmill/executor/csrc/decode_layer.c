@@ -52,8 +52,8 @@ int decode_layer(const layer_t *L, float *x, float *residual, int add, float *ou
     }
     if (rc == 0)
         rc = decode_attention(qkv, width, att, cos, sin, slots, num_slots, k_cache, v_cache, tables, max_blocks,
-                              starts, lens, shared_len, B, L->heads, L->kv_heads, L->head_dim, block_size, scale, max_len,
-                              num_threads);
+                              starts, lens, shared_len, B, L->heads, L->kv_heads, L->head_dim, block_size, scale,
+                              max_len, num_threads);
     if (rc == 0) rc = mm(&L->o, att, B, q, hid, o, num_threads);
     if (rc == 0) {
         add_rms_norm(o, residual, L->post_norm, h, B, hid, L->eps, 1, 1);
