@@ -62,6 +62,13 @@ def _window_start(meta: AttentionMetadata, i: int) -> int:
     return max(0, meta.num_computed[i] - meta.sliding_window + 1)
 
 
+def _split(meta: AttentionMetadata) -> list[int]:
+    """Sets meta.prefill_reqs (requests with more than one query token) and returns the decoding ones."""
+    qsl = meta.query_start_loc
+    meta.prefill_reqs = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] > 1]
+    return [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] == 1]
+
+
 def _mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int]) -> torch.Tensor:
     """[Q, K] True where query at q_pos may see key at k_pos (causal, and within the window: q - k < window)."""
     diff = q_pos[:, None] - k_pos[None, :]
@@ -143,8 +150,7 @@ class BatchedBackend(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata) -> None:
         qsl = meta.query_start_loc
-        decode = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] == 1]
-        meta.prefill_reqs = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] > 1]
+        decode = _split(meta)
         if not decode:
             meta.decode_rows = None
             return
@@ -211,13 +217,11 @@ class CpuKernelBackend(BatchedBackend):
     min_shared_batch = 4
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        qsl = meta.query_start_loc
-        decode = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] == 1]
-        meta.prefill_reqs = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] > 1]
+        decode = _split(meta)
         meta.decode_rows = None
         if not decode:
             return
-        meta.decode_rows = torch.tensor([qsl[i] for i in decode])
+        meta.decode_rows = torch.tensor([meta.query_start_loc[i] for i in decode])
         meta.all_decode = not meta.prefill_reqs
         meta.decode_tables = _int32_tables([meta.block_tables[i] for i in decode])
         meta.decode_starts = torch.tensor([_window_start(meta, i) for i in decode], dtype=torch.int32)
@@ -249,16 +253,18 @@ class CpuKernelBackend(BatchedBackend):
 
     def _attend(self, q, k, v, k_cache, v_cache, meta, scale):
         if meta.all_decode:       # a pure decode step: no row gather or scatter around the kernel
-            return paged_decode(q, k_cache, v_cache, meta.decode_tables, meta.decode_starts, meta.decode_lens,
-                                meta.block_size, scale, meta.decode_max_len, meta.decode_shared_len)
+            return self._decode(q, k_cache, v_cache, meta, scale)
         out = torch.empty(q.shape, dtype=q.dtype)
         if meta.decode_rows is not None:
-            rows = meta.decode_rows
-            out[rows] = paged_decode(q[rows], k_cache, v_cache, meta.decode_tables, meta.decode_starts,
-                                     meta.decode_lens, meta.block_size, scale, meta.decode_max_len,
-                                     meta.decode_shared_len)
+            out[meta.decode_rows] = self._decode(q[meta.decode_rows], k_cache, v_cache, meta, scale)
         self._prefill(q, k, v, k_cache, v_cache, meta, scale, out)
         return out
+
+    @staticmethod
+    def _decode(q, k_cache, v_cache, meta, scale) -> torch.Tensor:
+        """The decoding requests' rows q [Bd, H, D] through the C kernel, with prepare()'s tensors."""
+        return paged_decode(q, k_cache, v_cache, meta.decode_tables, meta.decode_starts, meta.decode_lens,
+                            meta.block_size, scale, meta.decode_max_len, meta.decode_shared_len)
 
     def _prefill(self, q, k, v, k_cache, v_cache, meta, scale, out) -> None:
         """Every prompt chunk of the step in one C call, fresh or over a cached context: their K/V are in the

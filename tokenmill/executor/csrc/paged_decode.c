@@ -278,6 +278,21 @@ static void reset_rows(scratch_t *s, int rows, int D) {
     }
 }
 
+/* Shapes the kernels take: whole groups of at most MAX_G query heads per kv head, D a multiple of 8 up to
+ * MAX_D, block_size a power of two (slot math in shifts and masks). */
+static int shapes_ok(int H, int KV, int D, int block_size) {
+    return KV > 0 && H % KV == 0 && H / KV <= MAX_G && H <= MAX_H && D % 8 == 0 && D <= MAX_D && block_size > 0
+           && (block_size & (block_size - 1)) == 0;
+}
+
+/* Output row `orow` = o * inv, as float32 or bfloat16. */
+static void store_row(void *out, int bf16, size_t orow, const float *o, float inv, int D) {
+    for (int d = 0; d < D; d++) {
+        if (bf16) ((uint16_t *)out)[orow * D + d] = f32_to_bf16(o[d] * inv);
+        else ((float *)out)[orow * D + d] = o[d] * inv;
+    }
+}
+
 /* Output row `orow` from partial results of one query over disjoint position ranges (flash-decoding): part p
  * is (mx[p * step], sum[p * step], acc[p * step]); each is rescaled by exp(mx_p - M) to the common max M. An
  * optional extra part (xm, xl, xacc: the shared prefix of cascade attention) joins them. */
@@ -299,11 +314,7 @@ static void combine(void *out, int bf16, size_t orow, int D, int parts, int step
         total += w * sum[p * step];
         for (int d = 0; d < D; d++) o[d] += w * acc[p * step][d];
     }
-    const float inv = 1.f / total;
-    for (int d = 0; d < D; d++) {
-        if (bf16) ((uint16_t *)out)[orow * D + d] = f32_to_bf16(o[d] * inv);
-        else ((float *)out)[orow * D + d] = o[d] * inv;
-    }
+    store_row(out, bf16, orow, o, 1.f / total, D);
 }
 
 int paged_decode(const void *q, int q_stride, const void *k, const void *v, void *out, int bf16, const int32_t *tables,
@@ -312,9 +323,8 @@ int paged_decode(const void *q, int q_stride, const void *k, const void *v, void
     /* shared_len > 0 (cascade): positions 0 .. shared_len-1 sit in the same blocks for every request (the
      * caller checked the tables and that no request starts later than 0); they are attended once per tile of
      * requests, and each request's items cover only shared_len .. len-1. */
+    if (!shapes_ok(H, KV, D, block_size)) return -1;
     const int G = H / KV;
-    if (G > MAX_G || D > MAX_D || D % 8 != 0 || H % KV != 0 || H > MAX_H) return -1;
-    if (block_size <= 0 || (block_size & (block_size - 1))) return -1;
     const int bs_shift = __builtin_ctz(block_size), bs_mask = block_size - 1;
     const size_t es = bf16 ? 2 : 4;
     /* Work units: with enough requests to keep every thread busy, one per request with all its heads; otherwise
@@ -416,9 +426,8 @@ int paged_prefill(const void *q, int q_stride, const void *k, const void *v, voi
                   const int32_t *tables, int max_blocks, const int32_t *row0, const int32_t *count,
                   const int32_t *computed, int R, int H, int KV, int D, int block_size, int window, float scale,
                   int num_threads) {
+    if (!shapes_ok(H, KV, D, block_size)) return -1;
     const int G = H / KV;
-    if (G > MAX_G || D > MAX_D || D % 8 != 0 || H % KV != 0 || H > MAX_H) return -1;
-    if (block_size <= 0 || (block_size & (block_size - 1))) return -1;
     const int bs_shift = __builtin_ctz(block_size), bs_mask = block_size - 1;
     const size_t es = bf16 ? 2 : 4;
     const int tok = TILE_ROWS / G > 0 ? TILE_ROWS / G : 1;      /* tokens per tile */
@@ -460,12 +469,7 @@ int paged_prefill(const void *q, int q_stride, const void *k, const void *v, voi
             for (int t = 0; t < nt; t++)
                 for (int g = 0; g < G; g++) {
                     const int r = t * G + g;
-                    const size_t orow = (size_t)(row0[i] + t0 + t) * H + h * G + g;
-                    const float inv = 1.f / s.l[r];
-                    for (int d = 0; d < D; d++) {
-                        if (bf16) ((uint16_t *)out)[orow * D + d] = f32_to_bf16(s.acc[r][d] * inv);
-                        else ((float *)out)[orow * D + d] = s.acc[r][d] * inv;
-                    }
+                    store_row(out, bf16, (size_t)(row0[i] + t0 + t) * H + h * G + g, s.acc[r], 1.f / s.l[r], D);
                 }
         }
         if (ok) scratch_free(&s);
