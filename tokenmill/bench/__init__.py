@@ -10,14 +10,3 @@ Submodules load lazily (the engine, matplotlib and httpx only for the commands t
   plots        step-latency and latency-distribution pictures
   cli          register(subparsers): `bench`, `kv-calc`, `diagnose`
 """
-from typing import Any
-
-
-def register(subparsers: Any) -> None:
-    """Add `bench`, `kv-calc` and `diagnose` to an argparse subparsers object (see cli.register)."""
-    from .cli import register as _register
-
-    _register(subparsers)
-
-
-__all__ = ["register"]

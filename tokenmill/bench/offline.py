@@ -57,8 +57,9 @@ def run_throughput(llm: Any, workload: Workload, warmup: bool = True, use_tqdm: 
     """Replay every request greedily with ignore_eos; tokens/s over the wall time of one generate() call."""
     reqs = workload["requests"]
     vocab = getattr(getattr(llm, "model_config", None), "vocab_size", None)
-    if vocab and max_token_id(workload) >= vocab:
-        raise ValueError(f"workload has token id {max_token_id(workload)} but the model's vocabulary is {vocab}; "
+    top = max_token_id(workload)
+    if vocab and top >= vocab:
+        raise ValueError(f"workload has token id {top} but the model's vocabulary is {vocab}; "
                          f"regenerate it with --vocab {min(vocab, DEFAULT_VOCAB)}")
     if warmup:
         _warmup(llm, model_vocab(llm))

@@ -3,6 +3,7 @@ client-side TTFT / ITL / TPOT / E2E per request, plus what the server's /metrics
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import random
@@ -142,11 +143,8 @@ async def run_serve_bench(url: str, requests: Sequence[dict[str, Any]], rate: fl
 
         async def launch(i: int, t0: float) -> None:
             await asyncio.sleep(max(0.0, offsets[i] - (time.perf_counter() - t0)))
-            if sem is None:
+            async with sem or contextlib.nullcontext():
                 await _one(client, url, model, requests[i % len(requests)], records[i], t0)
-            else:
-                async with sem:
-                    await _one(client, url, model, requests[i % len(requests)], records[i], t0)
             bar.update(1)
 
         t0 = time.perf_counter()

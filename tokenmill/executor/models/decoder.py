@@ -5,6 +5,7 @@ q/k/v and gate/up are fused at load time into one matmul each.
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import Iterable, Optional
 
 import torch
@@ -105,7 +106,7 @@ class DecoderLayer(nn.Module):
 # HF checkpoint names -> (our fused parameter, shard index) for the fused projections
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-_NUM_SHARDS = {"qkv_proj": 3, "gate_up_proj": 2}
+_NUM_SHARDS = Counter(target for target, _ in _FUSED.values())    # qkv_proj: 3, gate_up_proj: 2
 
 
 def _our_name(name: str) -> tuple[str, Optional[int]]:
@@ -163,9 +164,9 @@ class DecoderForCausalLM(nn.Module):
             # a tied head needs [vocab, hidden] for the lookup and [hidden, vocab] for a fast GEMM: keep both
             self.tied_head_t = self.embed_tokens.weight.data.t().contiguous()
 
-    def load_packed(self, weights: Iterable[tuple[str, PackedWeight]]) -> int:
+    def load_packed(self, weights: Iterable[tuple[str, PackedWeight]]) -> None:
         """Give Linear layers (and a tied head) their GGUF blocks for few-row matmuls, after load_weights.
-        A fused layer gets them only if every shard came in the same block format. Returns the layers packed."""
+        A fused layer gets them only if every shard came in the same block format."""
         modules = dict(self.named_modules())
         shards: dict[str, dict[int, PackedWeight]] = {}
         for name, p in weights:
@@ -177,16 +178,13 @@ class DecoderForCausalLM(nn.Module):
             mname, kind = pname.rsplit(".", 1)
             if kind == "weight":
                 shards.setdefault(mname, {})[shard or 0] = p
-        packed = 0
         for mname, got in shards.items():
             module = modules.get(mname)
             if not isinstance(module, Linear) or len(got) != _NUM_SHARDS.get(mname.split(".")[-1], 1):
                 continue
             module.packed = concat_rows([got[i] for i in sorted(got)])
-            packed += module.packed is not None
         for layer in self.layers:
             layer.fused = FusedDecodeLayer.build(layer)
-        return packed + (self.tied_head_packed is not None)
 
     def bind_kv_cache(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for layer, (k, v) in zip(self.layers, caches):
