@@ -45,7 +45,7 @@ def test_pack_dequantizes_like_gguf(qtype: str) -> None:
 @pytest.mark.parametrize("n,k", [(1, 32), (5, 96), (37, 64), (130, 160)])
 def test_qmatmul_matches_dense(qtype: str, n: int, k: int) -> None:
     p, ref = _packed(qtype, n, k, seed=n + k)
-    for b in [*range(1, 10), 15, 16, 17, 33, MAX_ROWS]:   # 8 inputs a pass: whole, partial and several passes
+    for b in [*range(1, 10), 15, 16, 17, 21, 33, 48, MAX_ROWS]:   # both kernels; partial and several passes
         x = torch.randn(b, k, generator=torch.Generator().manual_seed(b))
         torch.testing.assert_close(qmatmul(x, p), x @ ref.t(), rtol=1e-5, atol=1e-5)
 
@@ -121,13 +121,17 @@ def test_write_kv_matches_index_put() -> None:
 
 
 def test_engine_on_quantised_gguf_matches_dequantised_weights(tmp_path: Path) -> None:
-    """Blocks on vs off through the whole engine (decode steps of 1-3 rows use the kernel): same greedy ids,
-    logprobs within float32 summation-order noise."""
+    """Blocks on vs off through the whole engine: same greedy ids, logprobs within float32 summation-order
+    noise. 40 requests finishing at different steps: decode steps of 40 down to 1 rows, so both kernels
+    (row dot products, and the GEMM above 20 rows with 2, 3 and 4 vectors of inputs) run."""
     path = tmp_path / "tiny.gguf"
     _write_tiny(path)
     prompts = [{"prompt_token_ids": [3, 17, 5, 9, 30]}, {"prompt_token_ids": [11, 4]},
                {"prompt_token_ids": list(range(3, 40))}]
-    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    g = torch.Generator().manual_seed(0)
+    prompts += [{"prompt_token_ids": torch.randint(3, 48, (int(n),), generator=g).tolist()}
+                for n in torch.randint(1, 30, (37,), generator=g)]
+    sp = [SamplingParams(temperature=0, max_tokens=4 + i // 2, ignore_eos=True, logprobs=0) for i in range(40)]
     runs = {}
     for on in (True, False):
         llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.01, quantized_kernels=on, tokenizer=None)

@@ -18,6 +18,11 @@
 #define MAX_B 8      /* inputs per pass over a row group (accumulators in registers) */
 #define MAX_ROWS 64  /* inputs per call */
 #define PREFETCH_ROWS 16
+/* Above this many inputs, qgemm(). SmolLM2's 120 matrices, cold, on the 2-core dev machine: 16 rows 23 ms
+ * either way; 17: 26 (rows) vs 33 (qgemm pads to 32); 24: 48 vs 45; 32: 49 vs 35; 64: 166 vs 57 (MKL on the
+ * dequantised float32 weights: 37, 39, 54, 48, 100 ms) */
+#define GEMM_MIN_ROWS 20
+#define KC 128            /* positions of weights dequantised at a time by qgemm() */
 
 typedef float v16f __attribute__((vector_size(64)));
 
@@ -144,10 +149,141 @@ static inline __attribute__((always_inline)) void row_range(int q4, const float 
 }
 #undef GROUP
 
+/* ---- many rows: dequantise a few weight rows into L1, then a register-blocked GEMM over all inputs ---------
+ * Above ~20 inputs the dot-product scheme above runs out of registers (it re-dequantises every row for each 8
+ * inputs and reloads x from L2 per FMA pair). Here NR weight rows are dequantised KC positions at a time into
+ * a float32 scratch ws [NR][KC] (L1), x is transposed once per call to xT [K][16 * MV] (zero-padded), and the
+ * inner loop keeps NR x MV accumulators of 16 inputs each: per k it loads MV vectors of x and broadcasts NR
+ * weights, NR * MV FMAs for NR + MV loads. Sums run over k in order, so results differ from
+ * x @ dequantised(w)^T only in summation order, as above. */
+/* Weight rows n0 .. n0+NR-1, positions k0 .. k0+KC-1, dequantised into ws [NR][KC]; rows past N are zeros,
+ * computed and never stored. */
+static inline __attribute__((always_inline)) void dequant_rows(int q4, int K, const uint8_t *codes,
+                                                               const float *d, const float *m, int n0, int count,
+                                                               int NR, int k0, int kc, float *ws) {
+    const int nb = K / QK;
+    const size_t row_bytes = q4 ? (size_t)K / 2 : (size_t)K;
+    for (int r = 0; r < NR; r++) {
+        float *w = ws + (size_t)r * KC;
+        if (r >= count) {
+            memset(w, 0, sizeof(float) * KC);
+            continue;
+        }
+        const size_t n = (size_t)n0 + r;
+        for (int i = k0 / QK; i < (k0 + kc) / QK; i++) {
+            v16f lo, hi;
+            if (q4) q4_block(codes + n * row_bytes + (size_t)i * 16, d[n * nb + i], m[n * nb + i], &lo, &hi);
+            else q8_block((const int8_t *)codes + n * row_bytes + (size_t)i * 32, d[n * nb + i], &lo, &hi);
+            memcpy(w + (size_t)i * QK - k0, &lo, 64);
+            memcpy(w + (size_t)i * QK - k0 + 16, &hi, 64);
+        }
+    }
+}
+
+/* Outputs n0 .. n0+count-1 for all inputs, into rows 0 .. count-1 of yT: the accumulators stay in registers over all of K while
+ * the weights arrive KC positions at a time (ws stays in L1 next to the slice of xT being read). */
+static inline __attribute__((always_inline)) void gemm_tile(int q4, const uint8_t *codes, const float *d,
+                                                            const float *m, const float *xT, int K, float *ws,
+                                                            int NR, int MV, float *yT, int n0, int count) {
+    v16f acc[12][4];
+#pragma GCC unroll 12
+    for (int r = 0; r < NR; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < MV; j++) acc[r][j] = (v16f){0};
+    const int BP = 16 * MV;
+    for (int k0 = 0; k0 < K; k0 += KC) {
+        const int kc = K - k0 < KC ? K - k0 : KC;
+        dequant_rows(q4, K, codes, d, m, n0, count, NR, k0, kc, ws);
+        for (int k = 0; k < kc; k++) {
+            v16f xv[4];
+#pragma GCC unroll 4
+            for (int j = 0; j < MV; j++) xv[j] = load16(xT + (size_t)(k0 + k) * BP + 16 * j);
+#pragma GCC unroll 12
+            for (int r = 0; r < NR; r++) {
+                const v16f wb = (v16f){0} + ws[(size_t)r * KC + k];    /* broadcast */
+#pragma GCC unroll 4
+                for (int j = 0; j < MV; j++) acc[r][j] = fma16(wb, xv[j], acc[r][j]);
+            }
+        }
+    }
+    /* acc[r][j] holds y[16j .. 16j+15][n0 + r]: kept transposed, and turned round by transpose_out() */
+#pragma GCC unroll 12
+    for (int r = 0; r < NR; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < MV; j++)
+            if (r < count) memcpy(yT + (size_t)r * BP + 16 * j, &acc[r][j], 64);
+}
+
+/* y [B][N], outputs n0 .. n0+count-1, from their rows of yT [count][BP]: 16 x 16 squares turned round in L1,
+ * so each row of y gets whole 64-byte stores (scattered single floats into y cost more than the FMAs at
+ * K = 128) */
+static void transpose_out(const float *yT, int BP, float *y, int B, int N, int n0, int count) {
+    for (int i0 = 0; i0 < count; i0 += 16) {
+        const int nn = count - i0 < 16 ? count - i0 : 16;
+        for (int b0 = 0; b0 < B; b0 += 16) {
+            float t[16][16];
+            for (int i = 0; i < nn; i++)
+                for (int l = 0; l < 16; l++) t[l][i] = yT[(size_t)(i0 + i) * BP + b0 + l];
+            for (int l = 0; l < 16 && b0 + l < B; l++)
+                memcpy(y + (size_t)(b0 + l) * N + n0 + i0, t[l], sizeof(float) * nn);
+        }
+    }
+}
+
+/* Outputs go in groups of GROUP_N (a multiple of every NR below): a thread computes a group's tiles into its
+ * own yT [GROUP_N][BP] (12 KB at 64 inputs, in L1) and turns it round into y at once. NR = rows per tile
+ * for MV vectors of inputs (MV = 2..4 above GEMM_MIN_ROWS): NR * MV = 24 accumulators, with MV x vectors and
+ * a broadcast, fit the 32 vector registers. */
+#define GROUP_N 48
+#define GEMM_CASE(MV_, NR_)                                                                             \
+    case MV_: {                                                                                         \
+        _Pragma("omp parallel num_threads(num_threads)") {                                              \
+            float *ws = aligned_alloc(64, sizeof(float) * NR_ * KC);                                    \
+            float *yT = aligned_alloc(64, sizeof(float) * GROUP_N * BP);                                \
+            if (ws && yT) {                                                                             \
+                _Pragma("omp for schedule(static)")                                                     \
+                for (int g = 0; g < groups; g++) {                                                      \
+                    const int g0 = g * GROUP_N, size = N - g0 < GROUP_N ? N - g0 : GROUP_N;             \
+                    for (int n0 = g0; n0 < g0 + size; n0 += NR_) {                                      \
+                        const int count = g0 + size - n0 < NR_ ? g0 + size - n0 : NR_;                  \
+                        gemm_tile(q4, codes, d, m, xT, K, ws, NR_, MV_, yT + (size_t)(n0 - g0) * BP, n0, count); \
+                    }                                                                                   \
+                    transpose_out(yT, BP, y, B, N, g0, size);                                           \
+                }                                                                                       \
+            } else                                                                                      \
+                failed = 1;                                                                             \
+            free(ws);                                                                                   \
+            free(yT);                                                                                   \
+        }                                                                                               \
+        break;                                                                                          \
+    }
+
+static int qgemm(int q4, const float *x, int B, int K, int N, const uint8_t *codes, const float *d,
+                 const float *m, float *y, int num_threads) {
+    const int MV = (B + 15) / 16, BP = 16 * MV;
+    float *xT = aligned_alloc(64, sizeof(float) * (size_t)K * BP);   /* [K][BP] */
+    if (!xT) return -2;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int k0 = 0; k0 < K; k0 += 16)     /* 16 positions of every input: whole cache lines of x */
+        for (int b = 0; b < BP; b++)
+            for (int k = k0; k < k0 + 16 && k < K; k++) xT[(size_t)k * BP + b] = b < B ? x[(size_t)b * K + k] : 0.f;
+    const int groups = (N + GROUP_N - 1) / GROUP_N;
+    int failed = 0;
+    switch (MV) {
+        GEMM_CASE(2, 12)
+        GEMM_CASE(3, 8)
+        GEMM_CASE(4, 6)
+    }
+    free(xT);
+    return failed ? -2 : 0;
+}
+#undef GEMM_CASE
+
 /* y = x @ w^T for B <= MAX_ROWS rows of x. Returns 0, or a negative status for arguments it cannot take. */
 int qmatmul(int q4, const float *x, int B, int K, int N, const uint8_t *codes, const float *d, const float *m,
             float *y, int num_threads) {
     if (B < 1 || B > MAX_ROWS || K % QK != 0 || N < 1) return -1;
+    if (B > GEMM_MIN_ROWS) return qgemm(q4, x, B, K, N, codes, d, m, y, num_threads);
     /* x as [K/32][B][32]: the B slices a block multiplies sit together instead of K floats apart (at K = 1536
      * those strides alias in L1 and B = 8 ran 3x slower) */
     float *xt = (float *)malloc(sizeof(float) * (size_t)B * K);
