@@ -124,7 +124,7 @@ class EngineConfig:
     dtype: torch.dtype
     device: torch.device
     attention_backend: str = "auto"   # "auto" | "torch" (reference) | "batched" | "cpu" (C kernel)
-    # GGUF Q4_0/Q4_1/Q8_0: matmuls of few rows (decode) read the quantised blocks with a C kernel (CPU only);
+    # GGUF Q4_0/Q4_1/Q8_0: matmuls of up to 64 rows (decode) read the quantised blocks with a C kernel (CPU only);
     # False: always the dequantised float weights
     quantized_kernels: bool = True
     seed: int = 0

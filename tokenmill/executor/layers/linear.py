@@ -21,7 +21,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.register_buffer("weight_t", None)
-        self.packed: Optional[PackedWeight] = None   # GGUF blocks for few-row matmuls (layers/quant.py)
+        self.packed: Optional[PackedWeight] = None   # GGUF blocks for matmuls of <= 64 rows (layers/quant.py)
 
     def finalize(self) -> None:
         if self.weight.device.type != "cpu":

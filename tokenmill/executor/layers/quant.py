@@ -1,7 +1,7 @@
-"""Weights kept in llama.cpp's quantised blocks (Q4_0, Q4_1, Q8_0) for small-batch matmuls.
+"""Weights kept in llama.cpp's quantised blocks (Q4_0, Q4_1, Q8_0) for decode-sized matmuls.
 
-A GGUF checkpoint's weights are dequantised to float for the dense path (prefill, big batches); the blocks
-are also kept, repacked for executor/csrc/qmatmul.c, and a decode step with few rows reads those instead: 5 bits a
+A GGUF checkpoint's weights are dequantised to float for the dense path (prefill); the blocks are also kept,
+repacked for executor/csrc/qmatmul.c, and a decode step of up to 64 rows reads those instead: 5 bits a
 weight for Q4_1 rather than 32, and the step is bound by reading weights. The kernel computes with exactly
 the dequantised values (d * code + m), so the two paths differ only in float32 summation order."""
 from __future__ import annotations

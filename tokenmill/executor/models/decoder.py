@@ -165,7 +165,7 @@ class DecoderForCausalLM(nn.Module):
             self.tied_head_t = self.embed_tokens.weight.data.t().contiguous()
 
     def load_packed(self, weights: Iterable[tuple[str, PackedWeight]]) -> None:
-        """Give Linear layers (and a tied head) their GGUF blocks for few-row matmuls, after load_weights.
+        """Give Linear layers (and a tied head) their GGUF blocks for decode-sized matmuls, after load_weights.
         A fused layer gets them only if every shard came in the same block format."""
         modules = dict(self.named_modules())
         shards: dict[str, dict[int, PackedWeight]] = {}

@@ -1,7 +1,7 @@
 """A decoder layer's pure decode step as one C call (executor/csrc/decode_layer.c).
 
 Only for what that call covers: a step the attention backend can run in C (its decode_args(): the C backend,
-float32, decodes only), few rows, and all four matrices in GGUF blocks with no biases and no q/k norm (SmolLM2's Q4_1, Llama/Mistral GGUFs).
+float32, decodes only), at most 64 rows, and all four matrices in GGUF blocks with no biases and no q/k norm (SmolLM2's Q4_1, Llama/Mistral GGUFs).
 It runs the very kernels DecoderLayer.forward would call one by one, so it is tested against that path token
 for token; it only saves the Python and ctypes overhead between them."""
 from __future__ import annotations
