@@ -47,7 +47,7 @@ int decode_layer(const layer_t *L, float *x, float *residual, int add, float *ou
     float *gu = malloc(sizeof(float) * (size_t)B * 2 * L->inter), *act = malloc(sizeof(float) * (size_t)B * L->inter);
     int rc = (h && qkv && att && o && gu && act) ? 0 : -2;
     if (rc == 0) {
-        add_rms_norm(x, residual, L->input_norm, h, B, hid, L->eps, add, 1);
+        add_rms_norm(x, residual, L->input_norm, h, B, hid, L->eps, add, num_threads);
         rc = mm(&L->qkv, h, B, hid, width, qkv, num_threads);
     }
     if (rc == 0)
@@ -56,11 +56,11 @@ int decode_layer(const layer_t *L, float *x, float *residual, int add, float *ou
                               max_len, num_threads);
     if (rc == 0) rc = mm(&L->o, att, B, q, hid, o, num_threads);
     if (rc == 0) {
-        add_rms_norm(o, residual, L->post_norm, h, B, hid, L->eps, 1, 1);
+        add_rms_norm(o, residual, L->post_norm, h, B, hid, L->eps, 1, num_threads);
         rc = mm(&L->gate_up, h, B, hid, 2 * L->inter, gu, num_threads);
     }
     if (rc == 0) {
-        silu_mul(gu, act, B, L->inter, 1);
+        silu_mul(gu, act, B, L->inter, num_threads);
         rc = mm(&L->down, act, B, L->inter, hid, out, num_threads);
     }
     free(h);
