@@ -180,8 +180,9 @@ static inline __attribute__((always_inline)) void dequant_rows(int q4, int K, co
     }
 }
 
-/* Outputs n0 .. n0+count-1 for all inputs, into rows 0 .. count-1 of yT: the accumulators stay in registers over all of K while
- * the weights arrive KC positions at a time (ws stays in L1 next to the slice of xT being read). */
+/* Outputs n0 .. n0+count-1 for all inputs, into rows 0 .. count-1 of yT: the accumulators stay in registers
+ * over all of K while the weights arrive KC positions at a time (ws stays in L1 next to the slice of xT being
+ * read). */
 static inline __attribute__((always_inline)) void gemm_tile(int q4, const uint8_t *codes, const float *d,
                                                             const float *m, const float *xT, int K, float *ws,
                                                             int NR, int MV, float *yT, int n0, int count) {
@@ -246,7 +247,8 @@ static void transpose_out(const float *yT, int BP, float *y, int B, int N, int n
                     const int g0 = g * GROUP_N, size = N - g0 < GROUP_N ? N - g0 : GROUP_N;             \
                     for (int n0 = g0; n0 < g0 + size; n0 += NR_) {                                      \
                         const int count = g0 + size - n0 < NR_ ? g0 + size - n0 : NR_;                  \
-                        gemm_tile(q4, codes, d, m, xT, K, ws, NR_, MV_, yT + (size_t)(n0 - g0) * BP, n0, count); \
+                        float *rows_out = yT + (size_t)(n0 - g0) * BP;                                  \
+                        gemm_tile(q4, codes, d, m, xT, K, ws, NR_, MV_, rows_out, n0, count);           \
                     }                                                                                   \
                     transpose_out(yT, BP, y, B, N, g0, size);                                           \
                 }                                                                                       \
@@ -266,7 +268,8 @@ static int qgemm(int q4, const float *x, int B, int K, int N, const uint8_t *cod
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int k0 = 0; k0 < K; k0 += 16)     /* 16 positions of every input: whole cache lines of x */
         for (int b = 0; b < BP; b++)
-            for (int k = k0; k < k0 + 16 && k < K; k++) xT[(size_t)k * BP + b] = b < B ? x[(size_t)b * K + k] : 0.f;
+            for (int k = k0; k < k0 + 16 && k < K; k++)
+                xT[(size_t)k * BP + b] = b < B ? x[(size_t)b * K + k] : 0.f;
     const int groups = (N + GROUP_N - 1) / GROUP_N;
     int failed = 0;
     switch (MV) {
