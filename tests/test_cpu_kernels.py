@@ -14,7 +14,7 @@ from tests.test_gguf import _write_tiny
 from tokenmill import LLM, SamplingParams
 from tokenmill.executor.layers import cpu_ops
 from tokenmill.executor.layers.linear import Linear
-from tokenmill.executor.layers.quant import MAX_ROWS, PACKED_MAX_ROWS, pack_ggml, qmatmul
+from tokenmill.executor.layers.quant import MAX_ROWS, pack_ggml, qmatmul
 from tokenmill.executor.native import kernels
 from tokenmill.executor.layers.rotary import apply_rotary
 
@@ -64,12 +64,12 @@ def test_linear_uses_blocks_for_few_rows_only() -> None:
     lin = Linear(64, 48)
     lin.weight.data.copy_(ref)
     lin.finalize()
-    dense = [lin(torch.randn(r, 64)) for r in (1, PACKED_MAX_ROWS + 3)]   # reference outputs, no blocks yet
+    dense = [lin(torch.randn(r, 64)) for r in (1, MAX_ROWS + 3)]   # reference outputs, no blocks yet
     lin.packed = p
-    x1, xb = torch.randn(1, 64), torch.randn(PACKED_MAX_ROWS + 3, 64)
+    x1, xb = torch.randn(1, 64), torch.randn(MAX_ROWS + 3, 64)
     torch.testing.assert_close(lin(x1), x1 @ ref.t(), rtol=1e-5, atol=1e-5)
     assert torch.equal(lin(xb), xb @ lin.weight_t)                  # many rows: the dense GEMM, bit for bit
-    assert [d.shape for d in dense] == [(1, 48), (PACKED_MAX_ROWS + 3, 48)]
+    assert [d.shape for d in dense] == [(1, 48), (MAX_ROWS + 3, 48)]
 
 
 @pytest.mark.parametrize("rows", [1, 3, 100])

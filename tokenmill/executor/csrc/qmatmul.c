@@ -18,9 +18,9 @@
 #define MAX_B 8      /* inputs per pass over a row group (accumulators in registers) */
 #define MAX_ROWS 64  /* inputs per call */
 #define PREFETCH_ROWS 16
-/* Above this many inputs, qgemm(). SmolLM2's 120 matrices, cold, on the 2-core dev machine: 16 rows 23 ms
- * either way; 17: 26 (rows) vs 33 (qgemm pads to 32); 24: 48 vs 45; 32: 49 vs 35; 64: 166 vs 57 (MKL on the
- * dequantised float32 weights: 37, 39, 54, 48, 100 ms) */
+/* Above this many inputs, qgemm(). SmolLM2's 120 matrices, cold, on the 2-core dev machine, row dot products
+ * vs qgemm: 16 rows 23 ms either way; 17: 26 vs 33 (qgemm pads to 32); 24: 48 vs 45; 32: 49 vs 35; 64: 166
+ * vs 57. (Against MKL: layers/quant.py.) */
 #define GEMM_MIN_ROWS 20
 #define KC 128            /* positions of weights dequantised at a time by qgemm() */
 
@@ -234,7 +234,8 @@ static void transpose_out(const float *yT, int BP, float *y, int B, int N, int n
 /* Outputs go in groups of GROUP_N (a multiple of every NR below): a thread computes a group's tiles into its
  * own yT [GROUP_N][BP] (12 KB at 64 inputs, in L1) and turns it round into y at once. NR = rows per tile
  * for MV vectors of inputs (MV = 2..4 above GEMM_MIN_ROWS): NR * MV = 24 accumulators, with MV x vectors and
- * a broadcast, fit the 32 vector registers. */
+ * a broadcast, fit the 32 vector registers. A macro, not an inline function: GCC outlines an omp parallel
+ * body into its own function, where NR and MV would no longer be constants, and that ran 2x slower. */
 #define GROUP_N 48
 #define GEMM_CASE(MV_, NR_)                                                                             \
     case MV_: {                                                                                         \

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.executor.layers.quant import PACKED_MAX_ROWS, PackedWeight, qmatmul
+from tokenmill.executor.layers.quant import MAX_ROWS, PackedWeight, qmatmul
 
 
 class Linear(nn.Module):
@@ -32,7 +32,7 @@ class Linear(nn.Module):
         self.weight_t = w.t().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] <= PACKED_MAX_ROWS:
+        if self.packed is not None and x.shape[0] <= MAX_ROWS:
             y = qmatmul(x, self.packed) if x.dtype == torch.float32 else qmatmul(x.float(), self.packed).to(x.dtype)
             return y if self.bias is None else y + self.bias
         if self.weight_t is None:

@@ -16,12 +16,12 @@ import torch
 from tokenmill.executor.native import check, kernels
 
 BLOCK = 32
-MAX_ROWS = 64           # the kernel's limit on rows of x per call (csrc/qmatmul.c)
-# Rows up to which a layer uses the blocks rather than its dense float32 weights (prefill chunks go dense).
-# SmolLM2's 120 matrices, cold, on the 2-core dev machine, blocks vs MKL on float32: 8 rows 16 vs 32 ms,
-# 16: 23 vs 37, 32: 35 vs 48, 64: 57 vs 100 (above 20 rows the kernel is a register-blocked GEMM that
-# dequantises into L1; it reads 5 bits a weight where MKL reads 32 and repacks on every call).
-PACKED_MAX_ROWS = MAX_ROWS
+# Rows of x per call, the kernel's limit (csrc/qmatmul.c), and the rows up to which a layer uses the blocks
+# rather than its dense float32 weights (prefill chunks go dense). SmolLM2's 120 matrices, cold, on the 2-core
+# dev machine, blocks vs MKL on float32: 8 rows 16 vs 32 ms, 16: 23 vs 37, 32: 35 vs 48, 64: 57 vs 100 (above
+# 20 rows the kernel is a register-blocked GEMM that dequantises into L1; it reads 5 bits a weight where MKL
+# reads 32 and repacks on every call).
+MAX_ROWS = 64
 PACKABLE = ("Q4_0", "Q4_1", "Q8_0")
 
 

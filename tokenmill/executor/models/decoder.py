@@ -16,7 +16,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.executor.attention import AttentionBackend, AttentionMetadata
 from tokenmill.executor.layers import cpu_ops
 from tokenmill.executor.layers.linear import Linear
-from tokenmill.executor.layers.quant import PACKED_MAX_ROWS, PackedWeight, concat_rows, qmatmul
+from tokenmill.executor.layers.quant import MAX_ROWS, PackedWeight, concat_rows, qmatmul
 from tokenmill.executor.layers.norm import RMSNorm
 from tokenmill.executor.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.executor.models.fused_decode import FusedDecodeLayer
@@ -148,7 +148,7 @@ class DecoderForCausalLM(nn.Module):
         """hidden: [S, hidden] (only the rows that sample). Returns float32 logits [S, vocab]."""
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
-        if self.tied_head_packed is not None and hidden.shape[0] <= PACKED_MAX_ROWS:
+        if self.tied_head_packed is not None and hidden.shape[0] <= MAX_ROWS:
             return qmatmul(hidden.float(), self.tied_head_packed)
         if self.tied_head_t is not None:
             return (hidden @ self.tied_head_t).float()

@@ -1,7 +1,8 @@
 """A decoder layer's pure decode step as one C call (executor/csrc/decode_layer.c).
 
 Only for what that call covers: a step the attention backend can run in C (its decode_args(): the C backend,
-float32, decodes only), at most 64 rows, and all four matrices in GGUF blocks with no biases and no q/k norm (SmolLM2's Q4_1, Llama/Mistral GGUFs).
+float32, decodes only), at most 64 rows, and all four matrices in GGUF blocks with no biases and no q/k norm
+(SmolLM2's Q4_1, Llama/Mistral GGUFs).
 It runs the very kernels DecoderLayer.forward would call one by one, so it is tested against that path token
 for token; it only saves the Python and ctypes overhead between them."""
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Optional
 import torch
 
 from tokenmill.executor.attention import AttentionMetadata
-from tokenmill.executor.layers.quant import PACKED_MAX_ROWS, PackedWeight
+from tokenmill.executor.layers.quant import MAX_ROWS, PackedWeight
 from tokenmill.executor.native import check, kernels
 
 
@@ -64,7 +65,7 @@ class FusedDecodeLayer:
         """DecoderLayer.forward's (MLP output, residual) for this step, or None when the rows are not ones the
         C call covers (the caller then runs the layer in Python). decode_args: the backend's decode_args()."""
         B = x.shape[0]
-        if B > PACKED_MAX_ROWS or x.dtype != torch.float32 or not x.is_contiguous() \
+        if B > MAX_ROWS or x.dtype != torch.float32 or not x.is_contiguous() \
                 or (residual is not None and not residual.is_contiguous()):
             return None
         res = x if residual is None else residual
