@@ -33,7 +33,8 @@ CASES = {"mixed": ([1, 9, 37, 64, 5, 50], [1, 1, 1, 1, 5, 13], 0), "decode1": ([
          "decode6": ([1, 9, 37, 64, 17, 50], [1] * 6, 0),
          "cascade": ([70, 90, 130, 77, 200], [1] * 5, 17),
          "cascade_mixed": ([70, 90, 130, 77, 200, 150], [1, 1, 1, 1, 1, 30], 17),
-         "context": ([150, 45, 300], [40, 20, 70], 0)}
+         "context": ([150, 45, 300], [40, 20, 70], 0),
+         "long": ([1100, 40], [1, 1], 0)}      # over 1024 positions: the C decode splits a request's range
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -41,11 +42,25 @@ CASES = {"mixed": ([1, 9, 37, 64, 5, 50], [1, 1, 1, 1, 5, 13], 0), "decode1": ([
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("backend", ["batched", "cpu"])
 def test_backend_matches_reference(backend, window, dtype, case):
+    _compare_with_reference(backend, window, dtype, case, 6, 2, 32)
+
+
+# (H, KV, D): the C kernel's float32 decode path (decode_fast) takes query rows 3 at a time for scores and 4 at
+# a time for values, and head dims in 64-wide pieces plus 16-wide tails; D = 40 is not a multiple of 16, so
+# attend_rows decodes it instead.
+@pytest.mark.parametrize("case", ["decode1", "decode6", "cascade", "mixed", "long"])
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("shape", [(9, 3, 64), (8, 2, 80), (10, 2, 48), (4, 4, 40)])
+def test_cpu_decode_head_shapes(shape, window, case):
+    _compare_with_reference("cpu", window, torch.float32, case, *shape)
+
+
+def _compare_with_reference(backend, window, dtype, case, H, KV, D):
     if backend == "cpu":
         from tokenmill.executor.native import kernels
         if kernels() is None:
             pytest.skip("no C compiler: the cpu kernel backend is not available here")
-    H, KV, D, bs, nblocks = 6, 2, 32, 4, 200
+    bs, nblocks = 4, 300
     ctx, qn, shared = CASES[case]
     torch.manual_seed(0)
     k_cache = torch.randn(nblocks * bs, KV, D).to(dtype)

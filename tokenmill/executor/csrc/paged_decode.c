@@ -6,7 +6,9 @@
  *   paged_prefill  several query tokens per request over a context already in the cache (a prefix-cache hit,
  *                  a later chunk of a chunked prefill), causal;
  *   decode_attention  rotary + KV write + paged_decode of a fused qkv row, for the fused decode layer.
- * Math in float32 whatever the storage type (float32 or bfloat16).
+ * Math in float32 whatever the storage type (float32 or bfloat16). A request's own positions in a float32
+ * decode go through decode_fast instead (AVX-512): with one query token per head there is little arithmetic
+ * per byte, and its two-pass form spends about half the instructions of attend_rows on it.
  *
  *   q      [B, H, D]            out [B, H, D]      (q's rows q_stride elements apart: a view into fused qkv)
  *   k, v   [slots, KV, D]       slot = tables[b][pos / block_size] * block_size + pos % block_size
@@ -240,6 +242,134 @@ static void attend_rows(const ctx_t *c, int h0, int NH, int RG, float (*qs)[MAX_
     }
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define FAST_N 1024   /* positions per work item on the fast decode path: the scores scratch is rows x FAST_N */
+#define PF_AHEAD 16   /* positions ahead that the fast path asks for K: the blocks sit anywhere, so the
+                       * hardware prefetcher loses the stream at each one */
+
+/* out[j] = the sum of a[j]'s 16 lanes, j = 0..7: halves, then quarters, then a 4 x 4 transpose-add */
+static inline __m256 reduce8(const __m512 *a) {
+    __m512 u[4];
+    for (int i = 0; i < 4; i++)   /* u[i]: lanes 0-7 partial sums of a[2i], lanes 8-15 of a[2i+1] */
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    /* w0: 128-bit lane i holds four partial sums of a[i]; w1 of a[4 + i] */
+    const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+    const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+    const __m512 x = _mm512_add_ps(_mm512_unpacklo_ps(w0, w1), _mm512_unpackhi_ps(w0, w1));
+    const __m512 y = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E));   /* lane i: [sum a[i], sum a[4+i], ...] */
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, y));
+}
+
+/* K rows of heads h0 .. h0+NH-1 at a slot, to L1. (Asking for V as well, to L2, ran slower: the second pass
+ * reads V in order and the hardware keeps up there.) */
+static inline void prefetch_k(const ctx_t *c, size_t slot, int h0, int NH) {
+    const size_t off = (slot * c->KV + h0) * c->D * 4, bytes = (size_t)NH * c->D * 4;
+    for (size_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)c->k + off + b, _MM_HINT_T0);
+}
+
+/* Decode attention of rows (h - h0) * G + g (qs, scaled) over positions p0 .. p0+n-1 (n <= FAST_N) of a
+ * float32 cache, D a multiple of 16, in two passes: all scores first (q . k, 8 positions x up to 3 rows per
+ * register block, K read once for the G rows of its head), then one exact softmax per row, then the weighted
+ * sum of V (up to 4 rows x 64 dims of accumulators). Leaves m (max), l (sum of e^(s - m)) and acc
+ * (unnormalised) as attend_rows does, so combine() merges the results the same way. */
+static void decode_fast(const ctx_t *c, int h0, int NH, int G, float (*qs)[MAX_D], int p0, int n, float *m,
+                        float *l, float (*acc)[MAX_D], float *sbuf, size_t *slot) {
+    const int D = c->D, KV = c->KV;
+    const float *K = (const float *)c->k, *V = (const float *)c->v;
+    for (int j = 0; j < n; j++) slot[j] = slot_of(c, p0 + j);
+    for (int j = 0; j < PF_AHEAD && j < n; j++) prefetch_k(c, slot[j], h0, NH);
+    for (int j0 = 0; j0 < n; j0 += 8) {
+        for (int j = j0 + PF_AHEAD; j < j0 + 8 + PF_AHEAD && j < n; j++) prefetch_k(c, slot[j], h0, NH);
+        for (int h = 0; h < NH; h++) {
+            const float *kr[8];
+            for (int j = 0; j < 8; j++) kr[j] = K + (slot[j0 + j < n ? j0 + j : n - 1] * KV + h0 + h) * D;
+            for (int g0 = 0; g0 < G; g0 += 3) {
+                const int row = h * G + g0;
+#define QK_BLOCK(NR)                                                                                      \
+                {                                                                                         \
+                    __m512 a[NR][8];                                                                      \
+                    for (int r = 0; r < NR; r++)                                                          \
+                        for (int j = 0; j < 8; j++) a[r][j] = _mm512_setzero_ps();                        \
+                    for (int d = 0; d < D; d += 16) {                                                     \
+                        __m512 q[NR];                                                                     \
+                        for (int r = 0; r < NR; r++) q[r] = _mm512_loadu_ps(qs[row + r] + d);             \
+                        for (int j = 0; j < 8; j++) {                                                     \
+                            const __m512 kv = _mm512_loadu_ps(kr[j] + d);                                 \
+                            for (int r = 0; r < NR; r++) a[r][j] = _mm512_fmadd_ps(q[r], kv, a[r][j]);   \
+                        }                                                                                 \
+                    }                                                                                     \
+                    for (int r = 0; r < NR; r++)                                                          \
+                        _mm256_storeu_ps(sbuf + (size_t)(row + r) * FAST_N + j0, reduce8(a[r]));          \
+                }
+                if (G - g0 >= 3) QK_BLOCK(3)
+                else if (G - g0 == 2) QK_BLOCK(2)
+                else QK_BLOCK(1)
+#undef QK_BLOCK
+            }
+        }
+    }
+    const int rows = NH * G;
+    for (int r = 0; r < rows; r++) {
+        float *s = sbuf + (size_t)r * FAST_N;
+        float mx = -FLT_MAX, t = 0.f;
+        for (int j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+#pragma omp simd reduction(+ : t)
+        for (int j = 0; j < n; j++) {
+            s[j] = expf(s[j] - mx);
+            t += s[j];
+        }
+        m[r] = mx;
+        l[r] = t;
+    }
+    for (int h = 0; h < NH; h++)
+        for (int g0 = 0; g0 < G; g0 += 4) {
+            const int row = h * G + g0;
+            for (int d0 = 0; d0 < D; d0 += 64) {
+                const int dv = D - d0 >= 64 ? 4 : (D - d0) / 16;
+#define PV_BLOCK(NR, DV)                                                                                  \
+                {                                                                                         \
+                    __m512 a[NR][DV];                                                                     \
+                    for (int r = 0; r < NR; r++)                                                          \
+                        for (int i = 0; i < DV; i++) a[r][i] = _mm512_setzero_ps();                       \
+                    for (int j = 0; j < n; j++) {                                                         \
+                        const float *vr = V + (slot[j] * KV + h0 + h) * D + d0;                           \
+                        for (int i = 0; i < DV; i++) {                                                    \
+                            const __m512 vv = _mm512_loadu_ps(vr + 16 * i);                               \
+                            for (int r = 0; r < NR; r++)                                                  \
+                                a[r][i] = _mm512_fmadd_ps(_mm512_set1_ps(sbuf[(size_t)(row + r) * FAST_N + j]), \
+                                                          vv, a[r][i]);                                   \
+                        }                                                                                 \
+                    }                                                                                     \
+                    for (int r = 0; r < NR; r++)                                                          \
+                        for (int i = 0; i < DV; i++) _mm512_storeu_ps(acc[row + r] + d0 + 16 * i, a[r][i]); \
+                }
+                const int nr = G - g0 < 4 ? G - g0 : 4;
+                if (dv == 4) {
+                    if (nr == 4) PV_BLOCK(4, 4) else if (nr == 3) PV_BLOCK(3, 4) else if (nr == 2) PV_BLOCK(2, 4) else PV_BLOCK(1, 4)
+                } else {
+                    for (int i0 = 0; i0 < dv; i0++) {   /* a 16-wide tail of D, one vector at a time */
+                        const int dd = d0 + 16 * i0;
+                        for (int r = 0; r < nr; r++) {
+                            __m512 a1 = _mm512_setzero_ps();
+                            for (int j = 0; j < n; j++)
+                                a1 = _mm512_fmadd_ps(_mm512_set1_ps(sbuf[(size_t)(row + r) * FAST_N + j]),
+                                                     _mm512_loadu_ps(V + (slot[j] * KV + h0 + h) * D + dd), a1);
+                            _mm512_storeu_ps(acc[row + r] + dd, a1);
+                        }
+                    }
+                }
+#undef PV_BLOCK
+            }
+        }
+}
+#define HAVE_FAST 1
+#else
+#define HAVE_FAST 0
+#endif
+
 /* Per-thread scratch of attend_rows' callers. */
 typedef struct {
     float (*qs)[MAX_D], (*acc)[MAX_D], (*kbuf)[MAX_D], (*vbuf)[MAX_D];
@@ -335,6 +465,10 @@ int paged_decode(const void *q, int q_stride, const void *k, const void *v, void
     const int own = max_len - shared_len;       /* the longest per-request range */
     int parts = units < 2 * num_threads ? (2 * num_threads + units - 1) / units : 1;
     if (parts > own / 64) parts = own / 64 > 1 ? own / 64 : 1;
+    const int fast = HAVE_FAST && !bf16 && D % 16 == 0;
+#if HAVE_FAST
+    if (fast && parts < (own + FAST_N - 1) / FAST_N) parts = (own + FAST_N - 1) / FAST_N;
+#endif
     const int items = units * parts;
     /* cascade: tiles of requests whose G rows per kv head together stay within TILE_ROWS */
     const int tile = shared_len > 0 ? (TILE_ROWS / G > 0 ? TILE_ROWS / G : 1) : 0;
@@ -349,7 +483,14 @@ int paged_decode(const void *q, int q_stride, const void *k, const void *v, void
 #pragma omp parallel num_threads(num_threads)
         {
             scratch_t s;
-            const int ok = scratch_init(&s);
+            const int have_s = scratch_init(&s);
+#if HAVE_FAST
+            float *sbuf = fast ? malloc(sizeof(float) * FAST_N * (size_t)rows) : NULL;   /* decode_fast's */
+            size_t *sslot = fast ? malloc(sizeof(size_t) * FAST_N) : NULL;
+            const int ok = have_s && (!fast || (sbuf && sslot));
+#else
+            const int ok = have_s;
+#endif
             if (!ok) status = -2;
             /* the shared prefix: item = (kv head, tile of requests), rows (request, g) of that head */
 #pragma omp for schedule(dynamic, 1) nowait
@@ -393,6 +534,13 @@ int paged_decode(const void *q, int q_stride, const void *k, const void *v, void
                     sum[at + r] = 0.f;
                     memset(acc[at + r], 0, sizeof(float) * D);
                 }
+#if HAVE_FAST
+                if (fast) {
+                    decode_fast(&c, h0, per_head ? 1 : KV, G, s.qs, from + first, count, mx + at, sum + at, acc + at,
+                                sbuf, sslot);
+                    continue;
+                }
+#endif
                 attend_rows(&c, h0, per_head ? 1 : KV, G, s.qs, NULL, NULL, from + first, from + first + count,
                             mx + at, sum + at, acc + at, s.kbuf, s.vbuf);
             }
@@ -406,7 +554,11 @@ int paged_decode(const void *q, int q_stride, const void *k, const void *v, void
                             xm ? xm + orow : NULL, xl ? xl + orow : NULL, xacc ? xacc[orow] : NULL);
                 }
             }
-            if (ok) scratch_free(&s);
+            scratch_free(&s);   /* frees what scratch_init got, all or part */
+#if HAVE_FAST
+            free(sbuf);
+            free(sslot);
+#endif
         }
     }
     free(acc);
@@ -472,7 +624,7 @@ int paged_prefill(const void *q, int q_stride, const void *k, const void *v, voi
                     store_row(out, bf16, (size_t)(row0[i] + t0 + t) * H + h * G + g, s.acc[r], 1.f / s.l[r], D);
                 }
         }
-        if (ok) scratch_free(&s);
+        scratch_free(&s);
     }
     free(first_item);
     return status;
