@@ -118,3 +118,26 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return libc.madvise(start, end - start, _MADV_HUGEPAGE) == 0
+
+
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+
+
+def keep_freed_memory() -> bool:
+    """Tell glibc's malloc to keep freed memory for reuse instead of handing it back to the OS.
+
+    A step allocates the same activation sizes every layer (a 2048-token prefill chunk's gate/up output is 25 MB).
+    By default each such block is a fresh mmap, or the heap top is trimmed after it is freed, so every layer pays
+    page faults and the kernel zeroes the pages again: offline-64's prefill took 1.25 M page faults, 334 K with
+    this (CPU time 66 -> 61 s). Blocks up to 32 MB (malloc's maximum mmap threshold) now come from the heap, and
+    up to 1 GB of freed heap is kept. Process-wide, like torch.set_num_threads. False where this is not glibc."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return all(mallopt(opt, value) == 1 for opt, value in
+               ((_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 1 << 30), (_M_TOP_PAD, 64 << 20)))

@@ -8,7 +8,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.scheduler import SchedulerOutput
-from tokenmill.executor.native import advise_huge_pages
+from tokenmill.executor.native import advise_huge_pages, keep_freed_memory
 from tokenmill.executor.attention import AttentionMetadata, get_backend
 from tokenmill.executor.models.decoder import DecoderForCausalLM
 from tokenmill.executor.sampler import Sampler, SamplingInput, compute_prompt_logprobs
@@ -41,6 +41,8 @@ class ModelRunner:
         for k, v in self.kv_caches:
             advise_huge_pages(k)
             advise_huge_pages(v)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         model.bind_kv_cache(self.kv_caches)
         self.sampler = Sampler(mc.vocab_size, set(mc.eos_token_ids))
 
