@@ -136,6 +136,10 @@ def main() -> None:
     # 1. offline throughput, offline-64
     ours = last_json(sh(TM + ["bench", "throughput", "--workload", wl, "--json", "--no-progress"]))
     res["offline64"] = {"tokenmill": {k: ours[k] for k in ("generated_tok_s", "total_tok_s", "elapsed_s")}}
+    # the same with K/V stored in bfloat16, as the peers store them (an option: not token-exact with float32)
+    ours16 = last_json(sh(TM + ["bench", "throughput", "--workload", wl, "--json", "--no-progress",
+                                "--kv-cache-dtype", "bfloat16"]))
+    res["offline64"]["tokenmill_kv_bf16"] = {k: ours16[k] for k in ("generated_tok_s", "total_tok_s", "elapsed_s")}
     if not a.skip_hf:
         hf = last_json(sh([PY, SHARED / "run_hf.py", hf_dir, wl, "16"]))
         res["offline64"]["transformers"] = {"generated_tok_s": hf["gen_tok_s"], "total_tok_s": hf["total_tok_s"]}
@@ -181,6 +185,10 @@ def report(res: dict) -> None:
     for peer in ("vllm", "transformers"):
         if peer in o:
             print(f"  {peer:13s} {o[peer]['generated_tok_s']:.1f}   ratio {t / o[peer]['generated_tok_s']:.2f}x")
+    if "tokenmill_kv_bf16" in o:
+        t16 = o["tokenmill_kv_bf16"]["generated_tok_s"]
+        print(f"  tokenmill with kv_cache_dtype=bfloat16: {t16:.1f}" + "".join(
+            f", {t16 / o[peer]['generated_tok_s']:.2f}x {peer}" for peer in ("vllm", "transformers") if peer in o))
     s = res["single"]
     d = s["tokenmill"]["decode_tok_s"]
     print(f"single stream: tokenmill TTFT {s['tokenmill']['ttft_ms']:.0f} ms, decode {d:.1f} tok/s; "

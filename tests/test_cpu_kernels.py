@@ -104,15 +104,17 @@ def test_silu_mul_matches_torch() -> None:
     torch.testing.assert_close(cpu_ops.silu_mul(gu), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
 
 
-def test_write_kv_matches_index_put() -> None:
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_index_put(cache_dtype) -> None:
+    """bfloat16 caches (kv_cache_dtype="bfloat16"): rounded exactly as torch converts, to nearest even."""
     kv, d, t = 2, 8, 3
     qkv = torch.randn(t, (4 + 2 * kv) * d)                         # k and v are strided views of these rows
     k = qkv[:, 4 * d:(4 + kv) * d].view(t, kv, d)
     v = qkv[:, (4 + kv) * d:].view(t, kv, d)
     slots = torch.tensor([7, 0, 12])
-    kc, vc = torch.zeros(16, kv, d), torch.zeros(16, kv, d)
+    kc, vc = torch.zeros(16, kv, d, dtype=cache_dtype), torch.zeros(16, kv, d, dtype=cache_dtype)
     want_k, want_v = kc.clone(), vc.clone()
-    want_k[slots], want_v[slots] = k, v
+    want_k[slots], want_v[slots] = k.to(cache_dtype), v.to(cache_dtype)
     assert cpu_ops.write_kv(k, v, kc, vc, slots)
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
     with pytest.raises(IndexError):
@@ -148,10 +150,14 @@ def test_engine_on_quantised_gguf_matches_dequantised_weights(tmp_path: Path) ->
             assert ta == tb and abs(pa.logprob - pb.logprob) < 1e-4
 
 
-def test_fused_decode_layer_matches_layer_by_layer() -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
+def test_fused_decode_layer_matches_layer_by_layer(kv_cache_dtype) -> None:
     """The bundled Q4_1 GGUF qualifies for the one-call decode layer; with it and without it (the same kernels
-    called one by one from Python), greedy ids are equal and logprobs agree."""
-    llm = LLM(dtype="float32", kv_cache_memory_gb=0.1, max_model_len=512, enable_prefix_caching=False)
+    called one by one from Python), greedy ids are equal and logprobs agree; with a bfloat16 KV cache too."""
+    llm = LLM(dtype="float32", kv_cache_memory_gb=0.1, max_model_len=512, enable_prefix_caching=False,
+              kv_cache_dtype=kv_cache_dtype)
+    want = torch.bfloat16 if kv_cache_dtype == "bfloat16" else torch.float32
+    assert llm.llm_engine.runner.kv_caches[0][0].dtype == want
     layers = llm.llm_engine.model.layers
     assert all(layer.fused is not None for layer in layers)
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]

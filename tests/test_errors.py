@@ -49,6 +49,11 @@ def test_kv_budget_too_small(tiny_llama):
         LLM(tiny_llama[0], dtype="float32", kv_cache_memory_gb=1e-6, max_model_len=512)
 
 
+def test_unknown_kv_cache_dtype(tiny_llama):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, float32; got 'fp8'"):
+        LLM(tiny_llama[0], dtype="float32", kv_cache_memory_gb=0.01, kv_cache_dtype="fp8")
+
+
 def test_max_model_len_over_model(tiny_llama):
     with pytest.raises(ValueError, match="max_position_embeddings"):
         LLM(tiny_llama[0], dtype="float32", kv_cache_memory_gb=0.01, max_model_len=10_000)

@@ -88,14 +88,23 @@ class ModelConfig:
         return self.num_hidden_layers
 
 
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
     kv_cache_memory_gb: Optional[float] = None   # None: a share of free memory
     memory_utilization: float = 0.3              # the share of free memory used when no size is given
     enable_prefix_caching: bool = True
+    # vLLM's kv_cache_dtype: "auto" stores K/V in the model's dtype (token-exact with the float32 reference);
+    # "bfloat16" halves the cache's bytes (twice the tokens in the same memory, half the bytes decode reads),
+    # K/V rounded to bfloat16 while the math stays float32
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
@@ -128,6 +137,12 @@ class EngineConfig:
     # False: always the dequantised float weights
     quantized_kernels: bool = True
     seed: int = 0
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The KV cache's element type (cache_config.cache_dtype; "auto": the model's dtype)."""
+        cache_dtype = self.cache_config.cache_dtype
+        return self.dtype if cache_dtype == "auto" else _DTYPES[cache_dtype]
 
 
 def default_dtype(device: torch.device) -> torch.dtype:

@@ -101,7 +101,8 @@ class LLMEngine:
     def __init__(self, model: Optional[str] = None, *, dtype: Optional[str] = None, device: Optional[str] = None,
                  block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  max_model_len: Optional[int] = None, kv_cache_memory_gb: Optional[float] = None,
-                 enable_prefix_caching: bool = True, use_kv_cache: bool = True, attention_backend: str = "auto",
+                 enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto", use_kv_cache: bool = True,
+                 attention_backend: str = "auto",
                  quantized_kernels: bool = True, seed: int = 0, tokenizer: Any = "auto"):
         path = resolve_model_path(model)
         dev = pick_device(device)
@@ -116,7 +117,8 @@ class LLMEngine:
         if not use_kv_cache:
             enable_prefix_caching = False
         sched_cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, use_kv_cache)
-        cache_cfg = CacheConfig(block_size, kv_cache_memory_gb, enable_prefix_caching=enable_prefix_caching)
+        cache_cfg = CacheConfig(block_size, kv_cache_memory_gb, enable_prefix_caching=enable_prefix_caching,
+                                cache_dtype=kv_cache_dtype)
         self.config = EngineConfig(path, mc, cache_cfg, sched_cfg, torch_dtype, dev, attention_backend,
                                    quantized_kernels, seed)
         self.model_config = mc

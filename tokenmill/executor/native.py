@@ -41,16 +41,16 @@ SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
 _P, _I, _F, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64
 # every exported kernel: (argument types, return type)
 _SIGNATURES: dict[str, tuple[list, object]] = {
-    "paged_decode": ([_P, _I, _P, _P, _P, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _I], _I),
-    "paged_prefill": ([_P, _I, _P, _P, _P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I], _I),
-    "decode_attention": ([_P, _I, _P, _P, _P, _P, _I64, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _I],
-                         _I),
+    "paged_decode": ([_P, _I, _P, _P, _P, _I, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I, _I], _I),
+    "paged_prefill": ([_P, _I, _P, _P, _P, _I, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I], _I),
+    "decode_attention": ([_P, _I, _P, _P, _P, _P, _I64, _P, _P, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _F, _I,
+                          _I], _I),
     "qmatmul": ([_I, _P, _I, _I, _I, _P, _P, _P, _P, _I], _I),
-    "decode_layer": ([_P, _P, _P, _I, _P, _P, _P, _P, _I64, _P, _P, _P, _I, _P, _P, _I, _I, _I, _F, _I, _I], _I),
+    "decode_layer": ([_P, _P, _P, _I, _P, _P, _P, _P, _I64, _P, _P, _I, _P, _I, _P, _P, _I, _I, _I, _F, _I, _I], _I),
     "add_rms_norm": ([_P, _P, _P, _P, _I, _I, _F, _I, _I], None),
     "rotary": ([_P, _P, _P, _I, _I, _I, _I, _I], None),
     "silu_mul": ([_P, _P, _I, _I, _I], None),
-    "write_kv": ([_P, _P, _I, _P, _P, _P, _I, _I, _I64], _I),
+    "write_kv": ([_P, _P, _I, _P, _P, _I, _P, _I, _I, _I64], _I),
 }
 
 

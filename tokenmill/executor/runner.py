@@ -35,8 +35,8 @@ class ModelRunner:
         # torch.empty: pages are touched only when written, so start-up does not pay for the whole budget;
         # attention reads only slots that this or an earlier step wrote (padding repeats a real slot)
         shape = (num_blocks * self.block_size, mc.num_key_value_heads, mc.head_dim)
-        self.kv_caches = [(torch.empty(shape, dtype=config.dtype, device=self.device),
-                           torch.empty(shape, dtype=config.dtype, device=self.device))
+        self.kv_caches = [(torch.empty(shape, dtype=config.kv_cache_dtype, device=self.device),
+                           torch.empty(shape, dtype=config.kv_cache_dtype, device=self.device))
                           for _ in range(mc.num_hidden_layers)]
         for k, v in self.kv_caches:
             advise_huge_pages(k)
@@ -49,7 +49,7 @@ class ModelRunner:
     @staticmethod
     def kv_bytes_per_block(config: EngineConfig) -> int:
         mc = config.model_config
-        elem = torch.tensor([], dtype=config.dtype).element_size()
+        elem = torch.tensor([], dtype=config.kv_cache_dtype).element_size()
         return 2 * mc.num_hidden_layers * config.cache_config.block_size * mc.num_key_value_heads * mc.head_dim * elem
 
     @torch.inference_mode()

@@ -88,8 +88,8 @@ class AttentionBackend:
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KV, D]; caches [slots, KV, D]. Returns [T, H, D]."""
         if not cpu_ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping):
-            k_cache[meta.slot_mapping] = k
-            v_cache[meta.slot_mapping] = v
+            k_cache[meta.slot_mapping] = k.to(k_cache.dtype)     # kv_cache_dtype may differ from the model's
+            v_cache[meta.slot_mapping] = v.to(v_cache.dtype)
         return self._attend(q, k, v, k_cache, v_cache, meta, scale)
 
     def decode_args(self, rope: tuple[torch.Tensor, torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -122,7 +122,7 @@ class AttentionBackend:
         """Attention of request i's query rows q [Q, H, D] over its cached context. Returns [Q, H, D]."""
         start = _window_start(meta, i)
         slots = _context_slots(meta, i, start).to(k_cache.device)
-        keys, vals = k_cache[slots], v_cache[slots]                      # [K, KV, D]
+        keys, vals = k_cache[slots].to(q.dtype), v_cache[slots].to(q.dtype)     # [K, KV, D]
         q_pos = torch.arange(meta.num_computed[i], meta.seq_lens[i])
         k_pos = torch.arange(start, meta.seq_lens[i])
         mask = _mask(q_pos, k_pos, meta.sliding_window).to(q.device)
@@ -176,8 +176,8 @@ class BatchedBackend(AttentionBackend):
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
             rows = meta.decode_rows
-            keys = k_cache[meta.decode_slots].transpose(1, 2)           # [Bd, KV, L, D]
-            vals = v_cache[meta.decode_slots].transpose(1, 2)
+            keys = k_cache[meta.decode_slots].to(q.dtype).transpose(1, 2)     # [Bd, KV, L, D]
+            vals = v_cache[meta.decode_slots].to(q.dtype).transpose(1, 2)
             qd = q[rows][:, :, None, :]                                 # [Bd, H, 1, D]
             o = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=meta.decode_mask, scale=scale,
                                                enable_gqa=True)
@@ -188,8 +188,10 @@ class BatchedBackend(AttentionBackend):
     def _prefill(self, q, k, v, k_cache, v_cache, meta, scale, out) -> None:
         for i in meta.prefill_reqs or ():
             a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            fresh = meta.num_computed[i] == 0 and (meta.sliding_window is None or b - a <= meta.sliding_window)
-            if fresh:  # the whole context is this step's tokens: no need to read the cache back
+            fresh = meta.num_computed[i] == 0 and (meta.sliding_window is None or b - a <= meta.sliding_window) \
+                and k_cache.dtype == k.dtype
+            if fresh:  # the whole context is this step's tokens: no need to read the cache back (unless the cache
+                # rounds them: then every query sees the K/V that later decode steps will see)
                 o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
                                                    v[a:b].transpose(0, 1), is_causal=True, scale=scale,
                                                    enable_gqa=True)
@@ -244,12 +246,13 @@ class CpuKernelBackend(BatchedBackend):
         cos, sin = rope
         if not meta.all_decode or cos.dtype != torch.float32 or not cos.is_cpu \
                 or not (cos.is_contiguous() and sin.is_contiguous()) or meta.slot_mapping.dtype != torch.int64 \
-                or k_cache.dtype != torch.float32 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+                or k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype \
+                or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             return None
         tables = meta.decode_tables
         return (cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(), k_cache.shape[0], k_cache.data_ptr(),
-                v_cache.data_ptr(), tables.data_ptr(), tables.shape[1], meta.decode_starts.data_ptr(),
-                meta.decode_lens.data_ptr(), meta.decode_shared_len)
+                v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16), tables.data_ptr(), tables.shape[1],
+                meta.decode_starts.data_ptr(), meta.decode_lens.data_ptr(), meta.decode_shared_len)
 
     def _attend(self, q, k, v, k_cache, v_cache, meta, scale):
         if meta.all_decode:       # a pure decode step: no row gather or scatter around the kernel

@@ -55,15 +55,3 @@ void silu_mul(const float *gate_up, float *out, int rows, int inter, int num_thr
     }
 }
 
-/* Scatter new K and V rows into the paged cache: cache[slot[t]] = src[t], rows of `width` floats.
- * Returns -3 (the status every kernel uses for it), writing nothing, if a slot is outside [0, num_slots). */
-int write_kv(const float *k, const float *v, int src_stride, float *k_cache, float *v_cache,
-             const int64_t *slots, int rows, int width, int64_t num_slots) {
-    for (int t = 0; t < rows; t++)
-        if (slots[t] < 0 || slots[t] >= num_slots) return -3;
-    for (int t = 0; t < rows; t++) {
-        memcpy(k_cache + (size_t)slots[t] * width, k + (size_t)t * src_stride, sizeof(float) * width);
-        memcpy(v_cache + (size_t)slots[t] * width, v + (size_t)t * src_stride, sizeof(float) * width);
-    }
-    return 0;
-}

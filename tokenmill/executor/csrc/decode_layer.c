@@ -25,9 +25,9 @@ void add_rms_norm(float *x, float *residual, const float *weight, float *out, in
                   int num_threads);
 void silu_mul(const float *gate_up, float *out, int rows, int inter, int num_threads);
 int decode_attention(float *qkv, int qkv_stride, float *out, const float *cos, const float *sin,
-                     const int64_t *slots, int64_t num_slots, float *k_cache, float *v_cache, const int32_t *tables,
-                     int max_blocks, const int32_t *starts, const int32_t *lens, int shared_len, int B, int H, int KV,
-                     int D, int block_size, float scale, int max_len, int num_threads);
+                     const int64_t *slots, int64_t num_slots, void *k_cache, void *v_cache, int kv_bf16,
+                     const int32_t *tables, int max_blocks, const int32_t *starts, const int32_t *lens, int shared_len,
+                     int B, int H, int KV, int D, int block_size, float scale, int max_len, int num_threads);
 
 static int mm(const packed_t *w, const float *x, int B, int K, int N, float *y, int threads) {
     return qmatmul(w->bits == 4, x, B, K, N, (const uint8_t *)w->codes, w->scale, w->offset, y, threads);
@@ -37,7 +37,7 @@ static int mm(const packed_t *w, const float *x, int B, int K, int N, float *y, 
  * residual must be x itself); residual [B, hidden] is updated in place; out [B, hidden] gets this layer's MLP
  * output. The rest is decode_attention's. Returns 0, or the first failing kernel's status. */
 int decode_layer(const layer_t *L, float *x, float *residual, int add, float *out, const float *cos,
-                 const float *sin, const int64_t *slots, int64_t num_slots, float *k_cache, float *v_cache,
+                 const float *sin, const int64_t *slots, int64_t num_slots, void *k_cache, void *v_cache, int kv_bf16,
                  const int32_t *tables, int max_blocks, const int32_t *starts, const int32_t *lens, int shared_len,
                  int B, int block_size, float scale, int max_len, int num_threads) {
     const int hid = L->hidden, q = L->heads * L->head_dim, kv = L->kv_heads * L->head_dim;
@@ -51,9 +51,9 @@ int decode_layer(const layer_t *L, float *x, float *residual, int add, float *ou
         rc = mm(&L->qkv, h, B, hid, width, qkv, num_threads);
     }
     if (rc == 0)
-        rc = decode_attention(qkv, width, att, cos, sin, slots, num_slots, k_cache, v_cache, tables, max_blocks,
-                              starts, lens, shared_len, B, L->heads, L->kv_heads, L->head_dim, block_size, scale,
-                              max_len, num_threads);
+        rc = decode_attention(qkv, width, att, cos, sin, slots, num_slots, k_cache, v_cache, kv_bf16, tables,
+                              max_blocks, starts, lens, shared_len, B, L->heads, L->kv_heads, L->head_dim, block_size,
+                              scale, max_len, num_threads);
     if (rc == 0) rc = mm(&L->o, att, B, q, hid, o, num_threads);
     if (rc == 0) {
         add_rms_norm(o, residual, L->post_norm, h, B, hid, L->eps, 1, num_threads);

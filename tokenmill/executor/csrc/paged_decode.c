@@ -6,7 +6,8 @@
  *   paged_prefill  several query tokens per request over a context already in the cache (a prefix-cache hit,
  *                  a later chunk of a chunked prefill), causal;
  *   decode_attention  rotary + KV write + paged_decode of a fused qkv row, for the fused decode layer.
- * Math in float32 whatever the storage type (float32 or bfloat16). A request's own positions in a float32
+ * Math in float32 whatever the storage types: q and out float32 or bfloat16 (q_bf16), the cache float32 or
+ * bfloat16 (kv_bf16, kv_cache_dtype="bfloat16" under a float32 model). A request's own positions in a float32
  * decode go through decode_fast instead (AVX-512): with one query token per head there is little arithmetic
  * per byte, and its two-pass form spends about half the instructions of attend_rows on it.
  *
@@ -266,26 +267,36 @@ static inline __m256 reduce8(const __m512 *a) {
 /* K rows of heads h0 .. h0+NH-1 at a slot, to L1. (Asking for V as well, to L2, ran slower: the second pass
  * reads V in order and the hardware keeps up there.) */
 static inline void prefetch_k(const ctx_t *c, size_t slot, int h0, int NH) {
-    const size_t off = (slot * c->KV + h0) * c->D * 4, bytes = (size_t)NH * c->D * 4;
+    const size_t es = c->bf16 ? 2 : 4, off = (slot * c->KV + h0) * c->D * es, bytes = (size_t)NH * c->D * es;
     for (size_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)c->k + off + b, _MM_HINT_T0);
 }
 
+/* 16 cache values from element idx, as float32 (bfloat16 is the top half of a float32) */
+static inline __m512 load_kv(const void *base, size_t idx, int kv16) {
+    if (kv16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + idx))), 16));
+    return _mm512_loadu_ps((const float *)base + idx);
+}
+
 /* Decode attention of rows (h - h0) * G + g (qs, scaled) over positions p0 .. p0+n-1 (n <= FAST_N) of a
- * float32 cache, D a multiple of 16, in two passes: all scores first (q . k, 8 positions x up to 3 rows per
+ * float32 (kv16 = 0) or bfloat16 (kv16 = 1) cache, D a multiple of 16, in two passes: all scores first (q . k, 8 positions x up to 3 rows per
  * register block, K read once for the G rows of its head), then one exact softmax per row, then the weighted
  * sum of V (up to 4 rows x 64 dims of accumulators). Leaves m (max), l (sum of e^(s - m)) and acc
  * (unnormalised) as attend_rows does, so combine() merges the results the same way. */
-static void decode_fast(const ctx_t *c, int h0, int NH, int G, float (*qs)[MAX_D], int p0, int n, float *m,
-                        float *l, float (*acc)[MAX_D], float *sbuf, size_t *slot) {
+static inline __attribute__((always_inline)) void decode_fast(const ctx_t *c, int h0, int NH, int G,
+                                                               float (*qs)[MAX_D], int p0, int n, float *m,
+                                                               float *l, float (*acc)[MAX_D], float *sbuf,
+                                                               size_t *slot, const int kv16) {
     const int D = c->D, KV = c->KV;
-    const float *K = (const float *)c->k, *V = (const float *)c->v;
+    const void *K = c->k, *V = c->v;
     for (int j = 0; j < n; j++) slot[j] = slot_of(c, p0 + j);
     for (int j = 0; j < PF_AHEAD && j < n; j++) prefetch_k(c, slot[j], h0, NH);
     for (int j0 = 0; j0 < n; j0 += 8) {
         for (int j = j0 + PF_AHEAD; j < j0 + 8 + PF_AHEAD && j < n; j++) prefetch_k(c, slot[j], h0, NH);
         for (int h = 0; h < NH; h++) {
-            const float *kr[8];
-            for (int j = 0; j < 8; j++) kr[j] = K + (slot[j0 + j < n ? j0 + j : n - 1] * KV + h0 + h) * D;
+            size_t kr[8];   /* element offsets of the 8 K rows */
+            for (int j = 0; j < 8; j++) kr[j] = (slot[j0 + j < n ? j0 + j : n - 1] * KV + h0 + h) * D;
             for (int g0 = 0; g0 < G; g0 += 3) {
                 const int row = h * G + g0;
 #define QK_BLOCK(NR)                                                                                      \
@@ -297,7 +308,7 @@ static void decode_fast(const ctx_t *c, int h0, int NH, int G, float (*qs)[MAX_D
                         __m512 q[NR];                                                                     \
                         for (int r = 0; r < NR; r++) q[r] = _mm512_loadu_ps(qs[row + r] + d);             \
                         for (int j = 0; j < 8; j++) {                                                     \
-                            const __m512 kv = _mm512_loadu_ps(kr[j] + d);                                 \
+                            const __m512 kv = load_kv(K, kr[j] + d, kv16);                                \
                             for (int r = 0; r < NR; r++) a[r][j] = _mm512_fmadd_ps(q[r], kv, a[r][j]);   \
                         }                                                                                 \
                     }                                                                                     \
@@ -335,9 +346,9 @@ static void decode_fast(const ctx_t *c, int h0, int NH, int G, float (*qs)[MAX_D
                     for (int r = 0; r < NR; r++)                                                          \
                         for (int i = 0; i < DV; i++) a[r][i] = _mm512_setzero_ps();                       \
                     for (int j = 0; j < n; j++) {                                                         \
-                        const float *vr = V + (slot[j] * KV + h0 + h) * D + d0;                           \
+                        const size_t vr = (slot[j] * KV + h0 + h) * D + d0;                               \
                         for (int i = 0; i < DV; i++) {                                                    \
-                            const __m512 vv = _mm512_loadu_ps(vr + 16 * i);                               \
+                            const __m512 vv = load_kv(V, vr + 16 * i, kv16);                              \
                             for (int r = 0; r < NR; r++)                                                  \
                                 a[r][i] = _mm512_fmadd_ps(_mm512_set1_ps(sbuf[(size_t)(row + r) * FAST_N + j]), \
                                                           vv, a[r][i]);                                   \
@@ -356,7 +367,7 @@ static void decode_fast(const ctx_t *c, int h0, int NH, int G, float (*qs)[MAX_D
                             __m512 a1 = _mm512_setzero_ps();
                             for (int j = 0; j < n; j++)
                                 a1 = _mm512_fmadd_ps(_mm512_set1_ps(sbuf[(size_t)(row + r) * FAST_N + j]),
-                                                     _mm512_loadu_ps(V + (slot[j] * KV + h0 + h) * D + dd), a1);
+                                                     load_kv(V, (slot[j] * KV + h0 + h) * D + dd, kv16), a1);
                             _mm512_storeu_ps(acc[row + r] + dd, a1);
                         }
                     }
@@ -364,6 +375,16 @@ static void decode_fast(const ctx_t *c, int h0, int NH, int G, float (*qs)[MAX_D
 #undef PV_BLOCK
             }
         }
+}
+
+static void decode_fast_f32(const ctx_t *c, int h0, int NH, int G, float (*qs)[MAX_D], int p0, int n, float *m,
+                            float *l, float (*acc)[MAX_D], float *sbuf, size_t *slot) {
+    decode_fast(c, h0, NH, G, qs, p0, n, m, l, acc, sbuf, slot, 0);
+}
+
+static void decode_fast_bf16(const ctx_t *c, int h0, int NH, int G, float (*qs)[MAX_D], int p0, int n, float *m,
+                             float *l, float (*acc)[MAX_D], float *sbuf, size_t *slot) {
+    decode_fast(c, h0, NH, G, qs, p0, n, m, l, acc, sbuf, slot, 1);
 }
 #define HAVE_FAST 1
 #else
@@ -447,7 +468,8 @@ static void combine(void *out, int bf16, size_t orow, int D, int parts, int step
     store_row(out, bf16, orow, o, 1.f / total, D);
 }
 
-int paged_decode(const void *q, int q_stride, const void *k, const void *v, void *out, int bf16, const int32_t *tables,
+int paged_decode(const void *q, int q_stride, const void *k, const void *v, void *out, int q_bf16, int kv_bf16,
+                 const int32_t *tables,
                  int max_blocks, const int32_t *starts, const int32_t *lens, int shared_len, int B, int H, int KV,
                  int D, int block_size, float scale, int max_len, int num_threads) {
     /* shared_len > 0 (cascade): positions 0 .. shared_len-1 sit in the same blocks for every request (the
@@ -456,7 +478,7 @@ int paged_decode(const void *q, int q_stride, const void *k, const void *v, void
     if (!shapes_ok(H, KV, D, block_size)) return -1;
     const int G = H / KV;
     const int bs_shift = __builtin_ctz(block_size), bs_mask = block_size - 1;
-    const size_t es = bf16 ? 2 : 4;
+    const size_t es = q_bf16 ? 2 : 4;
     /* Work units: with enough requests to keep every thread busy, one per request with all its heads; otherwise
      * one per (request, kv head). Too few units even so (a single stream: 1 x KV), and each unit's positions
      * are split into parts that run in parallel and are merged after (flash-decoding), parts of >= 64. */
@@ -465,7 +487,7 @@ int paged_decode(const void *q, int q_stride, const void *k, const void *v, void
     const int own = max_len - shared_len;       /* the longest per-request range */
     int parts = units < 2 * num_threads ? (2 * num_threads + units - 1) / units : 1;
     if (parts > own / 64) parts = own / 64 > 1 ? own / 64 : 1;
-    const int fast = HAVE_FAST && !bf16 && D % 16 == 0;
+    const int fast = HAVE_FAST && D % 16 == 0;
 #if HAVE_FAST
     if (fast && parts < (own + FAST_N - 1) / FAST_N) parts = (own + FAST_N - 1) / FAST_N;
 #endif
@@ -497,10 +519,10 @@ int paged_decode(const void *q, int q_stride, const void *k, const void *v, void
             for (int item = 0; item < KV * tiles; item++) {
                 if (!ok) continue;
                 const int h = item % KV, b0 = (item / KV) * tile, nb = B - b0 < tile ? B - b0 : tile;
-                const ctx_t c = {k, v, bf16, KV, D, bs_shift, bs_mask, tables};   /* request 0's table */
+                const ctx_t c = {k, v, kv_bf16, KV, D, bs_shift, bs_mask, tables};   /* request 0's table */
                 for (int i = 0; i < nb; i++)
                     for (int g = 0; g < G; g++)
-                        load_q(s.qs[i * G + g], (const char *)q + (size_t)(b0 + i) * q_stride * es, bf16,
+                        load_q(s.qs[i * G + g], (const char *)q + (size_t)(b0 + i) * q_stride * es, q_bf16,
                                (size_t)h * G + g, D, scale);
                 reset_rows(&s, nb * G, D);
                 attend_rows(&c, h, 1, nb * G, s.qs, NULL, NULL, 0, shared_len, s.m, s.l, s.acc, s.kbuf, s.vbuf);
@@ -526,18 +548,18 @@ int paged_decode(const void *q, int q_stride, const void *k, const void *v, void
                     for (int r = 0; r < rows; r++) sum[at + r] = 0.f;
                     continue;
                 }
-                const ctx_t c = {k, v, bf16, KV, D, bs_shift, bs_mask, tables + (size_t)b * max_blocks};
+                const ctx_t c = {k, v, kv_bf16, KV, D, bs_shift, bs_mask, tables + (size_t)b * max_blocks};
                 const void *qb = (const char *)q + (size_t)b * q_stride * es;
                 for (int r = 0; r < rows; r++) {
-                    load_q(s.qs[r], qb, bf16, (size_t)h0 * G + r, D, scale);
+                    load_q(s.qs[r], qb, q_bf16, (size_t)h0 * G + r, D, scale);
                     mx[at + r] = -FLT_MAX;
                     sum[at + r] = 0.f;
                     memset(acc[at + r], 0, sizeof(float) * D);
                 }
 #if HAVE_FAST
                 if (fast) {
-                    decode_fast(&c, h0, per_head ? 1 : KV, G, s.qs, from + first, count, mx + at, sum + at, acc + at,
-                                sbuf, sslot);
+                    (kv_bf16 ? decode_fast_bf16 : decode_fast_f32)(&c, h0, per_head ? 1 : KV, G, s.qs, from + first,
+                                                                   count, mx + at, sum + at, acc + at, sbuf, sslot);
                     continue;
                 }
 #endif
@@ -550,7 +572,7 @@ int paged_decode(const void *q, int q_stride, const void *k, const void *v, void
                 const size_t at = (size_t)unit * parts * rows;
                 for (int r = 0; r < rows; r++) {
                     const size_t orow = (size_t)b * H + h0 * G + r;
-                    combine(out, bf16, orow, D, parts, rows, acc + at + r, mx + at + r, sum + at + r,
+                    combine(out, q_bf16, orow, D, parts, rows, acc + at + r, mx + at + r, sum + at + r,
                             xm ? xm + orow : NULL, xl ? xl + orow : NULL, xacc ? xacc[orow] : NULL);
                 }
             }
@@ -574,14 +596,14 @@ int paged_decode(const void *q, int q_stride, const void *k, const void *v, void
  * request i's tokens are rows row0[i] .. row0[i]+count[i]-1 of q and out, at positions
  * computed[i] .. computed[i]+count[i]-1, each attending causally (and within `window` positions when
  * window > 0). Items are (request, kv head, tile of tokens), so each K/V chunk is loaded once per tile. */
-int paged_prefill(const void *q, int q_stride, const void *k, const void *v, void *out, int bf16,
+int paged_prefill(const void *q, int q_stride, const void *k, const void *v, void *out, int q_bf16, int kv_bf16,
                   const int32_t *tables, int max_blocks, const int32_t *row0, const int32_t *count,
                   const int32_t *computed, int R, int H, int KV, int D, int block_size, int window, float scale,
                   int num_threads) {
     if (!shapes_ok(H, KV, D, block_size)) return -1;
     const int G = H / KV;
     const int bs_shift = __builtin_ctz(block_size), bs_mask = block_size - 1;
-    const size_t es = bf16 ? 2 : 4;
+    const size_t es = q_bf16 ? 2 : 4;
     const int tok = TILE_ROWS / G > 0 ? TILE_ROWS / G : 1;      /* tokens per tile */
     int *first_item = malloc(sizeof(int) * ((size_t)R + 1));    /* request i's items start here */
     if (!first_item) return -2;
@@ -601,14 +623,14 @@ int paged_prefill(const void *q, int q_stride, const void *k, const void *v, voi
             while (first_item[i] > item) i--;
             const int local = item - first_item[i], h = local % KV, t0 = (local / KV) * tok;
             const int nt = count[i] - t0 < tok ? count[i] - t0 : tok;
-            const ctx_t c = {k, v, bf16, KV, D, bs_shift, bs_mask, tables + (size_t)i * max_blocks};
+            const ctx_t c = {k, v, kv_bf16, KV, D, bs_shift, bs_mask, tables + (size_t)i * max_blocks};
             int p0 = 1 << 30, p1 = 0;
             for (int t = 0; t < nt; t++) {
                 const int pos = computed[i] + t0 + t;
                 const int b = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
                 for (int g = 0; g < G; g++) {
                     const int r = t * G + g;
-                    load_q(s.qs[r], (const char *)q + (size_t)(row0[i] + t0 + t) * q_stride * es, bf16,
+                    load_q(s.qs[r], (const char *)q + (size_t)(row0[i] + t0 + t) * q_stride * es, q_bf16,
                            (size_t)h * G + g, D, scale);
                     s.begin[r] = b;
                     s.end[r] = pos + 1;
@@ -621,7 +643,7 @@ int paged_prefill(const void *q, int q_stride, const void *k, const void *v, voi
             for (int t = 0; t < nt; t++)
                 for (int g = 0; g < G; g++) {
                     const int r = t * G + g;
-                    store_row(out, bf16, (size_t)(row0[i] + t0 + t) * H + h * G + g, s.acc[r], 1.f / s.l[r], D);
+                    store_row(out, q_bf16, (size_t)(row0[i] + t0 + t) * H + h * G + g, s.acc[r], 1.f / s.l[r], D);
                 }
         }
         scratch_free(&s);
@@ -633,20 +655,42 @@ int paged_prefill(const void *q, int q_stride, const void *k, const void *v, voi
 /* cpu_ops.c */
 void rotary(float *x, const float *cos, const float *sin, int rows, int heads, int dim, int row_stride,
             int num_threads);
-int write_kv(const float *k, const float *v, int src_stride, float *k_cache, float *v_cache, const int64_t *slots,
-             int rows, int width, int64_t num_slots);
 
-/* A whole decode step's attention for one layer, float32, in one call: rotate q and k in place in the fused
- * qkv rows [B, (H + 2 KV) * D] (row stride qkv_stride), write k and v into their cache slots, attend.
- * Returns paged_decode's status, or write_kv's -3 for a slot outside the cache (nothing written). */
+/* k_cache[slots[t]] = k[t] and v_cache[slots[t]] = v[t] for t < rows: width (KV * D) float32 values per row,
+ * source rows src_stride apart (views into fused qkv); stored as float32, or rounded to bfloat16 (to nearest
+ * even, as torch converts) when kv_bf16. Returns -3, writing nothing, for a slot outside the cache. */
+int write_kv(const float *k, const float *v, int src_stride, void *k_cache, void *v_cache, int kv_bf16,
+             const int64_t *slots, int rows, int width, int64_t num_slots) {
+    for (int t = 0; t < rows; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return -3;
+    for (int t = 0; t < rows; t++) {
+        const float *ks = k + (size_t)t * src_stride, *vs = v + (size_t)t * src_stride;
+        const size_t at = (size_t)slots[t] * width;
+        if (!kv_bf16) {
+            memcpy((float *)k_cache + at, ks, sizeof(float) * width);
+            memcpy((float *)v_cache + at, vs, sizeof(float) * width);
+            continue;
+        }
+        for (int i = 0; i < width; i++) {
+            ((uint16_t *)k_cache)[at + i] = f32_to_bf16(ks[i]);
+            ((uint16_t *)v_cache)[at + i] = f32_to_bf16(vs[i]);
+        }
+    }
+    return 0;
+}
+
+/* A whole decode step's attention for one layer, float32 activations, in one call: rotate q and k in place in the
+ * fused qkv rows [B, (H + 2 KV) * D] (row stride qkv_stride), write k and v into their cache slots (float32, or
+ * bfloat16 when kv_bf16), attend. Returns paged_decode's status, or write_kv's -3 for a slot outside the cache
+ * (nothing written). */
 int decode_attention(float *qkv, int qkv_stride, float *out, const float *cos, const float *sin,
-                     const int64_t *slots, int64_t num_slots, float *k_cache, float *v_cache, const int32_t *tables,
-                     int max_blocks, const int32_t *starts, const int32_t *lens, int shared_len, int B, int H, int KV,
-                     int D, int block_size, float scale, int max_len, int num_threads) {
+                     const int64_t *slots, int64_t num_slots, void *k_cache, void *v_cache, int kv_bf16,
+                     const int32_t *tables, int max_blocks, const int32_t *starts, const int32_t *lens, int shared_len,
+                     int B, int H, int KV, int D, int block_size, float scale, int max_len, int num_threads) {
     rotary(qkv, cos, sin, B, H + KV, D, qkv_stride, 1);
-    const int rc = write_kv(qkv + (size_t)H * D, qkv + (size_t)(H + KV) * D, qkv_stride, k_cache, v_cache, slots,
-                            B, KV * D, num_slots);
+    const int rc = write_kv(qkv + (size_t)H * D, qkv + (size_t)(H + KV) * D, qkv_stride, k_cache, v_cache, kv_bf16,
+                            slots, B, KV * D, num_slots);
     if (rc != 0) return rc;
-    return paged_decode(qkv, qkv_stride, k_cache, v_cache, out, 0, tables, max_blocks, starts, lens, shared_len, B,
-                        H, KV, D, block_size, scale, max_len, num_threads);
+    return paged_decode(qkv, qkv_stride, k_cache, v_cache, out, 0, kv_bf16, tables, max_blocks, starts, lens,
+                        shared_len, B, H, KV, D, block_size, scale, max_len, num_threads);
 }
