@@ -7,9 +7,10 @@
  *                  a later chunk of a chunked prefill), causal;
  *   decode_attention  rotary + KV write + paged_decode of a fused qkv row, for the fused decode layer.
  * Math in float32 whatever the storage types: q and out float32 or bfloat16 (q_bf16), the cache float32 or
- * bfloat16 (kv_bf16, kv_cache_dtype="bfloat16" under a float32 model). A request's own positions in a float32
- * decode go through decode_fast instead (AVX-512): with one query token per head there is little arithmetic
- * per byte, and its two-pass form spends about half the instructions of attend_rows on it.
+ * bfloat16 (kv_bf16, kv_cache_dtype="bfloat16" under a float32 model). With AVX-512 and D a multiple of 16,
+ * paged_decode runs its items through decode_fast instead: a request's own positions (one query token per
+ * head: little arithmetic per byte, where decode_fast's two passes spend about half of attend_rows'
+ * instructions) and the cascade's shared prefix (a tile's 48 rows, without per-chunk rescaling).
  *
  *   q      [B, H, D]            out [B, H, D]      (q's rows q_stride elements apart: a view into fused qkv)
  *   k, v   [slots, KV, D]       slot = tables[b][pos / block_size] * block_size + pos % block_size
@@ -507,7 +508,8 @@ int paged_decode(const void *q, int q_stride, const void *k, const void *v, void
             scratch_t s;
             const int have_s = scratch_init(&s);
 #if HAVE_FAST
-            float *sbuf = fast ? malloc(sizeof(float) * FAST_N * (size_t)rows) : NULL;   /* decode_fast's */
+            const int most = rows > tile * G ? rows : tile * G;       /* query rows of one work item */
+            float *sbuf = fast ? malloc(sizeof(float) * FAST_N * (size_t)most) : NULL;   /* decode_fast's */
             size_t *sslot = fast ? malloc(sizeof(size_t) * FAST_N) : NULL;
             const int ok = have_s && (!fast || (sbuf && sslot));
 #else
@@ -524,8 +526,16 @@ int paged_decode(const void *q, int q_stride, const void *k, const void *v, void
                     for (int g = 0; g < G; g++)
                         load_q(s.qs[i * G + g], (const char *)q + (size_t)(b0 + i) * q_stride * es, q_bf16,
                                (size_t)h * G + g, D, scale);
-                reset_rows(&s, nb * G, D);
-                attend_rows(&c, h, 1, nb * G, s.qs, NULL, NULL, 0, shared_len, s.m, s.l, s.acc, s.kbuf, s.vbuf);
+#if HAVE_FAST
+                if (fast && shared_len <= FAST_N)   /* the tile's nb * G rows as the query rows of one kv head */
+                    (kv_bf16 ? decode_fast_bf16 : decode_fast_f32)(&c, h, 1, nb * G, s.qs, 0, shared_len, s.m, s.l,
+                                                                   s.acc, sbuf, sslot);
+                else
+#endif
+                {
+                    reset_rows(&s, nb * G, D);
+                    attend_rows(&c, h, 1, nb * G, s.qs, NULL, NULL, 0, shared_len, s.m, s.l, s.acc, s.kbuf, s.vbuf);
+                }
                 for (int i = 0; i < nb; i++)
                     for (int g = 0; g < G; g++) {
                         const size_t at = (size_t)(b0 + i) * H + h * G + g;
