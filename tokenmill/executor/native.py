@@ -54,6 +54,14 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
 }
 
 
+def kv_bf16_flag(k_cache: torch.Tensor, v_cache: torch.Tensor) -> Optional[int]:
+    """The kernels' kv_bf16 argument for these caches (0 float32, 1 bfloat16), or None for caches they do not
+    take (another dtype, or K and V of different dtypes)."""
+    if k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype:
+        return None
+    return int(k_cache.dtype == torch.bfloat16)
+
+
 def check(status: int, what: str) -> None:
     """Raise for a kernel's non-zero status: -3 is a KV slot outside the cache (what indexing in torch would
     raise), anything else a failure of `what`."""

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from tokenmill.executor.attention.cpu_kernel import paged_decode, paged_prefill
 from tokenmill.executor.layers import cpu_ops
-from tokenmill.executor.native import check, kernels
+from tokenmill.executor.native import check, kernels, kv_bf16_flag
 
 
 @dataclass
@@ -244,14 +244,14 @@ class CpuKernelBackend(BatchedBackend):
 
     def decode_args(self, rope, k_cache, v_cache, meta):
         cos, sin = rope
+        kv_bf16 = kv_bf16_flag(k_cache, v_cache)
         if not meta.all_decode or cos.dtype != torch.float32 or not cos.is_cpu \
                 or not (cos.is_contiguous() and sin.is_contiguous()) or meta.slot_mapping.dtype != torch.int64 \
-                or k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype \
-                or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+                or kv_bf16 is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             return None
         tables = meta.decode_tables
         return (cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(), k_cache.shape[0], k_cache.data_ptr(),
-                v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16), tables.data_ptr(), tables.shape[1],
+                v_cache.data_ptr(), kv_bf16, tables.data_ptr(), tables.shape[1],
                 meta.decode_starts.data_ptr(), meta.decode_lens.data_ptr(), meta.decode_shared_len)
 
     def _attend(self, q, k, v, k_cache, v_cache, meta, scale):

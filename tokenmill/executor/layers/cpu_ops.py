@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from tokenmill.executor.native import check, kernels
+from tokenmill.executor.native import check, kernels, kv_bf16_flag
 
 
 def _usable(*ts: torch.Tensor) -> Optional[ctypes.CDLL]:
@@ -61,9 +61,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """k_cache[slots] = k and v_cache[slots] = v, for float32 k, v [T, KV, D] views of rows with stride(0) and
     dense inner dims (the fused qkv rows), into float32 or bfloat16 caches (rounded as torch rounds). False
     (nothing done) when the C path does not apply."""
-    dll = _usable(k, v)
-    if dll is None or k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype \
-            or not k_cache.is_cpu:
+    dll, kv_bf16 = _usable(k, v), kv_bf16_flag(k_cache, v_cache)
+    if dll is None or kv_bf16 is None or not k_cache.is_cpu:
         return False
     width = k.shape[1] * k.shape[2]
     if dll is None or slots.dtype != torch.int64 or k.stride(0) != v.stride(0) \
@@ -71,6 +70,6 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             or not k_cache.is_contiguous() or not v_cache.is_contiguous() or not slots.is_contiguous():
         return False
     check(dll.write_kv(k.data_ptr(), v.data_ptr(), k.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                       int(k_cache.dtype == torch.bfloat16), slots.data_ptr(), k.shape[0], width,
+                       kv_bf16, slots.data_ptr(), k.shape[0], width,
                        k_cache.numel() // width), "KV write")
     return True
