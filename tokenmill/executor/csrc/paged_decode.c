@@ -281,9 +281,10 @@ static inline __m512 load_kv(const void *base, size_t idx, int kv16) {
 }
 
 /* Decode attention of rows (h - h0) * G + g (qs, scaled) over positions p0 .. p0+n-1 (n <= FAST_N) of a
- * float32 (kv16 = 0) or bfloat16 (kv16 = 1) cache, D a multiple of 16, in two passes: all scores first (q . k, 8 positions x up to 3 rows per
- * register block, K read once for the G rows of its head), then one exact softmax per row, then the weighted
- * sum of V (up to 4 rows x 64 dims of accumulators). Leaves m (max), l (sum of e^(s - m)) and acc
+ * float32 (kv16 = 0) or bfloat16 (kv16 = 1) cache, D a multiple of 16, in two passes: all scores first (q . k,
+ * 8 positions x up to 3 rows per register block, so each K row is loaded once per 3 query rows), then one exact
+ * softmax per row, then the weighted sum of V (up to 4 rows x 64 dims of accumulators, 16-wide tails of D one
+ * vector at a time). Leaves m (max), l (sum of e^(s - m)) and acc
  * (unnormalised) as attend_rows does, so combine() merges the results the same way. */
 static inline __attribute__((always_inline)) void decode_fast(const ctx_t *c, int h0, int NH, int G,
                                                                float (*qs)[MAX_D], int p0, int n, float *m,
@@ -338,54 +339,50 @@ static inline __attribute__((always_inline)) void decode_fast(const ctx_t *c, in
     }
     for (int h = 0; h < NH; h++)
         for (int g0 = 0; g0 < G; g0 += 4) {
-            const int row = h * G + g0;
-            for (int d0 = 0; d0 < D; d0 += 64) {
-                const int dv = D - d0 >= 64 ? 4 : (D - d0) / 16;
+            const int row = h * G + g0, nr = G - g0 < 4 ? G - g0 : 4;
 #define PV_BLOCK(NR, DV)                                                                                  \
-                {                                                                                         \
-                    __m512 a[NR][DV];                                                                     \
-                    for (int r = 0; r < NR; r++)                                                          \
-                        for (int i = 0; i < DV; i++) a[r][i] = _mm512_setzero_ps();                       \
-                    for (int j = 0; j < n; j++) {                                                         \
-                        const size_t vr = (slot[j] * KV + h0 + h) * D + d0;                               \
-                        for (int i = 0; i < DV; i++) {                                                    \
-                            const __m512 vv = load_kv(V, vr + 16 * i, kv16);                              \
-                            for (int r = 0; r < NR; r++)                                                  \
-                                a[r][i] = _mm512_fmadd_ps(_mm512_set1_ps(sbuf[(size_t)(row + r) * FAST_N + j]), \
-                                                          vv, a[r][i]);                                   \
-                        }                                                                                 \
+            {                                                                                             \
+                __m512 a[NR][DV];                                                                         \
+                for (int r = 0; r < NR; r++)                                                              \
+                    for (int i = 0; i < DV; i++) a[r][i] = _mm512_setzero_ps();                           \
+                for (int j = 0; j < n; j++) {                                                             \
+                    const size_t vr = (slot[j] * KV + h0 + h) * D + d0;                                   \
+                    for (int i = 0; i < DV; i++) {                                                        \
+                        const __m512 vv = load_kv(V, vr + 16 * i, kv16);                                  \
+                        for (int r = 0; r < NR; r++)                                                      \
+                            a[r][i] = _mm512_fmadd_ps(_mm512_set1_ps(sbuf[(size_t)(row + r) * FAST_N + j]), \
+                                                      vv, a[r][i]);                                       \
                     }                                                                                     \
-                    for (int r = 0; r < NR; r++)                                                          \
-                        for (int i = 0; i < DV; i++) _mm512_storeu_ps(acc[row + r] + d0 + 16 * i, a[r][i]); \
-                }
-                const int nr = G - g0 < 4 ? G - g0 : 4;
-                if (dv == 4) {
-                    if (nr == 4) PV_BLOCK(4, 4) else if (nr == 3) PV_BLOCK(3, 4) else if (nr == 2) PV_BLOCK(2, 4) else PV_BLOCK(1, 4)
-                } else {
-                    for (int i0 = 0; i0 < dv; i0++) {   /* a 16-wide tail of D, one vector at a time */
-                        const int dd = d0 + 16 * i0;
-                        for (int r = 0; r < nr; r++) {
-                            __m512 a1 = _mm512_setzero_ps();
-                            for (int j = 0; j < n; j++)
-                                a1 = _mm512_fmadd_ps(_mm512_set1_ps(sbuf[(size_t)(row + r) * FAST_N + j]),
-                                                     load_kv(V, (slot[j] * KV + h0 + h) * D + dd, kv16), a1);
-                            _mm512_storeu_ps(acc[row + r] + dd, a1);
-                        }
-                    }
-                }
-#undef PV_BLOCK
+                }                                                                                         \
+                for (int r = 0; r < NR; r++)                                                              \
+                    for (int i = 0; i < DV; i++) _mm512_storeu_ps(acc[row + r] + d0 + 16 * i, a[r][i]);  \
             }
+#define PV_ROWS(DV)                                                                                       \
+            switch (nr) {                                                                                 \
+                case 4: PV_BLOCK(4, DV) break;                                                            \
+                case 3: PV_BLOCK(3, DV) break;                                                            \
+                case 2: PV_BLOCK(2, DV) break;                                                            \
+                default: PV_BLOCK(1, DV) break;                                                           \
+            }
+            for (int d0 = 0; d0 < D;) {
+                if (D - d0 >= 64) {
+                    PV_ROWS(4)
+                    d0 += 64;
+                } else {
+                    PV_ROWS(1)
+                    d0 += 16;
+                }
+            }
+#undef PV_ROWS
+#undef PV_BLOCK
         }
 }
 
-static void decode_fast_f32(const ctx_t *c, int h0, int NH, int G, float (*qs)[MAX_D], int p0, int n, float *m,
+/* decode_fast for the cache's dtype (kv16 a constant in each call, so the loads compile without a branch) */
+static void decode_fast_any(const ctx_t *c, int h0, int NH, int G, float (*qs)[MAX_D], int p0, int n, float *m,
                             float *l, float (*acc)[MAX_D], float *sbuf, size_t *slot) {
-    decode_fast(c, h0, NH, G, qs, p0, n, m, l, acc, sbuf, slot, 0);
-}
-
-static void decode_fast_bf16(const ctx_t *c, int h0, int NH, int G, float (*qs)[MAX_D], int p0, int n, float *m,
-                             float *l, float (*acc)[MAX_D], float *sbuf, size_t *slot) {
-    decode_fast(c, h0, NH, G, qs, p0, n, m, l, acc, sbuf, slot, 1);
+    if (c->bf16) decode_fast(c, h0, NH, G, qs, p0, n, m, l, acc, sbuf, slot, 1);
+    else decode_fast(c, h0, NH, G, qs, p0, n, m, l, acc, sbuf, slot, 0);
 }
 #define HAVE_FAST 1
 #else
@@ -470,9 +467,8 @@ static void combine(void *out, int bf16, size_t orow, int D, int parts, int step
 }
 
 int paged_decode(const void *q, int q_stride, const void *k, const void *v, void *out, int q_bf16, int kv_bf16,
-                 const int32_t *tables,
-                 int max_blocks, const int32_t *starts, const int32_t *lens, int shared_len, int B, int H, int KV,
-                 int D, int block_size, float scale, int max_len, int num_threads) {
+                 const int32_t *tables, int max_blocks, const int32_t *starts, const int32_t *lens, int shared_len,
+                 int B, int H, int KV, int D, int block_size, float scale, int max_len, int num_threads) {
     /* shared_len > 0 (cascade): positions 0 .. shared_len-1 sit in the same blocks for every request (the
      * caller checked the tables and that no request starts later than 0); they are attended once per tile of
      * requests, and each request's items cover only shared_len .. len-1. */
@@ -528,8 +524,7 @@ int paged_decode(const void *q, int q_stride, const void *k, const void *v, void
                                (size_t)h * G + g, D, scale);
 #if HAVE_FAST
                 if (fast && shared_len <= FAST_N)   /* the tile's nb * G rows as the query rows of one kv head */
-                    (kv_bf16 ? decode_fast_bf16 : decode_fast_f32)(&c, h, 1, nb * G, s.qs, 0, shared_len, s.m, s.l,
-                                                                   s.acc, sbuf, sslot);
+                    decode_fast_any(&c, h, 1, nb * G, s.qs, 0, shared_len, s.m, s.l, s.acc, sbuf, sslot);
                 else
 #endif
                 {
@@ -568,8 +563,8 @@ int paged_decode(const void *q, int q_stride, const void *k, const void *v, void
                 }
 #if HAVE_FAST
                 if (fast) {
-                    (kv_bf16 ? decode_fast_bf16 : decode_fast_f32)(&c, h0, per_head ? 1 : KV, G, s.qs, from + first,
-                                                                   count, mx + at, sum + at, acc + at, sbuf, sslot);
+                    decode_fast_any(&c, h0, per_head ? 1 : KV, G, s.qs, from + first, count, mx + at, sum + at,
+                                    acc + at, sbuf, sslot);
                     continue;
                 }
 #endif
