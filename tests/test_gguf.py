@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tokenmill.executor.loader.convert import gguf_to_hf
-from tokenmill.executor.loader.gguf import open_gguf, read_gguf, unpermute_qk
+from tokenmill.executor.loader.gguf import _dequantize, open_gguf, read_gguf, unpermute_qk
 from tokenmill.tokenizer import apply_chat_template, load_tokenizer
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -90,6 +90,20 @@ def test_smollm2_tensors_match_transformers(ours, oracle) -> None:
         got = tensors[name]
         assert got.dtype == torch.float32 and got.shape == want.shape, name
         assert _close(got, want, atol=1e-6), name
+
+
+def test_smollm2_fast_dequantize_is_gguf_py_bit_for_bit(smol_path: Path) -> None:
+    """Q4_1 and Q8_0 dequantise in torch (start-up speed); every float must be gguf-py's, which the oracle uses."""
+    f = open_gguf(str(smol_path))
+    seen = set()
+    for info in f.tensors.values():
+        if info.type_name not in ("Q4_1", "Q8_0"):
+            continue
+        want = gguf.quants.dequantize(f.raw(info), gguf.GGMLQuantizationType[info.type_name])
+        got = _dequantize(f, info)
+        assert torch.equal(got, torch.from_numpy(np.asarray(want, dtype=np.float32).reshape(info.shape))), info.name
+        seen.add(info.type_name)
+    assert seen == {"Q4_1", "Q8_0"}
 
 
 def test_smollm2_config_matches_transformers(ours, oracle) -> None:

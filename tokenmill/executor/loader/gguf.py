@@ -310,7 +310,14 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+# Types whose blocks dequantise in one vectorised torch pass (PackedWeight.dequantize), with the same float32
+# roundings as gguf-py (d * code + m; d * code): ~20x faster than gguf-py's per-row numpy, seconds of start-up.
+_TORCH_DEQUANT = ("Q4_1", "Q8_0")
+
+
 def _dequantize(f: GGUFFile, info: TensorInfo) -> torch.Tensor:
+    if info.type_name in _TORCH_DEQUANT and len(info.shape) == 2 and info.shape[1] % 32 == 0:
+        return pack_ggml(info.type_name, f.raw(info), info.shape).dequantize()
     arr = np.asarray(dequantize(f.raw(info), GGMLQuantizationType[info.type_name]), dtype=np.float32)
     if not arr.flags.writeable:  # F32 comes back as a view of the read-only mmap: own a copy
         arr = arr.copy()
