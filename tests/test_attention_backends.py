@@ -34,7 +34,8 @@ CASES = {"mixed": ([1, 9, 37, 64, 5, 50], [1, 1, 1, 1, 5, 13], 0), "decode1": ([
          "cascade": ([70, 90, 130, 77, 200], [1] * 5, 17),
          "cascade_mixed": ([70, 90, 130, 77, 200, 150], [1, 1, 1, 1, 1, 30], 17),
          "context": ([150, 45, 300], [40, 20, 70], 0),
-         "long": ([1100, 40], [1, 1], 0)}      # over 1024 positions: the C decode splits a request's range
+         "long": ([1100, 40], [1, 1], 0),      # over 1024 positions: the C decode splits a request's range
+         "long_prompt": ([1100, 40], [30, 1], 0)}   # a prompt chunk over more than 1024 positions
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -37,6 +37,7 @@ def _openmp_link_flags() -> list[str]:
 
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
+HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))      # part of the build key, not compiled alone
 
 _P, _I, _F, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64
 # every exported kernel: (argument types, return type)
@@ -81,7 +82,7 @@ def kernels() -> Optional[ctypes.CDLL]:
     if cc is None:
         print("tokenmill: no C compiler found; using the torch versions of the CPU kernels", file=sys.stderr)
         return None
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + _cpu_id().encode() + cc.encode())
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + _cpu_id().encode() + cc.encode())
     cache = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
     lib = cache / f"kernels-{key.hexdigest()[:16]}.so"
     if not lib.exists():

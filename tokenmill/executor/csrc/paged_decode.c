@@ -10,7 +10,8 @@
  * bfloat16 (kv_bf16, kv_cache_dtype="bfloat16" under a float32 model). With AVX-512 and D a multiple of 16,
  * paged_decode runs its items through decode_fast instead: a request's own positions (one query token per
  * head: little arithmetic per byte, where decode_fast's two passes spend about half of attend_rows'
- * instructions) and the cascade's shared prefix (a tile's 48 rows, without per-chunk rescaling).
+ * instructions) and the cascade's shared prefix (a tile's 48 rows, without per-chunk rescaling); so does
+ * paged_prefill for contexts up to FAST_N (a tile of 16 tokens x G rows, causal masks in the softmax).
  *
  *   q      [B, H, D]            out [B, H, D]      (q's rows q_stride elements apart: a view into fused qkv)
  *   k, v   [slots, KV, D]       slot = tables[b][pos / block_size] * block_size + pos % block_size
@@ -21,6 +22,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "simd16.h"
 
 #define MAX_G 16
 #define MAX_H 128    /* query heads */
@@ -245,7 +248,6 @@ static void attend_rows(const ctx_t *c, int h0, int NH, int RG, float (*qs)[MAX_
 }
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
 #define FAST_N 1024   /* positions per work item on the fast decode path: the scores scratch is rows x FAST_N */
 #define PF_AHEAD 16   /* positions ahead that the fast path asks for K: the blocks sit anywhere, so the
                        * hardware prefetcher loses the stream at each one */
@@ -280,19 +282,91 @@ static inline __m512 load_kv(const void *base, size_t idx, int kv16) {
     return _mm512_loadu_ps((const float *)base + idx);
 }
 
-/* Decode attention of rows (h - h0) * G + g (qs, scaled) over positions p0 .. p0+n-1 (n <= FAST_N) of a
- * float32 (kv16 = 0) or bfloat16 (kv16 = 1) cache, D a multiple of 16, in two passes: all scores first (q . k,
- * 8 positions x up to 3 rows per register block, so each K row is loaded once per 3 query rows), then one exact
- * softmax per row, then the weighted sum of V (up to 4 rows x 64 dims of accumulators, 16-wide tails of D one
- * vector at a time). Leaves m (max), l (sum of e^(s - m)) and acc
- * (unnormalised) as attend_rows does, so combine() merges the results the same way. */
-static inline __attribute__((always_inline)) void decode_fast(const ctx_t *c, int h0, int NH, int G,
-                                                               float (*qs)[MAX_D], int p0, int n, float *m,
-                                                               float *l, float (*acc)[MAX_D], float *sbuf,
-                                                               size_t *slot, const int kv16) {
+/* e^x for 16 floats, to about 1 ulp: x = k ln2 + r with |r| <= ln2 / 2 (ln2 split in two for an exact k ln2),
+ * e^r by Cephes' expf polynomial, times 2^k by scalef. Inline, 16 wide: libmvec's expf, which GCC calls 8 wide
+ * here, took ~2.5 cycles a value, as much as the 48-row score pass it follows. x below -87 gives ~0. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(p, k);
+}
+
+#define KT_POS 64     /* positions of K turned round at a time for the many-row score pass: kt [D][64] */
+#define GEMM_ROWS 12  /* query rows of one kv head from which decode_fast takes that pass */
+
+/* kt[d][j] = K row of kv head h at slot[j], d < D, j < nj (<= KT_POS); 16 x 16 squares turned round in
+ * registers. Groups of 16 positions past nj are left as they were: their scores are never read. */
+static inline __attribute__((always_inline)) void k_turned(const ctx_t *c, int h, const size_t *slot, int nj,
+                                                           float *kt, const int kv16) {
+    const int D = c->D;
+    for (int jb = 0; jb < nj; jb += 16)
+        for (int d0 = 0; d0 < D; d0 += 16) {
+            __m512 r[16];
+            for (int i = 0; i < 16; i++)   /* a short last group repeats its last position */
+                r[i] = load_kv(c->k, (slot[jb + i < nj ? jb + i : nj - 1] * c->KV + h) * D + d0, kv16);
+            transpose16(r);
+            for (int i = 0; i < 16; i++) _mm512_store_ps(kt + (size_t)(d0 + i) * KT_POS + jb, r[i]);
+        }
+}
+
+/* Scores of many query rows (G >= GEMM_ROWS, one kv head h: a cascade tile, a prompt tile) against positions
+ * slot[0 .. n), into sbuf [row][FAST_N], as a small GEMM over K turned round: 6 rows x 64 positions of
+ * accumulators, per d four loads of kt and six broadcasts of q feed 24 FMAs, no horizontal sums. */
+static inline __attribute__((always_inline)) void scores_many(const ctx_t *c, int h, int G, float (*qs)[MAX_D],
+                                                               int n, float *sbuf, const size_t *slot, float *kt,
+                                                               const int kv16) {
+    const int D = c->D;
+    for (int j0 = 0; j0 < n; j0 += KT_POS) {
+        k_turned(c, h, slot + j0, n - j0 < KT_POS ? n - j0 : KT_POS, kt, kv16);
+        for (int r0 = 0; r0 < G; r0 += 6) {
+#define QK_GEMM(NR)                                                                                       \
+            {                                                                                             \
+                __m512 a[NR][4];                                                                          \
+                for (int r = 0; r < NR; r++)                                                              \
+                    for (int i = 0; i < 4; i++) a[r][i] = _mm512_setzero_ps();                            \
+                for (int d = 0; d < D; d++) {                                                             \
+                    __m512 kv[4];                                                                         \
+                    for (int i = 0; i < 4; i++) kv[i] = _mm512_load_ps(kt + (size_t)d * KT_POS + 16 * i);  \
+                    for (int r = 0; r < NR; r++) {                                                        \
+                        const __m512 qb = _mm512_set1_ps(qs[r0 + r][d]);                                  \
+                        for (int i = 0; i < 4; i++) a[r][i] = _mm512_fmadd_ps(qb, kv[i], a[r][i]);        \
+                    }                                                                                     \
+                }                                                                                         \
+                for (int r = 0; r < NR; r++)                                                              \
+                    for (int i = 0; i < 4; i++)                                                           \
+                        _mm512_storeu_ps(sbuf + (size_t)(r0 + r) * FAST_N + j0 + 16 * i, a[r][i]);        \
+            }
+            switch (G - r0 < 6 ? G - r0 : 6) {
+                case 6: QK_GEMM(6) break;
+                case 5: QK_GEMM(5) break;
+                case 4: QK_GEMM(4) break;
+                case 3: QK_GEMM(3) break;
+                case 2: QK_GEMM(2) break;
+                default: QK_GEMM(1) break;
+            }
+#undef QK_GEMM
+        }
+    }
+}
+
+/* Scores of a few rows per kv head (NH heads from h0, G rows each: a request's heads) against positions
+ * slot[0 .. n): 8 positions x up to 3 rows per register block, so each K row is loaded once per 3 query rows,
+ * with K asked for PF_AHEAD positions ahead. */
+static inline __attribute__((always_inline)) void scores_few(const ctx_t *c, int h0, int NH, int G,
+                                                              float (*qs)[MAX_D], int n, float *sbuf,
+                                                              const size_t *slot, const int kv16) {
     const int D = c->D, KV = c->KV;
-    const void *K = c->k, *V = c->v;
-    for (int j = 0; j < n; j++) slot[j] = slot_of(c, p0 + j);
+    const void *K = c->k;
     for (int j = 0; j < PF_AHEAD && j < n; j++) prefetch_k(c, slot[j], h0, NH);
     for (int j0 = 0; j0 < n; j0 += 8) {
         for (int j = j0 + PF_AHEAD; j < j0 + 8 + PF_AHEAD && j < n; j++) prefetch_k(c, slot[j], h0, NH);
@@ -324,22 +398,54 @@ static inline __attribute__((always_inline)) void decode_fast(const ctx_t *c, in
             }
         }
     }
+}
+
+/* Attention of rows (h - h0) * G + g (qs, scaled) over positions p0 .. p0+n-1 (n <= FAST_N) of a float32
+ * (kv16 = 0) or bfloat16 (kv16 = 1) cache, D a multiple of 16, in two passes: all scores first (scores_few, or
+ * scores_many for many rows of one kv head), then one exact softmax per row (row r only over [begin[r], end[r])
+ * where begin/end are given: a causal prompt tile), then the weighted sum of V (up to 4 rows, 6 for many rows,
+ * x 64 dims of accumulators; 16-wide tails of D one vector at a time). Leaves m (max), l (sum of e^(s - m))
+ * and acc (unnormalised) as attend_rows does, so combine() merges the results the same way. */
+static inline __attribute__((always_inline)) void decode_fast(const ctx_t *c, int h0, int NH, int G,
+                                                               float (*qs)[MAX_D], int p0, int n, float *m,
+                                                               float *l, float (*acc)[MAX_D], float *sbuf,
+                                                               size_t *slot, float *kt, const int *begin,
+                                                               const int *end, const int kv16) {
+    const int D = c->D, KV = c->KV;
+    const void *V = c->v;
+    for (int j = 0; j < n; j++) slot[j] = slot_of(c, p0 + j);
+    const int many = NH == 1 && G >= GEMM_ROWS;
+    if (many) scores_many(c, h0, G, qs, n, sbuf, slot, kt, kv16);
+    else scores_few(c, h0, NH, G, qs, n, sbuf, slot, kv16);
+    /* One exact softmax per row over the positions it attends, [lo, hi) of the n (row r's [begin, end) where
+     * given, as a causal prompt tile has; the rest weigh 0), 16 at a time */
     const int rows = NH * G;
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int r = 0; r < rows; r++) {
         float *s = sbuf + (size_t)r * FAST_N;
-        float mx = -FLT_MAX, t = 0.f;
-        for (int j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
-#pragma omp simd reduction(+ : t)
-        for (int j = 0; j < n; j++) {
-            s[j] = expf(s[j] - mx);
-            t += s[j];
+        const int lo = begin && begin[r] > p0 ? begin[r] - p0 : 0;
+        const int hi = end && end[r] - p0 < n ? end[r] - p0 : n;
+        const __m512i lov = _mm512_set1_epi32(lo), hiv = _mm512_set1_epi32(hi);
+        __m512 mv = _mm512_set1_ps(-FLT_MAX), tv = _mm512_setzero_ps();
+#define LIVE(j) (_mm512_cmpge_epi32_mask(_mm512_add_epi32(iota, _mm512_set1_epi32(j)), lov) &                \
+                 _mm512_cmplt_epi32_mask(_mm512_add_epi32(iota, _mm512_set1_epi32(j)), hiv))
+        for (int j = lo & ~15; j < hi; j += 16) mv = _mm512_mask_max_ps(mv, LIVE(j), mv, _mm512_loadu_ps(s + j));
+        const float mx = _mm512_reduce_max_ps(mv);
+        const __m512 mxv = _mm512_set1_ps(mx);
+        for (int j = 0; j < n; j += 16) {   /* every position up to n: the value pass reads them all */
+            const __mmask16 live = LIVE(j);
+            const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), mxv)));
+            _mm512_storeu_ps(s + j, e);
+            tv = _mm512_add_ps(tv, e);
         }
+#undef LIVE
         m[r] = mx;
-        l[r] = t;
+        l[r] = _mm512_reduce_add_ps(tv);
     }
+    const int pv_rows = many ? 6 : 4;   /* many rows: 6 per pass over V (24 accumulators) */
     for (int h = 0; h < NH; h++)
-        for (int g0 = 0; g0 < G; g0 += 4) {
-            const int row = h * G + g0, nr = G - g0 < 4 ? G - g0 : 4;
+        for (int g0 = 0; g0 < G; g0 += pv_rows) {
+            const int row = h * G + g0, nr = G - g0 < pv_rows ? G - g0 : pv_rows;
 #define PV_BLOCK(NR, DV)                                                                                  \
             {                                                                                             \
                 __m512 a[NR][DV];                                                                         \
@@ -359,6 +465,8 @@ static inline __attribute__((always_inline)) void decode_fast(const ctx_t *c, in
             }
 #define PV_ROWS(DV)                                                                                       \
             switch (nr) {                                                                                 \
+                case 6: PV_BLOCK(6, DV) break;                                                            \
+                case 5: PV_BLOCK(5, DV) break;                                                            \
                 case 4: PV_BLOCK(4, DV) break;                                                            \
                 case 3: PV_BLOCK(3, DV) break;                                                            \
                 case 2: PV_BLOCK(2, DV) break;                                                            \
@@ -380,9 +488,10 @@ static inline __attribute__((always_inline)) void decode_fast(const ctx_t *c, in
 
 /* decode_fast for the cache's dtype (kv16 a constant in each call, so the loads compile without a branch) */
 static void decode_fast_any(const ctx_t *c, int h0, int NH, int G, float (*qs)[MAX_D], int p0, int n, float *m,
-                            float *l, float (*acc)[MAX_D], float *sbuf, size_t *slot) {
-    if (c->bf16) decode_fast(c, h0, NH, G, qs, p0, n, m, l, acc, sbuf, slot, 1);
-    else decode_fast(c, h0, NH, G, qs, p0, n, m, l, acc, sbuf, slot, 0);
+                            float *l, float (*acc)[MAX_D], float *sbuf, size_t *slot, float *kt, const int *begin,
+                            const int *end) {
+    if (c->bf16) decode_fast(c, h0, NH, G, qs, p0, n, m, l, acc, sbuf, slot, kt, begin, end, 1);
+    else decode_fast(c, h0, NH, G, qs, p0, n, m, l, acc, sbuf, slot, kt, begin, end, 0);
 }
 #define HAVE_FAST 1
 #else
@@ -507,7 +616,8 @@ int paged_decode(const void *q, int q_stride, const void *k, const void *v, void
             const int most = rows > tile * G ? rows : tile * G;       /* query rows of one work item */
             float *sbuf = fast ? malloc(sizeof(float) * FAST_N * (size_t)most) : NULL;   /* decode_fast's */
             size_t *sslot = fast ? malloc(sizeof(size_t) * FAST_N) : NULL;
-            const int ok = have_s && (!fast || (sbuf && sslot));
+            float *kt = fast ? aligned_alloc(64, sizeof(float) * MAX_D * KT_POS) : NULL;
+            const int ok = have_s && (!fast || (sbuf && sslot && kt));
 #else
             const int ok = have_s;
 #endif
@@ -524,7 +634,7 @@ int paged_decode(const void *q, int q_stride, const void *k, const void *v, void
                                (size_t)h * G + g, D, scale);
 #if HAVE_FAST
                 if (fast && shared_len <= FAST_N)   /* the tile's nb * G rows as the query rows of one kv head */
-                    decode_fast_any(&c, h, 1, nb * G, s.qs, 0, shared_len, s.m, s.l, s.acc, sbuf, sslot);
+                    decode_fast_any(&c, h, 1, nb * G, s.qs, 0, shared_len, s.m, s.l, s.acc, sbuf, sslot, kt, NULL, NULL);
                 else
 #endif
                 {
@@ -564,7 +674,7 @@ int paged_decode(const void *q, int q_stride, const void *k, const void *v, void
 #if HAVE_FAST
                 if (fast) {
                     decode_fast_any(&c, h0, per_head ? 1 : KV, G, s.qs, from + first, count, mx + at, sum + at,
-                                    acc + at, sbuf, sslot);
+                                    acc + at, sbuf, sslot, kt, NULL, NULL);
                     continue;
                 }
 #endif
@@ -585,6 +695,7 @@ int paged_decode(const void *q, int q_stride, const void *k, const void *v, void
 #if HAVE_FAST
             free(sbuf);
             free(sslot);
+            free(kt);
 #endif
         }
     }
@@ -615,10 +726,19 @@ int paged_prefill(const void *q, int q_stride, const void *k, const void *v, voi
     first_item[0] = 0;
     for (int i = 0; i < R; i++) first_item[i + 1] = first_item[i] + KV * ((count[i] + tok - 1) / tok);
     int status = 0;
+    const int fast = HAVE_FAST && D % 16 == 0;
 #pragma omp parallel num_threads(num_threads)
     {
         scratch_t s;
-        const int ok = scratch_init(&s);
+        const int have_s = scratch_init(&s);
+#if HAVE_FAST
+        float *sbuf = fast ? malloc(sizeof(float) * FAST_N * (size_t)tok * G) : NULL;   /* decode_fast's */
+        size_t *sslot = fast ? malloc(sizeof(size_t) * FAST_N) : NULL;
+        float *kt = fast ? aligned_alloc(64, sizeof(float) * MAX_D * KT_POS) : NULL;
+        const int ok = have_s && (!fast || (sbuf && sslot && kt));
+#else
+        const int ok = have_s;
+#endif
         if (!ok) status = -2;
         int i = 0;
 #pragma omp for schedule(dynamic, 1)
@@ -643,8 +763,16 @@ int paged_prefill(const void *q, int q_stride, const void *k, const void *v, voi
                 if (b < p0) p0 = b;
                 if (pos + 1 > p1) p1 = pos + 1;
             }
-            reset_rows(&s, nt * G, D);
-            attend_rows(&c, h, 1, nt * G, s.qs, s.begin, s.end, p0, p1, s.m, s.l, s.acc, s.kbuf, s.vbuf);
+#if HAVE_FAST
+            if (fast && p1 - p0 <= FAST_N)   /* the tile's rows as the query rows of one kv head, causal masks */
+                decode_fast_any(&c, h, 1, nt * G, s.qs, p0, p1 - p0, s.m, s.l, s.acc, sbuf, sslot, kt, s.begin,
+                                s.end);
+            else
+#endif
+            {
+                reset_rows(&s, nt * G, D);
+                attend_rows(&c, h, 1, nt * G, s.qs, s.begin, s.end, p0, p1, s.m, s.l, s.acc, s.kbuf, s.vbuf);
+            }
             for (int t = 0; t < nt; t++)
                 for (int g = 0; g < G; g++) {
                     const int r = t * G + g;
@@ -652,6 +780,11 @@ int paged_prefill(const void *q, int q_stride, const void *k, const void *v, voi
                 }
         }
         scratch_free(&s);
+#if HAVE_FAST
+        free(sbuf);
+        free(sslot);
+        free(kt);
+#endif
     }
     free(first_item);
     return status;
