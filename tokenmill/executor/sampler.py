@@ -102,12 +102,23 @@ def _check_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:
         raise ValueError(f"{what} has token ids outside the vocabulary [0, {vocab_size})")
 
 
+def _uses_processor(inp: SamplingInput) -> bool:
+    """Whether apply_logits_processors could change this row."""
+    p = inp.params
+    return bool(p.logit_bias or p.allowed_token_ids or inp.bad_words_token_ids
+                or len(inp.output_token_ids) < p.min_tokens or p.repetition_penalty != 1.0
+                or ((p.frequency_penalty or p.presence_penalty) and inp.output_token_ids))
+
+
 def apply_logits_processors(logits: torch.Tensor, inputs: list[SamplingInput],
                             eos_token_ids: Sequence[int] = ()) -> torch.Tensor:
     """logit_bias, allowed_token_ids, bad_words, min_tokens, repetition, frequency and presence penalties.
 
-    logits: [R, V] (not modified); returns a new float32 [R, V]. Temperature and the top-k/p/min-p
-    filters are applied later by the Sampler."""
+    logits: [R, V] (not modified); returns float32 [R, V]: a new tensor, or logits itself (as float32) when no
+    row uses any of these, which spares a greedy batch a copy (64 rows of a 49k vocabulary: 12 MB). Temperature
+    and the top-k/p/min-p filters are applied later by the Sampler."""
+    if not any(_uses_processor(inp) for inp in inputs):
+        return logits.float()
     logits = logits.float().clone()
     R, V = logits.shape
     dev = logits.device
