@@ -634,7 +634,8 @@ int paged_decode(const void *q, int q_stride, const void *k, const void *v, void
                                (size_t)h * G + g, D, scale);
 #if HAVE_FAST
                 if (fast && shared_len <= FAST_N)   /* the tile's nb * G rows as the query rows of one kv head */
-                    decode_fast_any(&c, h, 1, nb * G, s.qs, 0, shared_len, s.m, s.l, s.acc, sbuf, sslot, kt, NULL, NULL);
+                    decode_fast_any(&c, h, 1, nb * G, s.qs, 0, shared_len, s.m, s.l, s.acc, sbuf, sslot, kt, NULL,
+                                    NULL);
                 else
 #endif
                 {
