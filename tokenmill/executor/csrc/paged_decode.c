@@ -498,14 +498,18 @@ static void decode_fast_any(const ctx_t *c, int h0, int NH, int G, float (*qs)[M
 #define HAVE_FAST 0
 #endif
 
-/* Per-thread scratch of attend_rows' callers. */
+/* Per-thread scratch of the kernels' work items. */
 typedef struct {
     float (*qs)[MAX_D], (*acc)[MAX_D], (*kbuf)[MAX_D], (*vbuf)[MAX_D];
     float *m, *l;
     int *begin, *end;
+    float *sbuf, *kt;   /* decode_fast's scores [rows][FAST_N] and K turned round (NULL when not asked for) */
+    size_t *slot;
 } scratch_t;
 
-static int scratch_init(scratch_t *s) {
+/* fast_rows > 0: decode_fast's buffers too, for work items of up to that many query rows. Returns 0 when
+ * anything failed to allocate (scratch_free still frees the rest). */
+static int scratch_init(scratch_t *s, int fast_rows) {
     s->qs = malloc(sizeof(float) * MAX_D * MAX_ROWS);
     s->acc = malloc(sizeof(float) * MAX_D * MAX_ROWS);
     s->kbuf = malloc(sizeof(float) * MAX_D * CHUNK);
@@ -514,7 +518,18 @@ static int scratch_init(scratch_t *s) {
     s->l = malloc(sizeof(float) * MAX_ROWS);
     s->begin = malloc(sizeof(int) * MAX_ROWS);
     s->end = malloc(sizeof(int) * MAX_ROWS);
-    return s->qs && s->acc && s->kbuf && s->vbuf && s->m && s->l && s->begin && s->end;
+    int ok = s->qs && s->acc && s->kbuf && s->vbuf && s->m && s->l && s->begin && s->end;
+    s->sbuf = s->kt = NULL;
+    s->slot = NULL;
+#if HAVE_FAST
+    if (fast_rows > 0) {
+        s->sbuf = malloc(sizeof(float) * FAST_N * (size_t)fast_rows);
+        s->slot = malloc(sizeof(size_t) * FAST_N);
+        s->kt = aligned_alloc(64, sizeof(float) * MAX_D * KT_POS);
+        ok = ok && s->sbuf && s->slot && s->kt;
+    }
+#endif
+    return ok;
 }
 
 static void scratch_free(scratch_t *s) {
@@ -526,6 +541,9 @@ static void scratch_free(scratch_t *s) {
     free(s->l);
     free(s->begin);
     free(s->end);
+    free(s->sbuf);
+    free(s->kt);
+    free(s->slot);
 }
 
 static void reset_rows(scratch_t *s, int rows, int D) {
@@ -611,16 +629,8 @@ int paged_decode(const void *q, int q_stride, const void *k, const void *v, void
 #pragma omp parallel num_threads(num_threads)
         {
             scratch_t s;
-            const int have_s = scratch_init(&s);
-#if HAVE_FAST
             const int most = rows > tile * G ? rows : tile * G;       /* query rows of one work item */
-            float *sbuf = fast ? malloc(sizeof(float) * FAST_N * (size_t)most) : NULL;   /* decode_fast's */
-            size_t *sslot = fast ? malloc(sizeof(size_t) * FAST_N) : NULL;
-            float *kt = fast ? aligned_alloc(64, sizeof(float) * MAX_D * KT_POS) : NULL;
-            const int ok = have_s && (!fast || (sbuf && sslot && kt));
-#else
-            const int ok = have_s;
-#endif
+            const int ok = scratch_init(&s, fast ? most : 0);
             if (!ok) status = -2;
             /* the shared prefix: item = (kv head, tile of requests), rows (request, g) of that head */
 #pragma omp for schedule(dynamic, 1) nowait
@@ -634,8 +644,8 @@ int paged_decode(const void *q, int q_stride, const void *k, const void *v, void
                                (size_t)h * G + g, D, scale);
 #if HAVE_FAST
                 if (fast && shared_len <= FAST_N)   /* the tile's nb * G rows as the query rows of one kv head */
-                    decode_fast_any(&c, h, 1, nb * G, s.qs, 0, shared_len, s.m, s.l, s.acc, sbuf, sslot, kt, NULL,
-                                    NULL);
+                    decode_fast_any(&c, h, 1, nb * G, s.qs, 0, shared_len, s.m, s.l, s.acc, s.sbuf, s.slot, s.kt,
+                                    NULL, NULL);
                 else
 #endif
                 {
@@ -675,7 +685,7 @@ int paged_decode(const void *q, int q_stride, const void *k, const void *v, void
 #if HAVE_FAST
                 if (fast) {
                     decode_fast_any(&c, h0, per_head ? 1 : KV, G, s.qs, from + first, count, mx + at, sum + at,
-                                    acc + at, sbuf, sslot, kt, NULL, NULL);
+                                    acc + at, s.sbuf, s.slot, s.kt, NULL, NULL);
                     continue;
                 }
 #endif
@@ -693,11 +703,6 @@ int paged_decode(const void *q, int q_stride, const void *k, const void *v, void
                 }
             }
             scratch_free(&s);   /* frees what scratch_init got, all or part */
-#if HAVE_FAST
-            free(sbuf);
-            free(sslot);
-            free(kt);
-#endif
         }
     }
     free(acc);
@@ -731,15 +736,7 @@ int paged_prefill(const void *q, int q_stride, const void *k, const void *v, voi
 #pragma omp parallel num_threads(num_threads)
     {
         scratch_t s;
-        const int have_s = scratch_init(&s);
-#if HAVE_FAST
-        float *sbuf = fast ? malloc(sizeof(float) * FAST_N * (size_t)tok * G) : NULL;   /* decode_fast's */
-        size_t *sslot = fast ? malloc(sizeof(size_t) * FAST_N) : NULL;
-        float *kt = fast ? aligned_alloc(64, sizeof(float) * MAX_D * KT_POS) : NULL;
-        const int ok = have_s && (!fast || (sbuf && sslot && kt));
-#else
-        const int ok = have_s;
-#endif
+        const int ok = scratch_init(&s, fast ? tok * G : 0);
         if (!ok) status = -2;
         int i = 0;
 #pragma omp for schedule(dynamic, 1)
@@ -766,8 +763,8 @@ int paged_prefill(const void *q, int q_stride, const void *k, const void *v, voi
             }
 #if HAVE_FAST
             if (fast && p1 - p0 <= FAST_N)   /* the tile's rows as the query rows of one kv head, causal masks */
-                decode_fast_any(&c, h, 1, nt * G, s.qs, p0, p1 - p0, s.m, s.l, s.acc, sbuf, sslot, kt, s.begin,
-                                s.end);
+                decode_fast_any(&c, h, 1, nt * G, s.qs, p0, p1 - p0, s.m, s.l, s.acc, s.sbuf, s.slot, s.kt,
+                                s.begin, s.end);
             else
 #endif
             {
@@ -781,11 +778,6 @@ int paged_prefill(const void *q, int q_stride, const void *k, const void *v, voi
                 }
         }
         scratch_free(&s);
-#if HAVE_FAST
-        free(sbuf);
-        free(sslot);
-        free(kt);
-#endif
     }
     free(first_item);
     return status;
