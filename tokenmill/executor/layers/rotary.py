@@ -12,8 +12,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict],
                   max_position_embeddings: int) -> tuple[torch.Tensor, float]:
     """Returns (inv_freq [head_dim/2] float32, attention scaling applied to cos and sin)."""
     dim = head_dim
-    # computed on the CPU even inside a torch.device("meta") block: math on meta tensors imports torch._dynamo
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if scaling is None:
         return inv_freq, 1.0
     kind = scaling["rope_type"]
@@ -53,8 +52,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict],
         lo, hi = max(lo, 0), min(hi, dim - 1)
         if lo == hi:
             hi += 0.001
-        ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - lo) / (hi - lo)).clamp(0, 1)
-        pos_freqs = theta ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+        pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
         extrap, interp = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
         keep = 1 - ramp
         return interp * (1 - keep) + extrap * keep, float(attn)
@@ -68,7 +67,7 @@ class RotaryEmbedding(nn.Module):
                  max_len: int):
         super().__init__()
         inv_freq, attn_scale = rope_inv_freq(head_dim, theta, scaling, max_position_embeddings)
-        freqs = torch.arange(max_len, dtype=torch.float32, device="cpu")[:, None] * inv_freq[None, :]
+        freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos() * attn_scale, persistent=False)
         self.register_buffer("sin", emb.sin() * attn_scale, persistent=False)

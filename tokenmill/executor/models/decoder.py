@@ -133,8 +133,11 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tied_head_t: Optional[torch.Tensor] = None    # set by finalize() on CPU
         self.tied_head_packed: Optional[PackedWeight] = None  # set by load_packed() for a quantised GGUF
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings,
-                                      max_len)
+        # computed tables, not weights: built on the CPU even when the model is built on the meta device (math on
+        # meta tensors imports torch._dynamo, ~1.7 s of start-up); the model's .to() moves them with the rest
+        with torch.device("cpu"):
+            self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                                          cfg.max_position_embeddings, max_len)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
                 meta: AttentionMetadata) -> torch.Tensor:
