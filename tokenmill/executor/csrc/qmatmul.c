@@ -154,8 +154,8 @@ static inline __attribute__((always_inline)) void row_range(int q4, const float 
 /* ---- many rows: dequantise a few weight rows into L1, then a register-blocked GEMM over all inputs ---------
  * Above ~20 inputs the dot-product scheme above runs out of registers (it re-dequantises every row for each 8
  * inputs and reloads x from L2 per FMA pair). Here NR weight rows are dequantised KC positions at a time into
- * a float32 scratch ws [NR][KC] (L1), x is turned round (by each thread) to xT [K][16 * MV] (zero-padded), and the
- * inner loop keeps NR x MV accumulators of 16 inputs each: per k it loads MV vectors of x and broadcasts NR
+ * a float32 scratch ws [NR][KC] (L1), x is turned round (by each thread) to xT [K][16 * MV] (zero-padded), and
+ * the inner loop keeps NR x MV accumulators of 16 inputs each: per k it loads MV vectors of x and broadcasts NR
  * weights, NR * MV FMAs for NR + MV loads. Sums run over k in order, so results differ from
  * x @ dequantised(w)^T only in summation order, as above. */
 /* Weight rows n0 .. n0+NR-1, positions k0 .. k0+KC-1, dequantised into ws [NR][KC]; rows past N are zeros,
@@ -277,20 +277,22 @@ static void turn_inputs(const float *x, int B, int K, int BP, float *xT) {
             float *ws = aligned_alloc(64, sizeof(float) * NR_ * KC);                                    \
             float *yT = aligned_alloc(64, sizeof(float) * GROUP_N * BP);                                \
             float *xT = aligned_alloc(64, sizeof(float) * (size_t)K * BP);                              \
-            if (ws && yT && xT) {                                                                       \
-                turn_inputs(x, B, K, BP, xT);                                                           \
-                _Pragma("omp for schedule(dynamic, 1)")                                                     \
-                for (int g = 0; g < groups; g++) {                                                      \
-                    const int g0 = g * GROUP_N, size = N - g0 < GROUP_N ? N - g0 : GROUP_N;             \
-                    for (int n0 = g0; n0 < g0 + size; n0 += NR_) {                                      \
-                        const int count = g0 + size - n0 < NR_ ? g0 + size - n0 : NR_;                  \
-                        float *rows_out = yT + (size_t)(n0 - g0) * BP;                                  \
-                        gemm_tile(q4, codes, d, m, xT, K, ws, NR_, MV_, rows_out, n0, count);           \
-                    }                                                                                   \
-                    transpose_out(yT, BP, y, B, N, g0, size);                                           \
+            const int ok = ws && yT && xT;                                                              \
+            if (ok) turn_inputs(x, B, K, BP, xT);                                                       \
+            else failed = 1;                                                                            \
+            /* every thread meets the loop, even without its buffers: one that skipped it would leave the \
+             * others waiting at its barrier */                                                         \
+            _Pragma("omp for schedule(dynamic, 1)")                                                         \
+            for (int g = 0; g < groups; g++) {                                                          \
+                if (!ok) continue;                                                                      \
+                const int g0 = g * GROUP_N, size = N - g0 < GROUP_N ? N - g0 : GROUP_N;                 \
+                for (int n0 = g0; n0 < g0 + size; n0 += NR_) {                                          \
+                    const int count = g0 + size - n0 < NR_ ? g0 + size - n0 : NR_;                      \
+                    float *rows_out = yT + (size_t)(n0 - g0) * BP;                                      \
+                    gemm_tile(q4, codes, d, m, xT, K, ws, NR_, MV_, rows_out, n0, count);               \
                 }                                                                                       \
-            } else                                                                                      \
-                failed = 1;                                                                             \
+                transpose_out(yT, BP, y, B, N, g0, size);                                               \
+            }                                                                                           \
             free(ws);                                                                                   \
             free(yT);                                                                                   \
             free(xT);                                                                                   \
