@@ -102,14 +102,6 @@ def _check_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:
         raise ValueError(f"{what} has token ids outside the vocabulary [0, {vocab_size})")
 
 
-def _uses_processor(inp: SamplingInput) -> bool:
-    """Whether apply_logits_processors could change this row."""
-    p = inp.params
-    return bool(p.logit_bias or p.allowed_token_ids or inp.bad_words_token_ids
-                or len(inp.output_token_ids) < p.min_tokens or p.repetition_penalty != 1.0
-                or ((p.frequency_penalty or p.presence_penalty) and inp.output_token_ids))
-
-
 def apply_logits_processors(logits: torch.Tensor, inputs: list[SamplingInput],
                             eos_token_ids: Sequence[int] = ()) -> torch.Tensor:
     """logit_bias, allowed_token_ids, bad_words, min_tokens, repetition, frequency and presence penalties.
@@ -117,11 +109,17 @@ def apply_logits_processors(logits: torch.Tensor, inputs: list[SamplingInput],
     logits: [R, V] (not modified); returns float32 [R, V]: a new tensor, or logits itself (as float32) when no
     row uses any of these, which spares a greedy batch a copy (64 rows of a 49k vocabulary: 12 MB). Temperature
     and the top-k/p/min-p filters are applied later by the Sampler."""
-    if not any(_uses_processor(inp) for inp in inputs):
-        return logits.float()
-    logits = logits.float().clone()
     R, V = logits.shape
     dev = logits.device
+    out = logits.float()
+    copied = out.data_ptr() != logits.data_ptr()      # float() of another dtype is a copy already
+
+    def writable() -> torch.Tensor:
+        """out, copied the first time a stage writes into it: the caller's logits stay as they were"""
+        nonlocal out, copied
+        if not copied:
+            out, copied = out.clone(), True
+        return out
 
     # logit_bias: add per (row, token) in one index_put
     rows: list[int] = []
@@ -134,7 +132,7 @@ def apply_logits_processors(logits: torch.Tensor, inputs: list[SamplingInput],
             vals.append(float(b))
     if rows:
         _check_ids(toks, V, "logit_bias")
-        logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(toks, device=dev)),
+        writable().index_put_((torch.tensor(rows, device=dev), torch.tensor(toks, device=dev)),
                           torch.tensor(vals, device=dev), accumulate=True)
 
     # allowed_token_ids: everything else -> -inf
@@ -144,25 +142,26 @@ def apply_logits_processors(logits: torch.Tensor, inputs: list[SamplingInput],
         _check_ids([t for a in allowed for t in a], V, "allowed_token_ids")
         keep = _token_mask(allowed, V, dev)
         sel_t = torch.tensor(sel, device=dev)
-        logits[sel_t] = logits[sel_t].masked_fill(~keep, _NEG_INF)
+        out = writable()
+        out[sel_t] = out[sel_t].masked_fill(~keep, _NEG_INF)
 
     # bad_words and min_tokens: collect (row, token) pairs to ban; only short Python lists are walked
     ban_rows: list[int] = []
     ban_toks: list[int] = []
     for r, inp in enumerate(inputs):
-        out = inp.output_token_ids
+        made = inp.output_token_ids
         for seq in inp.bad_words_token_ids:
             n = len(seq) - 1
-            if 0 <= n <= len(out) and (n == 0 or out[-n:] == seq[:-1]):
+            if 0 <= n <= len(made) and (n == 0 or made[-n:] == seq[:-1]):
                 ban_rows.append(r)
                 ban_toks.append(seq[-1])
-        if len(out) < inp.params.min_tokens:
+        if len(made) < inp.params.min_tokens:
             stops = set(eos_token_ids) | set(inp.params.stop_token_ids or [])
             ban_rows.extend([r] * len(stops))
             ban_toks.extend(stops)
     if ban_rows:
         keep_ok = [i for i, t in enumerate(ban_toks) if 0 <= t < V]  # a bad word / stop id beyond V cannot be sampled anyway
-        logits[torch.tensor([ban_rows[i] for i in keep_ok], dtype=torch.long, device=dev),
+        writable()[torch.tensor([ban_rows[i] for i in keep_ok], dtype=torch.long, device=dev),
                torch.tensor([ban_toks[i] for i in keep_ok], dtype=torch.long, device=dev)] = _NEG_INF
 
     # Penalties touch only the tokens a row has seen: gather them, change them, scatter back. O(R * L),
@@ -175,8 +174,9 @@ def apply_logits_processors(logits: torch.Tensor, inputs: list[SamplingInput],
         # an empty row is padded with token 0: give it penalty 1 so the write is an identity
         pen = torch.tensor([inp.params.repetition_penalty if seen else 1.0 for inp, seen in zip(inputs, seen_l)],
                            device=dev)[:, None]
-        seen = logits.gather(1, idx)
-        logits.scatter_(1, idx, torch.where(seen > 0, seen / pen, seen * pen))
+        out = writable()
+        seen = out.gather(1, idx)
+        out.scatter_(1, idx, torch.where(seen > 0, seen / pen, seen * pen))
 
     if any((inp.params.frequency_penalty != 0.0 or inp.params.presence_penalty != 0.0) and inp.output_token_ids
            for inp in inputs):
@@ -185,9 +185,10 @@ def apply_logits_processors(logits: torch.Tensor, inputs: list[SamplingInput],
         idx, real = _padded_ids([inp.output_token_ids for inp in inputs], dev)
         freq = torch.tensor([inp.params.frequency_penalty for inp in inputs], device=dev)[:, None]
         pres = torch.tensor([inp.params.presence_penalty for inp in inputs], device=dev)[:, None]
-        logits.scatter_add_(1, idx, -freq * real)
-        logits.scatter_(1, idx, logits.gather(1, idx) - pres * real.amax(dim=1, keepdim=True))
-    return logits
+        out = writable()
+        out.scatter_add_(1, idx, -freq * real)
+        out.scatter_(1, idx, out.gather(1, idx) - pres * real.amax(dim=1, keepdim=True))
+    return out
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor],
