@@ -554,6 +554,22 @@ static void reset_rows(scratch_t *s, int rows, int D) {
     }
 }
 
+/* A tile's `rows` query rows (s->qs) of kv head h over positions [p0, p1), row r only within [begin[r], end[r])
+ * when given: a cascade tile over the shared prefix, a prompt tile. Through decode_fast when `fast` and the range
+ * fits its scratch, else attend_rows; either way s->m, s->l and s->acc hold the unnormalised result. */
+static void attend_tile(const ctx_t *c, int h, int rows, scratch_t *s, const int *begin, const int *end, int p0,
+                        int p1, int fast) {
+#if HAVE_FAST
+    if (fast && p1 - p0 <= FAST_N) {
+        decode_fast_any(c, h, 1, rows, s->qs, p0, p1 - p0, s->m, s->l, s->acc, s->sbuf, s->slot, s->kt, begin, end);
+        return;
+    }
+#endif
+    (void)fast;
+    reset_rows(s, rows, c->D);
+    attend_rows(c, h, 1, rows, s->qs, begin, end, p0, p1, s->m, s->l, s->acc, s->kbuf, s->vbuf);
+}
+
 /* Shapes the kernels take: whole groups of at most MAX_G query heads per kv head, D a multiple of 8 up to
  * MAX_D, block_size a power of two (slot math in shifts and masks). */
 static int shapes_ok(int H, int KV, int D, int block_size) {
@@ -642,16 +658,7 @@ int paged_decode(const void *q, int q_stride, const void *k, const void *v, void
                     for (int g = 0; g < G; g++)
                         load_q(s.qs[i * G + g], (const char *)q + (size_t)(b0 + i) * q_stride * es, q_bf16,
                                (size_t)h * G + g, D, scale);
-#if HAVE_FAST
-                if (fast && shared_len <= FAST_N)   /* the tile's nb * G rows as the query rows of one kv head */
-                    decode_fast_any(&c, h, 1, nb * G, s.qs, 0, shared_len, s.m, s.l, s.acc, s.sbuf, s.slot, s.kt,
-                                    NULL, NULL);
-                else
-#endif
-                {
-                    reset_rows(&s, nb * G, D);
-                    attend_rows(&c, h, 1, nb * G, s.qs, NULL, NULL, 0, shared_len, s.m, s.l, s.acc, s.kbuf, s.vbuf);
-                }
+                attend_tile(&c, h, nb * G, &s, NULL, NULL, 0, shared_len, fast);
                 for (int i = 0; i < nb; i++)
                     for (int g = 0; g < G; g++) {
                         const size_t at = (size_t)(b0 + i) * H + h * G + g;
@@ -761,16 +768,7 @@ int paged_prefill(const void *q, int q_stride, const void *k, const void *v, voi
                 if (b < p0) p0 = b;
                 if (pos + 1 > p1) p1 = pos + 1;
             }
-#if HAVE_FAST
-            if (fast && p1 - p0 <= FAST_N)   /* the tile's rows as the query rows of one kv head, causal masks */
-                decode_fast_any(&c, h, 1, nt * G, s.qs, p0, p1 - p0, s.m, s.l, s.acc, s.sbuf, s.slot, s.kt,
-                                s.begin, s.end);
-            else
-#endif
-            {
-                reset_rows(&s, nt * G, D);
-                attend_rows(&c, h, 1, nt * G, s.qs, s.begin, s.end, p0, p1, s.m, s.l, s.acc, s.kbuf, s.vbuf);
-            }
+            attend_tile(&c, h, nt * G, &s, s.begin, s.end, p0, p1, fast);   /* causal masks */
             for (int t = 0; t < nt; t++)
                 for (int g = 0; g < G; g++) {
                     const int r = t * G + g;
