@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import httpx
@@ -247,6 +248,14 @@ def test_queue_bound_is_503(chat_model_dir, server_factory):
     """One running slot and room for one waiting request: a third request is turned away, then all is well."""
     server = server_factory(chat_model_dir, max_num_seqs=1, max_queue=1)
     body = {"model": MODEL, "prompt": "long", "max_tokens": 480, "ignore_eos": True, "stream": True}
+    released = threading.Event()
+
+    def hold(outputs, aborted, state) -> None:
+        """On the engine thread: the tiny model could finish the first request before the third one arrives,
+        so slow each step down, and once the second request waits, stop stepping until the 503 is seen."""
+        if not released.is_set():
+            released.wait(10 if state.num_waiting else 0.01)
+    server.llm.hooks.append(hold)
     try:
         with httpx.Client(base_url=server.url, timeout=30) as c:
             with c.stream("POST", "/v1/completions", json=body) as first:
@@ -255,6 +264,7 @@ def test_queue_bound_is_503(chat_model_dir, server_factory):
                 with c.stream("POST", "/v1/completions", json=body) as second:
                     assert second.status_code == 200                       # waiting
                     r = c.post("/v1/completions", json={**body, "stream": False})
+                    released.set()
                     err = _expect(r, 503)
                     assert err["code"] == "queue_full"
         assert httpx.get(server.url + "/health").status_code == 200
@@ -264,6 +274,7 @@ def test_queue_bound_is_503(chat_model_dir, server_factory):
         r = httpx.post(server.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 2}, timeout=30)
         assert r.status_code == 200, r.text
     finally:
+        released.set()
         server.stop()
 
 
