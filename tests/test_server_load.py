@@ -138,7 +138,6 @@ def test_ctrl_c_fails_requests_in_flight_and_exits(chat_model_dir):
                 outcome["status"] = type(e).__name__
 
         t = threading.Thread(target=non_streaming)
-        t0 = time.monotonic()
         with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=30) as r:
             assert r.status_code == 200
             t.start()
@@ -150,7 +149,6 @@ def test_ctrl_c_fails_requests_in_flight_and_exits(chat_model_dir):
         t.join(timeout=15)
         assert outcome.get("status") not in (None, 200), outcome              # an error, not a hang
         assert proc.wait(timeout=15) is not None
-        assert time.monotonic() - t0 < 20
     finally:
         if proc.poll() is None:
             proc.kill()
