@@ -3,12 +3,13 @@ servers on 127.0.0.1 (uvicorn in a thread, in this process). Test modules load t
 `pytest_plugins = ["tests.server_fixtures"]`, so the session-scoped fixtures are shared between them."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import socket
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -57,6 +58,22 @@ class LiveServer:
     @property
     def llm(self) -> Any:
         return self.app.state.llm
+
+    @contextlib.contextmanager
+    def hold(self, seconds: Callable[[Any], float]) -> Iterator[threading.Event]:
+        """Within the block, the engine thread waits seconds(state) after each iteration (state: EngineState),
+        or until the yielded event is set. For races a tiny model would otherwise win by finishing first."""
+        released = threading.Event()
+
+        def hook(outputs: Any, aborted: Any, state: Any) -> None:
+            if not released.is_set():
+                released.wait(seconds(state))
+        self.llm.hooks.append(hook)
+        try:
+            yield released
+        finally:
+            released.set()
+            self.llm.hooks.remove(hook)
 
     def stop(self) -> None:
         self.server.should_exit = True

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import time
 
 import pytest
 
@@ -55,16 +54,12 @@ def test_playground_streams_a_reply(browser, live_server):
     browser.find_element(By.ID, "prompt").send_keys("Hello, who are you?")
     # pace the engine: the tiny model could make all 24 tokens before the page reads the first chunk, and a
     # reply that arrives in one piece has no decode time to show
-    pace = lambda outputs, aborted, state: time.sleep(0.005)                        # noqa: E731
-    live_server.llm.hooks.append(pace)
-    try:
+    with live_server.hold(lambda state: 0.005):
         browser.find_element(By.ID, "send").click()
         wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.user"))
         reply = wait.until(lambda d: [e for e in d.find_elements(By.CSS_SELECTOR, ".msg.assistant .text") if e.text])
         assert reply[0].text.strip()                                               # streamed text appeared
         wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant .stats"))  # the reply has finished
-    finally:
-        live_server.llm.hooks.remove(pace)
     assert not browser.find_elements(By.CSS_SELECTOR, ".msg.error")
     assert browser.find_element(By.ID, "ttft").text.endswith("ms")                # phase 1: time to first token
     assert browser.find_element(By.ID, "tps").text != "–"                         # phase 2: tokens / s

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import httpx
@@ -248,16 +247,11 @@ def test_queue_bound_is_503(chat_model_dir, server_factory):
     """One running slot and room for one waiting request: a third request is turned away, then all is well."""
     server = server_factory(chat_model_dir, max_num_seqs=1, max_queue=1)
     body = {"model": MODEL, "prompt": "long", "max_tokens": 480, "ignore_eos": True, "stream": True}
-    released = threading.Event()
-
-    def hold(outputs, aborted, state) -> None:
-        """On the engine thread: the tiny model could finish the first request before the third one arrives,
-        so slow each step down, and once the second request waits, stop stepping until the 503 is seen."""
-        if not released.is_set():
-            released.wait(10 if state.num_waiting else 0.01)
-    server.llm.hooks.append(hold)
+    # the tiny model could finish the first request before the third arrives: slow each step down, and once
+    # the second request waits, stop stepping until the third has its answer
     try:
-        with httpx.Client(base_url=server.url, timeout=30) as c:
+        with httpx.Client(base_url=server.url, timeout=30) as c, \
+                server.hold(lambda state: 10 if state.num_waiting else 0.01) as released:
             with c.stream("POST", "/v1/completions", json=body) as first:
                 assert first.status_code == 200
                 next(first.iter_lines())                                   # running
@@ -274,7 +268,6 @@ def test_queue_bound_is_503(chat_model_dir, server_factory):
         r = httpx.post(server.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 2}, timeout=30)
         assert r.status_code == 200, r.text
     finally:
-        released.set()
         server.stop()
 
 

@@ -112,24 +112,14 @@ def test_non_streaming_disconnect_aborts(live_server):
     aborts_before = _metric(live_server, "request_success_total", finished_reason="abort")
     body = {"model": MODEL, "prompt": "Patience", "max_tokens": LONG, "temperature": 0, "ignore_eos": True,
             "n": 4}
-    released = threading.Event()
-
-    def hold(outputs, aborted, state) -> None:
-        """On the engine thread: keep the request running until the client has given up (the tiny model could
-        otherwise finish it first)."""
-        if state.num_running and not released.is_set():
-            released.wait(10)
-    live_server.llm.hooks.append(hold)
-    try:
+    # keep the request running until the client has given up (the tiny model could finish it first)
+    with live_server.hold(lambda state: 10 if state.num_running else 0) as released:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(live_server.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.15),
                        headers={"Authorization": f"Bearer {live_server.api_key}"})
         released.set()
         _wait_aborts(live_server, aborts_before + 1)
         _wait_idle(live_server)
-    finally:
-        released.set()
-        live_server.llm.hooks.remove(hold)
     assert _metric(live_server, "request_success_total", finished_reason="abort") - aborts_before == 1
     assert httpx.get(live_server.url + "/health").status_code == 200
 
