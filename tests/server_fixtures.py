@@ -59,6 +59,14 @@ class LiveServer:
     def llm(self) -> Any:
         return self.app.state.llm
 
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        """One /metrics scrape, read by Prometheus' own parser: {(sample name, its labels but model_name): value}."""
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
     @contextlib.contextmanager
     def hold(self, seconds: Callable[[Any], float]) -> Iterator[threading.Event]:
         """Within the block, the engine thread waits seconds(state) after each iteration (state: EngineState),

@@ -30,13 +30,6 @@ def tokenize(server, **body) -> list[int]:
     return r.json()["tokens"]
 
 
-def metric_samples(server) -> dict[tuple[str, tuple], float]:
-    from prometheus_client.parser import text_string_to_metric_families
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
-
-
 # ---- endpoints ---------------------------------------------------------------------------------------------------
 def test_models_health_version(live_server, openai_client):
     assert (live_server.api_key, live_server.max_body_bytes) == (API_KEY, MAX_BODY_BYTES)
@@ -277,7 +270,7 @@ HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e
 
 
 def test_metrics_parse_and_count_requests(live_server, openai_client):
-    before = metric_samples(live_server)
+    before = live_server.metrics()
     usages = [openai_client.completions.create(model=MODEL, prompt=f"metric {i}", max_tokens=4, **GREEDY).usage
               for i in range(3)]
     for i in range(2):
@@ -285,7 +278,7 @@ def test_metrics_parse_and_count_requests(live_server, openai_client):
             model=MODEL, messages=[{"role": "user", "content": f"m{i}"}], max_tokens=4, stream=True,
             stream_options={"include_usage": True}, **GREEDY))
         usages.append(chunks[-1].usage)
-    after = metric_samples(live_server)
+    after = live_server.metrics()
 
     def delta(name: str, **labels) -> float:
         key = (f"tokenmill:{name}", tuple(sorted(labels.items())))

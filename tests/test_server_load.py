@@ -22,31 +22,16 @@ LONG = 470          # the disconnecting requests would run this long if they wer
 
 
 def _metric(server, name: str, **labels) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == f"tokenmill:{name}" and all(s.labels.get(k) == v for k, v in labels.items()):
-                return s.value
-    return 0.0
-
-
-def _busy(server) -> dict[str, float]:
-    """The gauges that say whether anything is left, from one scrape."""
-    from prometheus_client.parser import text_string_to_metric_families
-    names = ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting")
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    busy = {s.name.removeprefix("tokenmill:"): s.value for fam in text_string_to_metric_families(text)
-            for s in fam.samples if s.name.removeprefix("tokenmill:") in names}
-    assert set(busy) == set(names), busy
-    return busy
+    return server.metrics().get((f"tokenmill:{name}", tuple(sorted(labels.items()))), 0.0)
 
 
 def _wait_idle(server, timeout: float = 15.0) -> None:
     """Until nothing runs or waits and kv_cache_usage_perc (as /metrics shows it) is back to 0."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        busy = _busy(server)
+        scrape = server.metrics()       # the three gauges from one scrape
+        busy = {g: scrape.get((f"tokenmill:{g}", ()), 0.0)
+                for g in ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting")}
         if not any(busy.values()):
             return
         time.sleep(0.02)
