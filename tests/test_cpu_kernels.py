@@ -14,7 +14,7 @@ from tests.test_gguf import _write_tiny
 from tokenmill import LLM, SamplingParams
 from tokenmill.executor.layers import cpu_ops
 from tokenmill.executor.layers.linear import Linear
-from tokenmill.executor.layers.quant import MAX_ROWS, pack_ggml, qmatmul
+from tokenmill.executor.layers.quant import MAX_ROWS, pack_ggml, qmatmul, with_lanes
 from tokenmill.executor.native import kernels
 from tokenmill.executor.layers.rotary import apply_rotary
 
@@ -48,6 +48,25 @@ def test_qmatmul_matches_dense(qtype: str, n: int, k: int) -> None:
     for b in [*range(1, 10), 15, 16, 17, 21, 33, 48, MAX_ROWS]:   # both kernels; partial and several passes
         x = torch.randn(b, k, generator=torch.Generator().manual_seed(b))
         torch.testing.assert_close(qmatmul(x, p), x @ ref.t(), rtol=1e-5, atol=1e-5)
+
+
+AVX512 = "avx512f" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("n,k", [(16, 32), (80, 96), (144, 160)])   # panels of 1, 3 + 2 and 3 x 3 vectors
+def test_qmatmul_lanes_layout_matches_dense(qtype: str, n: int, k: int) -> None:
+    p, ref = _packed(qtype, n, k, seed=n + k)
+    lanes = with_lanes(p)
+    assert (lanes.lanes is not None) == AVX512      # rows a multiple of 16: the kernel takes them on AVX-512
+    for b in [1, 8, 9, 10, 17, 33, 40, 41, MAX_ROWS]:   # each side of the lanes kernel's row range
+        x = torch.randn(b, k, generator=torch.Generator().manual_seed(b))
+        y = qmatmul(x, lanes)
+        torch.testing.assert_close(y, x @ ref.t(), rtol=1e-5, atol=1e-5)
+        # the same dequantised values summed in the same k order as the row-layout kernels: equal bits
+        # wherever both sum with one FMA chain per output (the row dot products split k into two halves)
+        if b > 20:
+            assert torch.equal(y, qmatmul(x, p))
 
 
 def test_qmatmul_rejects_what_it_cannot_take() -> None:

@@ -10,6 +10,8 @@ typedef struct {
     int bits;                 /* 4 or 8 (qmatmul.c) */
     const void *codes;
     const float *scale, *offset;
+    const void *lanes_codes;  /* the lanes layout (qmatmul.c's pack_lanes), or NULL */
+    const float *lanes_scale, *lanes_offset;
 } packed_t;
 
 typedef struct {
@@ -20,7 +22,7 @@ typedef struct {
 } layer_t;
 
 int qmatmul(int q4, const float *x, int B, int K, int N, const uint8_t *codes, const float *d, const float *m,
-            float *y, int num_threads);
+            const uint8_t *lcodes, const float *ld, const float *lm, float *y, int num_threads);
 void add_rms_norm(float *x, float *residual, const float *weight, float *out, int rows, int dim, float eps, int add,
                   int num_threads);
 void silu_mul(const float *gate_up, float *out, int rows, int inter, int num_threads);
@@ -30,7 +32,8 @@ int decode_attention(float *qkv, int qkv_stride, float *out, const float *cos, c
                      int B, int H, int KV, int D, int block_size, float scale, int max_len, int num_threads);
 
 static int mm(const packed_t *w, const float *x, int B, int K, int N, float *y, int threads) {
-    return qmatmul(w->bits == 4, x, B, K, N, (const uint8_t *)w->codes, w->scale, w->offset, y, threads);
+    return qmatmul(w->bits == 4, x, B, K, N, (const uint8_t *)w->codes, w->scale, w->offset,
+                   (const uint8_t *)w->lanes_codes, w->lanes_scale, w->lanes_offset, y, threads);
 }
 
 /* x: the previous layer's MLP output [B, hidden] (with add = 0 on the first layer: the embeddings, and then

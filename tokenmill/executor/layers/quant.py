@@ -6,7 +6,7 @@ weight for Q4_1 rather than 32, and the step is bound by reading weights. The ke
 the dequantised values (d * code + m), so the two paths differ only in float32 summation order."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Optional
 
@@ -33,12 +33,17 @@ class PackedWeight:
     scale: torch.Tensor              # float32 [N, K/32]
     offset: Optional[torch.Tensor]   # float32 [N, K/32]; None means zero (Q8_0)
     shape: tuple[int, int]           # (N, K)
+    # the same blocks laid out for qmatmul.c's lanes kernel (16 rows interleaved; with_lanes()): codes, scale,
+    # offset. None where that kernel cannot run (no AVX-512, N not a multiple of 16): the others serve every B
+    lanes: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = None
 
     @cached_property
-    def pointers(self) -> tuple[int, int, Optional[int]]:
-        """codes, scale, offset addresses for the kernel, looked up once (this runs ~120 times a step)."""
-        return (self.codes.data_ptr(), self.scale.data_ptr(),
-                None if self.offset is None else self.offset.data_ptr())
+    def pointers(self) -> tuple[Optional[int], ...]:
+        """codes, scale, offset addresses for the kernel, then the lanes layout's (None when absent), looked up
+        once (this runs ~120 times a step)."""
+        lanes = self.lanes or (None, None, None)
+        return tuple(None if t is None else t.data_ptr()
+                     for t in (self.codes, self.scale, self.offset, *lanes))
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]; the reference the kernel is tested against."""
@@ -84,6 +89,22 @@ def concat_rows(parts: list[PackedWeight]) -> Optional[PackedWeight]:
     offset = None if first.offset is None else torch.cat([p.offset for p in parts])
     return PackedWeight(first.bits, torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
                         offset, (sum(p.shape[0] for p in parts), first.shape[1]))
+
+
+def with_lanes(p: PackedWeight) -> PackedWeight:
+    """p plus its lanes layout (csrc/qmatmul.c): a second copy of the codes and scales (SmolLM2: +96 MB), for
+    the kernel that serves 9-40 rows without padding them to whole vectors of 16. p itself where the kernel
+    cannot take it."""
+    dll = kernels()
+    n, k = p.shape
+    if dll is None or n % 16 or k % BLOCK or p.codes.dim() != 2:
+        return p
+    codes, scale = torch.empty_like(p.codes), torch.empty_like(p.scale)
+    offset = None if p.offset is None else torch.empty_like(p.offset)
+    pointers = [t.data_ptr() if t is not None else None for t in (p.codes, p.scale, p.offset, codes, scale, offset)]
+    if dll.pack_lanes(p.bits == 4, k, n, *pointers) != 0:
+        return p
+    return replace(p, lanes=(codes, scale, offset))
 
 
 def permute_rows(p: PackedWeight, fn) -> PackedWeight:

@@ -16,7 +16,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.executor.attention import AttentionBackend, AttentionMetadata
 from tokenmill.executor.layers import cpu_ops
 from tokenmill.executor.layers.linear import Linear
-from tokenmill.executor.layers.quant import MAX_ROWS, PackedWeight, concat_rows, qmatmul
+from tokenmill.executor.layers.quant import MAX_ROWS, PackedWeight, concat_rows, qmatmul, with_lanes
 from tokenmill.executor.layers.norm import RMSNorm
 from tokenmill.executor.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.executor.models.fused_decode import FusedDecodeLayer
@@ -178,7 +178,7 @@ class DecoderForCausalLM(nn.Module):
             pname, shard = _our_name(name)
             if pname == "embed_tokens.weight":
                 if self.lm_head is None:
-                    self.tied_head_packed = p
+                    self.tied_head_packed = with_lanes(p)
                 continue
             mname, kind = pname.rsplit(".", 1)
             if kind == "weight":
@@ -187,7 +187,8 @@ class DecoderForCausalLM(nn.Module):
             module = modules.get(mname)
             if not isinstance(module, Linear) or len(got) != _NUM_SHARDS.get(mname.split(".")[-1], 1):
                 continue
-            module.packed = concat_rows([got[i] for i in sorted(got)])
+            packed = concat_rows([got[i] for i in sorted(got)])
+            module.packed = None if packed is None else with_lanes(packed)
         for layer in self.layers:
             layer.fused = FusedDecodeLayer.build(layer)
 

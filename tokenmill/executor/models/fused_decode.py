@@ -19,7 +19,8 @@ from tokenmill.executor.native import check, kernels
 
 class _Packed(ctypes.Structure):
     _fields_ = [("bits", ctypes.c_int), ("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p),
-                ("offset", ctypes.c_void_p)]
+                ("offset", ctypes.c_void_p), ("lanes_codes", ctypes.c_void_p), ("lanes_scale", ctypes.c_void_p),
+                ("lanes_offset", ctypes.c_void_p)]
 
 
 class _Layer(ctypes.Structure):
