@@ -38,14 +38,23 @@ static inline v16f load16(const float *p) {
  * __builtin_convertvector into scalar code, so the widening is spelled out per instruction set. */
 #if defined(__AVX512F__)
 #include <immintrin.h>
-static inline __attribute__((always_inline)) void q4_block(const uint8_t *codes, float d, float m, v16f *lo, v16f *hi) {
+/* 16 bytes of q4 codes as d * code + m, low nibbles into lo and high nibbles into hi; 16 signed q8 codes as
+ * d * code. The one spelling of the arithmetic, so every kernel dequantises to the same bits: d and m broadcast
+ * (a block of one row) or per lane (the lanes layout's 16 rows). */
+static inline __attribute__((always_inline)) void q4_16(const uint8_t *codes, v16f d, v16f m, v16f *lo, v16f *hi) {
     const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
     *lo = (v16f)_mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(15))) * d + m;
     *hi = (v16f)_mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)) * d + m;
 }
+static inline __attribute__((always_inline)) v16f q8_16(const int8_t *codes, v16f d) {
+    return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes))) * d;
+}
+static inline __attribute__((always_inline)) void q4_block(const uint8_t *codes, float d, float m, v16f *lo, v16f *hi) {
+    q4_16(codes, (v16f){0} + d, (v16f){0} + m, lo, hi);
+}
 static inline __attribute__((always_inline)) void q8_block(const int8_t *codes, float d, v16f *lo, v16f *hi) {
-    *lo = (v16f)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes))) * d;
-    *hi = (v16f)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16)))) * d;
+    *lo = q8_16(codes, (v16f){0} + d);
+    *hi = q8_16(codes + 16, (v16f){0} + d);
 }
 /* Horizontal sum as a shuffle tree. (A memcpy-based version made GCC keep every accumulator on the stack.) */
 static inline float hsum(v16f v) { return _mm512_reduce_add_ps((__m512)v); }
@@ -321,8 +330,8 @@ static int qgemm(int q4, const float *x, int B, int K, int N, const uint8_t *cod
  *   q4: row tile t (rows 16t .. 16t+15), block i: 16 x 16 bytes, byte [j][r] = c_j | c_{j+16} << 4 of row 16t+r
  *   q8: 32 x 16 bytes, byte [j][r] = c_j of row 16t + r
  *   scale and offset [N/16][K/32][16]
- * A thread dequantises a panel of LANES_NP rows over all of K into ws [K][LANES_NP] (exactly d * c + m, as
- * q4_block) and runs every input over it, LANES_RB at a time; sums run over k in order as in qgemm (equal bits).
+ * A thread dequantises a panel of LANES_NP rows over all of K into ws [K][LANES_NP] (q4_16 / q8_16, as the
+ * other kernels) and runs every input over it, LANES_RB at a time; sums run over k in order as in qgemm (equal bits).
  * Above 40 inputs qgemm wins: its padding is small there, and it dequantises into L1 alongside its FMAs where
  * this kernel dequantises a whole panel first. SmolLM2's 120 matrices, cold, two threads, dev machine, medians
  * of 11 alternated runs, row dot products / qgemm vs lanes: 8 inputs 16.2 vs 15.7 ms, 9: 21.7 vs 18.7,
@@ -363,22 +372,19 @@ static void lanes_dequant(int q4, int K, const uint8_t *lcodes, const float *ld,
         const size_t t = (size_t)n0 / 16 + v;
         for (int i = 0; i < nb; i++) {
             const uint8_t *c = lcodes + (t * nb + i) * 16 * bb;
-            const __m512 dv = _mm512_loadu_ps(ld + (t * nb + i) * 16);
+            const v16f dv = load16(ld + (t * nb + i) * 16);
             float *w = ws + (size_t)i * QK * np + 16 * v;
             if (q4) {
-                const __m512 mv = _mm512_loadu_ps(lm + (t * nb + i) * 16);
+                const v16f mv = load16(lm + (t * nb + i) * 16);
                 for (int j = 0; j < 16; j++) {
-                    const __m512i cj = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + 16 * j)));
-                    const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(cj, _mm512_set1_epi32(15)));
-                    const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(cj, 4));
-                    _mm512_store_ps(w + (size_t)j * np, (__m512)((v16f)lo * (v16f)dv + (v16f)mv));
-                    _mm512_store_ps(w + (size_t)(j + 16) * np, (__m512)((v16f)hi * (v16f)dv + (v16f)mv));
+                    v16f lo, hi;
+                    q4_16(c + 16 * j, dv, mv, &lo, &hi);
+                    _mm512_store_ps(w + (size_t)j * np, (__m512)lo);
+                    _mm512_store_ps(w + (size_t)(j + 16) * np, (__m512)hi);
                 }
             } else {
-                for (int j = 0; j < 32; j++) {
-                    const __m512i cj = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16 * j)));
-                    _mm512_store_ps(w + (size_t)j * np, (__m512)((v16f)_mm512_cvtepi32_ps(cj) * (v16f)dv));
-                }
+                for (int j = 0; j < 32; j++)
+                    _mm512_store_ps(w + (size_t)j * np, (__m512)q8_16((const int8_t *)c + 16 * j, dv));
             }
         }
     }

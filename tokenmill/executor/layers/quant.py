@@ -96,15 +96,13 @@ def with_lanes(p: PackedWeight) -> PackedWeight:
     the kernel that serves 9-40 rows without padding them to whole vectors of 16. p itself where the kernel
     cannot take it."""
     dll = kernels()
-    n, k = p.shape
-    if dll is None or n % 16 or k % BLOCK or p.codes.dim() != 2:
+    if dll is None:
         return p
-    codes, scale = torch.empty_like(p.codes), torch.empty_like(p.scale)
-    offset = None if p.offset is None else torch.empty_like(p.offset)
-    pointers = [t.data_ptr() if t is not None else None for t in (p.codes, p.scale, p.offset, codes, scale, offset)]
-    if dll.pack_lanes(p.bits == 4, k, n, *pointers) != 0:
-        return p
-    return replace(p, lanes=(codes, scale, offset))
+    out = replace(p, lanes=(torch.empty_like(p.codes), torch.empty_like(p.scale),
+                            None if p.offset is None else torch.empty_like(p.offset)))
+    # pointers: the row layout's codes, scale, offset, then the lanes layout's: pack_lanes' argument order
+    ok = dll.pack_lanes(p.bits == 4, p.shape[1], p.shape[0], *out.pointers) == 0
+    return out if ok else p
 
 
 def permute_rows(p: PackedWeight, fn) -> PackedWeight:
