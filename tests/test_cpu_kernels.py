@@ -123,6 +123,25 @@ def test_silu_mul_matches_torch() -> None:
     torch.testing.assert_close(cpu_ops.silu_mul(gu), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("shape", [(64, 49152), (3, 1000), (2, 17), (1, 5)])
+def test_argmax_matches_torch(shape) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(shape)
+    x[0, 1:3] = 9.0                       # a tie: the first index wins
+    if shape[1] > 16:
+        x[-1, -1] = 99.0                  # the largest in the tail after the last whole vector
+    assert torch.equal(cpu_ops.argmax(x), x.argmax(dim=-1))
+    # torch's rules at the edges: a NaN is the largest (its first one), -0.0 == 0.0, a row of -inf gives 0
+    e = torch.randn(5, 40)
+    e[0, 30], e[0, 7] = float("nan"), float("nan")
+    e[1] = float("-inf")
+    e[2] = 0.0
+    e[2, 3] = -0.0
+    e[3, 20], e[3, 35] = float("inf"), float("inf")
+    e[4, 33] = float("nan")
+    assert cpu_ops.argmax(e).tolist() == e.argmax(dim=-1).tolist() == [7, 0, 0, 20, 33]
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 def test_write_kv_matches_index_put(cache_dtype) -> None:
     """bfloat16 caches (kv_cache_dtype="bfloat16"): rounded exactly as torch converts, to nearest even."""

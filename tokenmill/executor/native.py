@@ -52,6 +52,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "add_rms_norm": ([_P, _P, _P, _P, _I, _I, _F, _I, _I], None),
     "rotary": ([_P, _P, _P, _I, _I, _I, _I, _I], None),
     "silu_mul": ([_P, _P, _I, _I, _I], None),
+    "argmax_rows": ([_P, _I, _I, _P, _I], None),
     "write_kv": ([_P, _P, _I, _P, _P, _I, _P, _I, _I, _I64], _I),
 }
 

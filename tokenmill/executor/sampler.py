@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from tokenmill.executor.layers import cpu_ops
 from tokenmill.outputs import Logprob
 from tokenmill.sampling_params import SamplingParams
 
@@ -269,7 +270,9 @@ class Sampler:
         x = apply_logits_processors(raw, inputs, sorted(self.eos_token_ids))
 
         greedy_rows = [inp.params.greedy for inp in inputs]
-        tokens = x.argmax(dim=-1)
+        tokens = cpu_ops.argmax(x)
+        if tokens is None:
+            tokens = x.argmax(dim=-1)
         rand = [r for r in range(R) if not greedy_rows[r]]
         if rand:
             p = [inputs[r].params for r in rand]

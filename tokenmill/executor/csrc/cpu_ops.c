@@ -4,6 +4,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #define PAR_ROWS 64   /* fewer rows than this: not worth waking the thread pool */
 
@@ -55,3 +58,58 @@ void silu_mul(const float *gate_up, float *out, int rows, int inter, int num_thr
     }
 }
 
+
+/* out[r] = the index of row r's largest value, the first one on ties, as torch.argmax: a NaN counts as the
+ * largest (its first index). x [rows, n], rows split over threads. One pass: each lane keeps its largest value
+ * and where it first saw it. NaNs are found from the bits (exponent all ones, mantissa non-zero), which
+ * -ffast-math cannot assume away as it can float compares; a row with one is scanned again for the first. */
+static int64_t argmax_row(const float *x, int n) {
+    const uint32_t *bits = (const uint32_t *)x;
+    int i = 0, best = 0, nan = 0;
+    float m = -INFINITY;
+#if defined(__AVX512F__)
+    if (n >= 16) {
+        __m512 mv = _mm512_loadu_ps(x);
+        __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), idx = at;
+        const __m512i inf = _mm512_set1_epi32(0x7f800000), abs = _mm512_set1_epi32(0x7fffffff);
+        const __m512i step = _mm512_set1_epi32(16);
+        __mmask16 nans = _mm512_cmpgt_epi32_mask(_mm512_and_si512(_mm512_castps_si512(mv), abs), inf);
+        for (i = 16; i + 16 <= n; i += 16) {
+            const __m512 v = _mm512_loadu_ps(x + i);
+            at = _mm512_add_epi32(at, step);
+            nans |= _mm512_cmpgt_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), abs), inf);
+            const __mmask16 up = _mm512_cmp_ps_mask(v, mv, _CMP_GT_OQ);   /* strictly larger: first index kept */
+            mv = _mm512_mask_blend_ps(up, mv, v);
+            idx = _mm512_mask_blend_epi32(up, idx, at);
+        }
+        nan = nans != 0;
+        float vals[16];
+        int32_t where[16];
+        _mm512_storeu_ps(vals, mv);
+        _mm512_storeu_si512(where, idx);
+        m = vals[0];
+        best = where[0];
+        for (int l = 1; l < 16; l++)
+            if (vals[l] > m || (vals[l] == m && where[l] < best)) {
+                m = vals[l];
+                best = where[l];
+            }
+    }
+#endif
+    for (; i < n; i++) {
+        nan |= (bits[i] & 0x7fffffffu) > 0x7f800000u;
+        if (x[i] > m || (i == 0)) {
+            m = x[i];
+            best = i;
+        }
+    }
+    if (nan)
+        for (int j = 0; j < n; j++)
+            if ((bits[j] & 0x7fffffffu) > 0x7f800000u) return j;
+    return best;
+}
+
+void argmax_rows(const float *x, int rows, int n, int64_t *out, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= 2)
+    for (int r = 0; r < rows; r++) out[r] = argmax_row(x + (size_t)r * n, n);
+}

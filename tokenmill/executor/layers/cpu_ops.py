@@ -56,6 +56,17 @@ def silu_mul(gate_up: torch.Tensor) -> Optional[torch.Tensor]:
     return out
 
 
+def argmax(x: torch.Tensor) -> Optional[torch.Tensor]:
+    """x.argmax(dim=-1) for float32 x [R, V] (the first index on ties, NaN as the largest), rows split over the
+    threads: torch's takes ~3.8 ms for a 64-row step's logits, this ~1 ms."""
+    dll = _usable(x)
+    if dll is None or x.dim() != 2 or not x.is_contiguous():
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    dll.argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
+    return out
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slots: torch.Tensor) -> bool:
     """k_cache[slots] = k and v_cache[slots] = v, for float32 k, v [T, KV, D] views of rows with stride(0) and
