@@ -40,6 +40,7 @@ class AttentionMetadata:
     decode_max_len: int = 0
     decode_shared_len: int = 0                    # positions every decoding request reads from the same blocks
     all_decode: bool = False                      # every request has one query token (rows are 0..B-1)
+    decode_call: Optional[tuple] = None           # (rope, the step's part of decode_args()), from its first call
     device: torch.device = torch.device("cpu")
 
     @property
@@ -243,16 +244,28 @@ class CpuKernelBackend(BatchedBackend):
         return shared if shared >= self.min_shared_len else 0
 
     def decode_args(self, rope, k_cache, v_cache, meta):
-        cos, sin = rope
+        # the step's part is worked out on the first layer and kept in meta: each of the 30 layers asking
+        # again cost ~1 ms a step in checks and data_ptr() calls
+        if meta.decode_call is None or meta.decode_call[0] is not rope:
+            meta.decode_call = (rope, self._step_args(rope, meta))
+        step = meta.decode_call[1]
         kv_bf16 = kv_bf16_flag(k_cache, v_cache)
+        if step is None or kv_bf16 is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            return None
+        head, tail = step
+        return head + (k_cache.shape[0], k_cache.data_ptr(), v_cache.data_ptr(), kv_bf16) + tail
+
+    @staticmethod
+    def _step_args(rope, meta: AttentionMetadata) -> Optional[tuple[tuple, tuple]]:
+        """decode_args() around the layer's caches: (cos, sin, slots) and (tables .. shared_len), or None."""
+        cos, sin = rope
         if not meta.all_decode or cos.dtype != torch.float32 or not cos.is_cpu \
-                or not (cos.is_contiguous() and sin.is_contiguous()) or meta.slot_mapping.dtype != torch.int64 \
-                or kv_bf16 is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+                or not (cos.is_contiguous() and sin.is_contiguous()) or meta.slot_mapping.dtype != torch.int64:
             return None
         tables = meta.decode_tables
-        return (cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(), k_cache.shape[0], k_cache.data_ptr(),
-                v_cache.data_ptr(), kv_bf16, tables.data_ptr(), tables.shape[1],
-                meta.decode_starts.data_ptr(), meta.decode_lens.data_ptr(), meta.decode_shared_len)
+        return ((cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr()),
+                (tables.data_ptr(), tables.shape[1], meta.decode_starts.data_ptr(), meta.decode_lens.data_ptr(),
+                 meta.decode_shared_len))
 
     def _attend(self, q, k, v, k_cache, v_cache, meta, scale):
         if meta.all_decode:       # a pure decode step: no row gather or scatter around the kernel
