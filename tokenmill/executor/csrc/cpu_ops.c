@@ -1,6 +1,7 @@
 /* The small per-layer ops of a decode step, float32 on CPU: each is a few microseconds of arithmetic, and as
  * torch ops on a 1-row batch they cost 5-30 us apiece in dispatch (rms_norm alone ~28 us). One call each here.
- * Rows are split over threads only when there are many (prefill); a decode step's few rows stay on one. */
+ * Rows are split over threads only when there are many (prefill); a decode step's few rows stay on one. Also
+ * the sampler's argmax over a step's logits rows (each row is a whole vocabulary, so rows go over the threads). */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -58,7 +59,6 @@ void silu_mul(const float *gate_up, float *out, int rows, int inter, int num_thr
     }
 }
 
-
 /* out[r] = the index of row r's largest value, the first one on ties, as torch.argmax: a NaN counts as the
  * largest (its first index). x [rows, n], rows split over threads. One pass: each lane keeps its largest value
  * and where it first saw it. NaNs are found from the bits (exponent all ones, mantissa non-zero), which
@@ -98,7 +98,7 @@ static int64_t argmax_row(const float *x, int n) {
 #endif
     for (; i < n; i++) {
         nan |= (bits[i] & 0x7fffffffu) > 0x7f800000u;
-        if (x[i] > m || (i == 0)) {
+        if (x[i] > m) {
             m = x[i];
             best = i;
         }

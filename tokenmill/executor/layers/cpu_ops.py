@@ -58,7 +58,7 @@ def silu_mul(gate_up: torch.Tensor) -> Optional[torch.Tensor]:
 
 def argmax(x: torch.Tensor) -> Optional[torch.Tensor]:
     """x.argmax(dim=-1) for float32 x [R, V] (the first index on ties, NaN as the largest), rows split over the
-    threads: torch's takes ~3.8 ms for a 64-row step's logits, this ~1 ms."""
+    threads: torch's takes 3.1-3.6 ms for a 64-row step's [64, 49152] logits, this ~0.4 ms."""
     dll = _usable(x)
     if dll is None or x.dim() != 2 or not x.is_contiguous():
         return None
