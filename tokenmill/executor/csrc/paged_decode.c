@@ -249,8 +249,8 @@ static void attend_rows(const ctx_t *c, int h0, int NH, int RG, float (*qs)[MAX_
 
 #if defined(__AVX512F__)
 #define FAST_N 1024   /* positions per work item on the fast decode path: the scores scratch is rows x FAST_N */
-#define PF_AHEAD 16   /* positions ahead that the fast path asks for K: the blocks sit anywhere, so the
-                       * hardware prefetcher loses the stream at each one */
+#define PF_AHEAD 16   /* positions ahead that the fast path asks for K (and its value pass for V): the blocks
+                       * sit anywhere, so the hardware prefetcher loses the stream at each one */
 
 /* out[j] = the sum of a[j]'s 16 lanes, j = 0..7: halves, then quarters, then a 4 x 4 transpose-add */
 static inline __m256 reduce8(const __m512 *a) {
@@ -274,10 +274,10 @@ static inline __attribute__((always_inline)) void prefetch_k(const ctx_t *c, siz
     for (size_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)c->k + off + b, _MM_HINT_T0);
 }
 
-/* The DV x 16 values of V from element idx that the value pass reads PF_AHEAD positions on, to L1: one head's
- * slice of a position is a few lines in every 12 (three kv heads), a stride across blocks anywhere in the pool
- * that the hardware prefetcher follows poorly (cold, the whole kernel read ~11% slower without this). Forced
- * inline: GCC drops a call to a function whose only effect is a prefetch, as having none. */
+/* The DV x 16 values of V from element idx that the value pass reads PF_AHEAD positions on, to L1: that pass
+ * reads one kv head's slice of each position (SmolLM2: 4 lines in every 12), a stride across blocks anywhere in
+ * the pool that the hardware prefetcher follows poorly (cold, the whole kernel read ~11% slower without this).
+ * Forced inline: GCC drops a call to a function whose only effect is a prefetch, as having none. */
 static inline __attribute__((always_inline)) void prefetch_v(const void *V, size_t idx, int DV, const int kv16) {
     const char *p = (const char *)V + idx * (kv16 ? 2 : 4);
     for (int b = 0; b < DV * (kv16 ? 32 : 64); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
