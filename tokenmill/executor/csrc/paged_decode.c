@@ -169,8 +169,9 @@ static void chunk_rows(const ctx_t *c, const size_t *slot, int n8, int h, const 
 
 /* Ask for the K or V rows (heads h0 .. h0+NH-1) of positions p .. p+n-1 ahead of use. Blocks sit anywhere in
  * the pool, so the hardware prefetcher, which stops at page edges, loses the stream at each block; without
- * this a core waits on DRAM latency (it read K/V at ~6 GB/s). */
-static inline void prefetch_rows(const ctx_t *c, int p, int n, int h0, int NH) {
+ * this a core waits on DRAM latency (it read K/V at ~6 GB/s). Forced inline, as every prefetch helper here:
+ * GCC deletes a call to a function that only prefetches, as having no effect (see prefetch_v). */
+static inline __attribute__((always_inline)) void prefetch_rows(const ctx_t *c, int p, int n, int h0, int NH) {
     const size_t es = c->bf16 ? 2 : 4, bytes = (size_t)NH * c->D * es;
     for (int j = 0; j < n; j++) {
         const size_t off = (slot_of(c, p + j) * c->KV + h0) * c->D * es;
@@ -277,7 +278,8 @@ static inline __attribute__((always_inline)) void prefetch_k(const ctx_t *c, siz
 /* The DV x 16 values of V from element idx that the value pass reads PF_AHEAD positions on, to L1: that pass
  * reads one kv head's slice of each position (SmolLM2: 4 lines in every 12), a stride across blocks anywhere in
  * the pool that the hardware prefetcher follows poorly (cold, the whole kernel read ~11% slower without this).
- * Forced inline: GCC drops a call to a function whose only effect is a prefetch, as having none. */
+ * Forced inline: written as a plain static inline helper, GCC left it out of decode_fast and then deleted the
+ * call, a function whose only effect is a prefetch counting as one with none (objdump: 4 prefetcht0, not 52). */
 static inline __attribute__((always_inline)) void prefetch_v(const void *V, size_t idx, int DV, const int kv16) {
     const char *p = (const char *)V + idx * (kv16 ? 2 : 4);
     for (int b = 0; b < DV * (kv16 ? 32 : 64); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
