@@ -2,6 +2,10 @@
 the fused per-layer ops (layers/cpu_ops.py), op by op and then through the engine on a quantised GGUF."""
 from __future__ import annotations
 
+import ctypes
+import os
+import sys
+import threading
 from pathlib import Path
 
 import gguf
@@ -15,7 +19,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.executor.layers import cpu_ops
 from tokenmill.executor.layers.linear import Linear
 from tokenmill.executor.layers.quant import MAX_ROWS, pack_ggml, qmatmul, with_lanes
-from tokenmill.executor.native import _cpu_id, kernels
+from tokenmill.executor.native import _cpu_id, faulting_in, kernels
 from tokenmill.executor.layers.rotary import apply_rotary
 
 pytestmark = pytest.mark.skipif(kernels() is None, reason="no C compiler")
@@ -158,6 +162,47 @@ def test_write_kv_matches_index_put(cache_dtype) -> None:
     with pytest.raises(IndexError):
         cpu_ops.write_kv(k, v, kc, vc, torch.tensor([7, 0, 16]))
     assert torch.equal(kc, want_k)                                   # a bad slot writes nothing
+
+
+def _resident_pages(t: torch.Tensor) -> tuple[int, int]:
+    """(resident, total) of the whole pages inside t, by mincore(2)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    lo = -(-t.data_ptr() // page) * page
+    n = (t.data_ptr() + t.numel() * t.element_size() - lo) // page
+    vec = (ctypes.c_ubyte * n)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(lo, n * page, vec) == 0, os.strerror(ctypes.get_errno())
+    return sum(v & 1 for v in vec), n
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore(2) as Linux has it")
+def test_touch_pages_faults_in_every_page_and_honours_stop() -> None:
+    # above glibc's 32 MB mmap threshold (keep_freed_memory): fresh, untouched pages; not a whole number of chunks
+    ts = [torch.empty((40 << 20) // 4 + 1000) for _ in range(3)]
+    nbytes = ts[0].numel() * 4
+    ptrs = (ctypes.c_void_p * 3)(*[t.data_ptr() for t in ts])
+    stop = ctypes.c_int(1)
+    assert kernels().touch_pages(ptrs, 3, nbytes, 2 << 20, ctypes.byref(stop)) == 0      # stopped before it began
+    resident, total = _resident_pages(ts[2])
+    assert resident < total
+    stop.value = 0
+    assert kernels().touch_pages(ptrs, 3, nbytes, 2 << 20, ctypes.byref(stop)) == nbytes
+    for t in ts:
+        resident, total = _resident_pages(t)
+        assert resident == total
+    ts[1][:5] = 7.0                                  # the memory stays usable (and writable) afterwards
+    assert ts[1][:5].tolist() == [7.0] * 5
+
+
+def test_faulting_in_joins_its_thread_when_the_body_ends() -> None:
+    ts = [torch.empty(1 << 24) for _ in range(4)]     # 256 MB: far more than the empty body leaves time for
+    with faulting_in(ts):
+        assert any(t.name == "tokenmill-fault-in" for t in threading.enumerate())
+    assert not any(t.name == "tokenmill-fault-in" for t in threading.enumerate())
+    with pytest.raises(ValueError, match="one size"):
+        with faulting_in([torch.empty(10), torch.empty(11)]):
+            pass
 
 
 def test_engine_on_quantised_gguf_matches_dequantised_weights(tmp_path: Path) -> None:

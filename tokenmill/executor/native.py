@@ -11,9 +11,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -54,6 +56,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "silu_mul": ([_P, _P, _I, _I, _I], None),
     "argmax_rows": ([_P, _I, _I, _P, _I], None),
     "write_kv": ([_P, _P, _I, _P, _P, _I, _P, _I, _I, _I64], _I),
+    "touch_pages": ([_P, _I, _I64, _I64, _P], _I64),
 }
 
 
@@ -129,6 +132,34 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return libc.madvise(start, end - start, _MADV_HUGEPAGE) == 0
+
+
+@contextmanager
+def faulting_in(tensors: list[torch.Tensor], chunk_bytes: int = 2 << 20) -> Iterator[None]:
+    """While the body runs, fault in the pages of these equal-sized CPU tensors on a background thread
+    (csrc/pages.c: a zero written into each page), `chunk_bytes` of each in turn, lowest offsets first; when
+    the body ends it stops where it got to and is joined. Only for tensors nothing uses yet: the zeros land
+    in them. For the KV cache at start-up: the pages a run would otherwise fault in one by one on its first
+    writes (2-10 s of offline-64 in the dev VM) are faulted in on the core that start-up leaves idle. Does
+    nothing without the C kernels."""
+    dll = kernels()
+    if dll is None or not tensors or any(t.device.type != "cpu" for t in tensors):
+        yield
+        return
+    nbytes = tensors[0].numel() * tensors[0].element_size()
+    if any(t.numel() * t.element_size() != nbytes for t in tensors):
+        raise ValueError("faulting_in() takes tensors of one size")
+    ptrs = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+    stop = ctypes.c_int(0)
+    # ctypes drops the GIL for the call: the thread costs the body nothing but the other core's time
+    worker = threading.Thread(target=dll.touch_pages, args=(ptrs, len(tensors), nbytes, chunk_bytes,
+                                                           ctypes.byref(stop)), name="tokenmill-fault-in")
+    worker.start()
+    try:
+        yield
+    finally:
+        stop.value = 1      # checked before each chunk of each tensor: the join waits for one chunk at most
+        worker.join()
 
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3

@@ -1,6 +1,7 @@
 """ModelRunner: a SchedulerOutput becomes one flattened batch, one forward pass, one sampler call."""
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -8,7 +9,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.scheduler import SchedulerOutput
-from tokenmill.executor.native import advise_huge_pages, keep_freed_memory
+from tokenmill.executor.native import advise_huge_pages, faulting_in, keep_freed_memory
 from tokenmill.executor.attention import AttentionMetadata, get_backend
 from tokenmill.executor.models.decoder import DecoderForCausalLM
 from tokenmill.executor.sampler import Sampler, SamplingInput, compute_prompt_logprobs
@@ -45,6 +46,14 @@ class ModelRunner:
             keep_freed_memory()
         model.bind_kv_cache(self.kv_caches)
         self.sampler = Sampler(mc.vocab_size, set(mc.eos_token_ids))
+
+    def faulting_in_kv_cache(self) -> AbstractContextManager:
+        """A context during which the KV cache's pages are faulted in on a background thread, the first blocks of
+        every layer first (blocks are handed out from the lowest id up): for start-up work that leaves a core
+        idle, before any step has used the cache. A no-op off CPU."""
+        if self.device.type != "cpu":
+            return nullcontext()
+        return faulting_in([t for kv in self.kv_caches for t in kv])
 
     @staticmethod
     def kv_bytes_per_block(config: EngineConfig) -> int:
