@@ -33,7 +33,8 @@ class ModelRunner:
         self.backend = get_backend(config.attention_backend, self.device, mc.head_dim,
                                    mc.num_attention_heads // mc.num_key_value_heads)
         # one K and one V tensor per layer: [num_blocks * block_size, kv_heads, head_dim] (flat slots).
-        # torch.empty: pages are touched only when written, so start-up does not pay for the whole budget;
+        # torch.empty: start-up does not wait for the whole budget to be touched (faulting_in_kv_cache touches what
+        # it can on an idle core while the engine loads the tokenizer);
         # attention reads only slots that this or an earlier step wrote (padding repeats a real slot)
         shape = (num_blocks * self.block_size, mc.num_key_value_heads, mc.head_dim)
         self.kv_caches = [(torch.empty(shape, dtype=config.kv_cache_dtype, device=self.device),
