@@ -1,7 +1,7 @@
 """ModelRunner: a SchedulerOutput becomes one flattened batch, one forward pass, one sampler call."""
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -51,9 +51,7 @@ class ModelRunner:
     def faulting_in_kv_cache(self) -> AbstractContextManager:
         """A context during which the KV cache's pages are faulted in on a background thread, the first blocks of
         every layer first (blocks are handed out from the lowest id up): for start-up work that leaves a core
-        idle, before any step has used the cache. A no-op off CPU."""
-        if self.device.type != "cpu":
-            return nullcontext()
+        idle, before any step has used the cache. A no-op off CPU (faulting_in takes CPU tensors only)."""
         return faulting_in([t for kv in self.kv_caches for t in kv])
 
     @staticmethod
