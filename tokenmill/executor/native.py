@@ -139,9 +139,8 @@ def faulting_in(tensors: list[torch.Tensor], chunk_bytes: int = 2 << 20) -> Iter
     """While the body runs, fault in the pages of these equal-sized CPU tensors on a background thread
     (csrc/pages.c: a zero written into each page), `chunk_bytes` of each in turn, lowest offsets first; when
     the body ends it stops where it got to and is joined. Only for tensors nothing uses yet: the zeros land
-    in them. For the KV cache at start-up: the pages a run would otherwise fault in one by one on its first
-    writes (2-10 s of offline-64 in the dev VM) are faulted in on the core that start-up leaves idle. Does
-    nothing without the C kernels."""
+    in them. For the KV cache at start-up (why, and why by stores: csrc/pages.c). Does nothing without the
+    C kernels."""
     dll = kernels()
     if dll is None or not tensors or any(t.device.type != "cpu" for t in tensors):
         yield
