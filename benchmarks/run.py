@@ -72,8 +72,6 @@ def packed_bytes_per_step() -> int:
             "for mod in m.modules():\n"
             "    if isinstance(mod, Linear):\n"
             "        n += size(mod.packed) if mod.packed is not None else mod.weight_t.numel() * 4\n"
-            "h = m.tied_head_packed\n"
-            "n += size(h) if h is not None else m.config.vocab_size * m.config.hidden_size * 4\n"
             "print(n)")
     return int(sh([PY, "-c", code]).strip().splitlines()[-1])
 

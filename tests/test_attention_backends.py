@@ -4,7 +4,16 @@ import torch
 
 from tests.tiny_models import random_prompts
 from tokenmill import LLM, SamplingParams
-from tokenmill.executor.attention.backend import AttentionMetadata, get_backend
+from tokenmill.executor.attention import AttentionMetadata, get_backend
+from tokenmill.executor.kernels import load, runnable_variants
+
+# the CPU kernel backend once per kernel variant this CPU runs, each against the torch reference
+CPU = [f"cpu-{isa}" for isa in runnable_variants()]
+
+
+def _backend(name: str, H: int, KV: int, D: int):
+    isa = name.split("-", 1)[1] if name.startswith("cpu-") else "reference"
+    return get_backend(name.split("-")[0], torch.device("cpu"), H, KV, D, load(isa))
 
 
 def _meta(ctx_lens, q_lens, block_size, window, num_blocks, seed=0, shared_blocks=0):
@@ -41,7 +50,7 @@ CASES = {"mixed": ([1, 9, 37, 64, 5, 50], [1, 1, 1, 1, 5, 13], 0), "decode1": ([
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 20])
-@pytest.mark.parametrize("backend", ["batched", "cpu"])
+@pytest.mark.parametrize("backend", ["batched", *CPU])
 def test_backend_matches_reference(backend, window, dtype, case):
     _compare_with_reference(backend, window, dtype, case, 6, 2, 32)
 
@@ -52,8 +61,18 @@ def test_backend_matches_reference(backend, window, dtype, case):
 @pytest.mark.parametrize("case", ["decode1", "decode6", "cascade", "mixed", "long"])
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("shape", [(9, 3, 64), (8, 2, 80), (10, 2, 48), (4, 4, 40)])
-def test_cpu_decode_head_shapes(shape, window, case):
-    _compare_with_reference("cpu", window, torch.float32, case, *shape)
+@pytest.mark.parametrize("backend", CPU)
+def test_cpu_decode_head_shapes(backend, shape, window, case):
+    _compare_with_reference(backend, window, torch.float32, case, *shape)
+
+
+# the issue's shapes: 144 query heads (more than one work item of the kernel holds), head_dim 24 and 256, and
+# groups of 1 to 8 query heads per kv head
+@pytest.mark.parametrize("shape", [(144, 18, 64), (144, 144, 24), (8, 1, 256), (16, 2, 256), (6, 6, 24)])
+@pytest.mark.parametrize("case", ["decode6", "mixed", "cascade"])
+@pytest.mark.parametrize("backend", CPU)
+def test_cpu_kernels_take_the_shapes_of_their_limits(backend, case, shape):
+    _compare_with_reference(backend, None, torch.float32, case, *shape)
 
 
 # kv_cache_dtype="bfloat16" under a float32 model: q float32, the cache bfloat16; every backend reads the same
@@ -61,16 +80,12 @@ def test_cpu_decode_head_shapes(shape, window, case):
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("shape", [(6, 2, 32), (9, 3, 64)])
-@pytest.mark.parametrize("backend", ["batched", "cpu"])
+@pytest.mark.parametrize("backend", ["batched", *CPU])
 def test_bfloat16_kv_cache_matches_reference(backend, shape, window, case):
     _compare_with_reference(backend, window, torch.float32, case, *shape, kv_dtype=torch.bfloat16)
 
 
 def _compare_with_reference(backend, window, dtype, case, H, KV, D, kv_dtype=None):
-    if backend == "cpu":
-        from tokenmill.executor.native import kernels
-        if kernels() is None:
-            pytest.skip("no C compiler: the cpu kernel backend is not available here")
     bs, nblocks = 4, 300
     ctx, qn, shared = CASES[case]
     torch.manual_seed(0)
@@ -81,21 +96,19 @@ def _compare_with_reference(backend, window, dtype, case, H, KV, D, kv_dtype=Non
     k, v = torch.randn(T, KV, D).to(dtype), torch.randn(T, KV, D).to(dtype)
     outs = {}
     for name in ("torch", backend):
-        meta = _meta(ctx, qn, bs, window, nblocks, shared_blocks=shared)
-        be = get_backend(name, torch.device("cpu"))
-        be.prepare(meta)
-        outs[name] = be.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, D ** -0.5).float()
-        if name == "cpu":
-            assert meta.decode_shared_len == (68 if shared and window is None else 0)
+        be = _backend(name, H, KV, D)
+        be.bind_kv_cache([(k_cache.clone(), v_cache.clone())])
+        meta = be.prepare(_meta(ctx, qn, bs, window, nblocks, shared_blocks=shared))
+        outs[name] = be.forward(0, q, k, v, meta, D ** -0.5).float()
+        if name.startswith("cpu"):
+            shared_len = meta.decode_step.shared_len if meta.decode_step is not None else 0
+            assert shared_len == (68 if shared and window is None else 0)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[backend], outs["torch"], atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
 def test_cpu_backend_token_exact(tiny_llama, kv_cache_dtype):
-    from tokenmill.executor.native import kernels
-    if kernels() is None:
-        pytest.skip("no C compiler: the cpu kernel backend is not available here")
     prompts = random_prompts([5, 33, 70, 12, 1, 48], seed=11)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     res = {}
@@ -109,32 +122,31 @@ def test_cpu_backend_token_exact(tiny_llama, kv_cache_dtype):
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ctx", [[45], [1, 9, 37, 64, 17, 50]])
-def test_cpu_fused_decode_matches_rotary_then_reference(ctx, kv_dtype):
-    """The C backend's one-call decode (rotary + KV write + attention from the fused qkv rows) against rotating
-    in torch and the reference backend: same output, same caches."""
-    from tokenmill.executor.native import kernels
+@pytest.mark.parametrize("isa", runnable_variants())
+def test_decode_attention_kernel_matches_rotary_then_reference(isa, ctx, kv_dtype):
+    """tm_decode_attention (rotary + KV write + attention from the fused qkv rows, inside the one-call decode
+    layer) against rotating in torch and the reference backend: same output, same caches."""
     from tokenmill.executor.layers.rotary import apply_rotary
-    if kernels() is None:
-        pytest.skip("no C compiler: the cpu kernel backend is not available here")
     H, KV, D, bs, nblocks = 6, 2, 32, 4, 200
     torch.manual_seed(1)
     T = len(ctx)
     qkv = torch.randn(T, (H + 2 * KV) * D)
     cos, sin = torch.randn(T, 1, D), torch.randn(T, 1, D)
     caches = torch.randn(nblocks * bs, KV, D).to(kv_dtype), torch.randn(nblocks * bs, KV, D).to(kv_dtype)
-    meta = _meta(ctx, [1] * T, bs, None, nblocks)
-    be = get_backend("cpu", torch.device("cpu"))
-    be.prepare(meta)
+    be = _backend(f"cpu-{isa}", H, KV, D)
     k_c, v_c = caches[0].clone(), caches[1].clone()
-    got = be.decode_fused(qkv.clone(), H, KV, D, (cos, sin), k_c, v_c, meta, D ** -0.5)
-    assert got is not None
+    be.bind_kv_cache([(k_c, v_c)])
+    meta = be.prepare(_meta(ctx, [1] * T, bs, None, nblocks))
+    meta.decode_step.cos, meta.decode_step.sin = cos.data_ptr(), sin.data_ptr()
+    got = torch.empty(T, H, D)
+    be.kernels.run("decode_attention", step=meta.decode_step, kv=meta.kv[0], qkv=qkv.clone(), qkv_stride=qkv.shape[1],
+                   out=got, heads=H, scale=D ** -0.5)
     qk = apply_rotary(qkv[:, :(H + KV) * D].view(T, H + KV, D), cos, sin)
     v = qkv[:, (H + KV) * D:].view(T, KV, D)
-    ref_meta = _meta(ctx, [1] * T, bs, None, nblocks)
-    ref = get_backend("torch", torch.device("cpu"))
-    ref.prepare(ref_meta)
+    ref = _backend("torch", H, KV, D)
     k_r, v_r = caches[0].clone(), caches[1].clone()
-    want = ref.forward(qk[:, :H], qk[:, H:], v, k_r, v_r, ref_meta, D ** -0.5)
+    ref.bind_kv_cache([(k_r, v_r)])
+    want = ref.forward(0, qk[:, :H], qk[:, H:], v, ref.prepare(_meta(ctx, [1] * T, bs, None, nblocks)), D ** -0.5)
     # a bfloat16 cache: C and torch rotate k with float32 rounding differences, which can round an element to a
     # neighbouring bfloat16 (one step is 2^-8 relative)
     close = dict(atol=1e-5, rtol=1e-5) if kv_dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
@@ -142,5 +154,3 @@ def test_cpu_fused_decode_matches_rotary_then_reference(ctx, kv_dtype):
     torch.testing.assert_close(k_c, k_r, **(dict(atol=1e-6, rtol=1e-6) if kv_dtype == torch.float32
                                             else dict(atol=0, rtol=2 ** -8)))
     assert torch.equal(v_c, v_r)
-    meta.all_decode = False                      # a step with prefills: not this path
-    assert be.decode_fused(qkv, H, KV, D, (cos, sin), k_c, v_c, meta, D ** -0.5) is None

@@ -1,12 +1,12 @@
-"""The C fast paths against the plain torch ones they replace: the quantised-block matmul (layers/quant.py) and
-the fused per-layer ops (layers/cpu_ops.py), op by op and then through the engine on a quantised GGUF."""
+"""The CPU kernel library, every variant this CPU runs, op by op against the reference (plain torch) ops: the
+quantised-block matmul, the small per-layer ops, the KV write, the one-call decode layer, and the library's
+interface itself (the header's structs, the ISA choice, stale builds)."""
 from __future__ import annotations
 
 import ctypes
 import os
 import sys
 import threading
-from pathlib import Path
 
 import gguf
 import numpy as np
@@ -14,16 +14,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.test_gguf import _write_tiny
 from tokenmill import LLM, SamplingParams
-from tokenmill.executor.layers import cpu_ops
+from tokenmill.executor.kernels import REFERENCE, Cpu, choose, load, runnable_variants, this_cpu
+from tokenmill.executor.kernels.abi import HEADER, parse
 from tokenmill.executor.layers.linear import Linear
-from tokenmill.executor.layers.quant import MAX_ROWS, pack_ggml, qmatmul, with_lanes
-from tokenmill.executor.native import _cpu_id, faulting_in, kernels
+from tokenmill.executor.layers.quant import pack_ggml
 from tokenmill.executor.layers.rotary import apply_rotary
+from tokenmill.executor.memory import faulting_in, touch_pages
+from tokenmill.executor.ops import CpuKernelOps, ReferenceOps
 
-pytestmark = pytest.mark.skipif(kernels() is None, reason="no C compiler")
 QTYPES = ["Q4_0", "Q4_1", "Q8_0"]
+VARIANTS = runnable_variants()
+REF = ReferenceOps()
+
+
+@pytest.fixture(params=VARIANTS, scope="module")
+def ops(request) -> CpuKernelOps:
+    return CpuKernelOps(load(request.param), torch.float32)
 
 
 def _packed(qtype: str, n: int, k: int, seed: int = 0):
@@ -33,6 +40,69 @@ def _packed(qtype: str, n: int, k: int, seed: int = 0):
     raw = gguf.quants.quantize(w, t)
     ref = torch.from_numpy(np.asarray(gguf.quants.dequantize(raw, t), dtype=np.float32).reshape(n, k))
     return pack_ggml(qtype, raw, (n, k)), ref
+
+
+def test_every_variant_of_this_architecture_is_built_and_the_best_is_chosen() -> None:
+    cpu = this_cpu()
+    assert VARIANTS and VARIANTS[-1] == "generic" and VARIANTS[0] == cpu.best()
+    assert choose("auto") == cpu.best()
+    assert load("generic").isa == "generic"
+
+
+def test_a_variant_the_cpu_cannot_run_is_a_clear_error(monkeypatch) -> None:
+    avx2_only = Cpu("x86_64", "AMD EPYC (Zen 1)", frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2",
+                                                              "movbe", "abm", "sse4_2"}))
+    assert avx2_only.best() == "avx2"
+    with pytest.raises(ValueError, match="cannot run the avx512 kernels, which need avx512bw.*choose one of avx2, "
+                                         "generic, reference"):
+        choose("avx512", avx2_only)
+    with pytest.raises(ValueError, match="need an aarch64 CPU"):
+        choose("neon", avx2_only)
+    with pytest.raises(ValueError, match="unknown CPU kernel variant 'sse9'"):
+        choose("sse9", avx2_only)
+    monkeypatch.setenv("TOKENMILL_CPU_ISA", "reference")
+    assert choose("auto") == REFERENCE and load() is None
+    monkeypatch.setenv("TOKENMILL_CPU_ISA", "generic")
+    assert choose(None, avx2_only) == "generic"
+
+
+def test_header_is_the_one_description_of_the_interface() -> None:
+    """Every kernel the header declares is exported by every variant, each takes its own struct, and the limits
+    the Python side reads are the header's."""
+    abi = parse(HEADER.read_text())
+    kernels = [f for f in abi.functions.values() if f.arg is not None]
+    assert {f.name for f in kernels} >= {"tm_qmatmul", "tm_paged_decode", "tm_paged_prefill", "tm_decode_layer",
+                                         "tm_rms_norm", "tm_rotary", "tm_silu_mul", "tm_argmax", "tm_write_kv"}
+    for isa in VARIANTS:
+        lib = load(isa)
+        assert lib.limits == abi.limits and lib.limits["TM_QMATMUL_MAX_ROWS"] == 64
+        for f in kernels:
+            assert ctypes.sizeof(lib.structs.types[f.arg]) > 0 and f.arg in abi.structs
+
+
+def test_struct_fields_are_checked_by_name_and_dtype() -> None:
+    lib = load(VARIANTS[0])
+    x, out = torch.randn(2, 8), torch.empty(2, dtype=torch.int64)
+    with pytest.raises(TypeError, match=r"missing fields \['num_threads'\]"):
+        lib.struct("argmax_args", x=x, out=out, rows=2, n=8)
+    with pytest.raises(TypeError, match=r"unknown fields \['cols'\]"):
+        lib.struct("argmax_args", x=x, out=out, rows=2, n=8, num_threads=1, cols=8)
+    with pytest.raises(TypeError, match="argmax_args.x takes a CPU tensor of float, got torch.float64"):
+        lib.struct("argmax_args", x=x.double(), out=out, rows=2, n=8, num_threads=1)
+    with pytest.raises(RuntimeError, match="argmax kernel refused its arguments"):
+        lib.run("argmax", x=x, out=out, rows=2, n=0, num_threads=1)
+
+
+def test_a_library_built_from_other_sources_is_refused(tmp_path) -> None:
+    """A stale build (the sources changed since) fails at load with the command that fixes it."""
+    from tokenmill.executor.kernels import library
+    src = load(VARIANTS[0]).path
+    stale = tmp_path / src.name
+    stale.write_bytes(src.read_bytes().replace(library.source_hash().encode(), b"0" * 16))
+    with pytest.raises(library.KernelLibraryError, match="built from other sources.*make kernels"):
+        library.KernelLibrary(stale, VARIANTS[0])
+    with pytest.raises(library.KernelLibraryError, match="not built.*make setup"):
+        library.KernelLibrary(tmp_path / "missing.so", VARIANTS[0])
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
@@ -47,94 +117,91 @@ def test_pack_dequantizes_like_gguf(qtype: str) -> None:
 
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("n,k", [(1, 32), (5, 96), (37, 64), (130, 160)])
-def test_qmatmul_matches_dense(qtype: str, n: int, k: int) -> None:
+def test_qmatmul_matches_dense(ops, qtype: str, n: int, k: int) -> None:
     p, ref = _packed(qtype, n, k, seed=n + k)
-    for b in [*range(1, 10), 15, 16, 17, 21, 33, 48, MAX_ROWS]:   # both kernels; partial and several passes
+    for b in [*range(1, 10), 15, 16, 17, 21, 33, 48, ops.max_rows]:   # both kernels; partial and several passes
         x = torch.randn(b, k, generator=torch.Generator().manual_seed(b))
-        torch.testing.assert_close(qmatmul(x, p), x @ ref.t(), rtol=1e-5, atol=1e-5)
-
-
-AVX512 = "avx512f" in _cpu_id().split()     # the flags the kernels are built for (-march=native)
+        torch.testing.assert_close(ops.qmatmul(x, p), x @ ref.t(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("n,k", [(16, 32), (80, 96), (144, 160)])   # panels of 1, 3 + 2 and 3 x 3 vectors
-def test_qmatmul_lanes_layout_matches_dense(qtype: str, n: int, k: int) -> None:
+def test_qmatmul_lanes_layout_matches_dense(ops, qtype: str, n: int, k: int) -> None:
     p, ref = _packed(qtype, n, k, seed=n + k)
-    lanes = with_lanes(p)
-    assert (lanes.lanes is not None) == AVX512      # rows a multiple of 16: the kernel takes them on AVX-512
-    for b in [1, 8, 9, 10, 17, 33, 40, 41, MAX_ROWS]:   # each side of the lanes kernel's row range
+    lanes = ops._register(p)
+    assert (lanes.lanes is not None) == (ops.kernels.isa == "avx512")   # the lanes kernel is AVX-512's
+    for b in [1, 8, 9, 10, 17, 33, 40, 41, ops.max_rows]:   # each side of the lanes kernel's row range
         x = torch.randn(b, k, generator=torch.Generator().manual_seed(b))
-        y = qmatmul(x, lanes)
+        y = ops.qmatmul(x, lanes)
         torch.testing.assert_close(y, x @ ref.t(), rtol=1e-5, atol=1e-5)
         # the same dequantised values summed in the same k order as the row-layout kernels: equal bits
-        # wherever both sum with one FMA chain per output (the row dot products split k into two halves)
+        # wherever both sum with one FMA chain per output (the row dot products split k into pieces)
         if b > 20:
-            assert torch.equal(y, qmatmul(x, p))
+            assert torch.equal(y, ops.qmatmul(x, p))
 
 
-def test_qmatmul_rejects_what_it_cannot_take() -> None:
+def test_qmatmul_rejects_what_it_cannot_take(ops) -> None:
     p, _ = _packed("Q4_1", 8, 64)
     with pytest.raises(ValueError, match="qmatmul takes"):
-        qmatmul(torch.randn(MAX_ROWS + 1, 64), p)
+        ops.qmatmul(torch.randn(ops.max_rows + 1, 64), p)
     with pytest.raises(ValueError, match="qmatmul takes"):
-        qmatmul(torch.randn(1, 32), p)
+        ops.qmatmul(torch.randn(1, 32), p)
     assert pack_ggml("Q4_K", np.zeros((1, 144), np.uint8), (1, 256)) is None
 
 
-def test_linear_uses_blocks_for_few_rows_only() -> None:
+def test_linear_uses_blocks_for_few_rows_only(ops) -> None:
     p, ref = _packed("Q4_1", 48, 64)
-    lin = Linear(64, 48)
+    lin = Linear(64, 48, False, ops)
     lin.weight.data.copy_(ref)
     lin.finalize()
-    dense = [lin(torch.randn(r, 64)) for r in (1, MAX_ROWS + 3)]   # reference outputs, no blocks yet
+    dense = [lin(torch.randn(r, 64)) for r in (1, ops.max_rows + 3)]   # reference outputs, no blocks yet
     lin.packed = p
-    x1, xb = torch.randn(1, 64), torch.randn(MAX_ROWS + 3, 64)
+    x1, xb = torch.randn(1, 64), torch.randn(ops.max_rows + 3, 64)
     torch.testing.assert_close(lin(x1), x1 @ ref.t(), rtol=1e-5, atol=1e-5)
     assert torch.equal(lin(xb), xb @ lin.weight_t)                  # many rows: the dense GEMM, bit for bit
-    assert [d.shape for d in dense] == [(1, 48), (MAX_ROWS + 3, 48)]
+    assert [d.shape for d in dense] == [(1, 48), (ops.max_rows + 3, 48)]
 
 
 @pytest.mark.parametrize("rows", [1, 3, 100])
-def test_add_rms_norm_matches_torch(rows: int) -> None:
+def test_add_rms_norm_matches_torch(ops, rows: int) -> None:
     x, res, w = torch.randn(rows, 96), torch.randn(rows, 96), torch.randn(96)
-    want_res = res + x
-    want = w * F.rms_norm(want_res, (96,), eps=1e-5)
-    out, got_res = cpu_ops.add_rms_norm(x, res.clone(), w, 1e-5)
+    want, want_res = REF.rms_norm(x, res.clone(), w, 1e-5)
+    out, got_res = ops.rms_norm(x, res.clone(), w, 1e-5)
     assert torch.equal(got_res, want_res)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
-    out, same = cpu_ops.add_rms_norm(x, None, w, 1e-5)
+    out, same = ops.rms_norm(x, None, w, 1e-5)
     assert same is x
     torch.testing.assert_close(out, w * F.rms_norm(x, (96,), eps=1e-5), rtol=1e-5, atol=1e-6)
-    assert cpu_ops.add_rms_norm(x.double(), None, w.double(), 1e-5) is None     # not float32: torch's turn
+    out, _ = ops.rms_norm(x.double(), None, w.double(), 1e-5)   # not float32: the reference's turn
+    assert out.dtype == torch.float64
 
 
 @pytest.mark.parametrize("rows", [1, 70])
-def test_rotary_matches_torch(rows: int) -> None:
+def test_rotary_matches_torch(ops, rows: int) -> None:
     heads, d, kv = 6, 16, 2
     qkv = torch.randn(rows, (heads + kv) * d)
     cos, sin = torch.randn(rows, 1, d), torch.randn(rows, 1, d)
     want = apply_rotary(qkv[:, :heads * d].view(rows, heads, d), cos, sin)
     v_before = qkv[:, heads * d:].clone()
-    assert cpu_ops.rotary_(qkv, heads, d, cos, sin)
+    got = ops.rotary(qkv[:, :heads * d].view(rows, heads, d), cos, sin)
+    assert got.data_ptr() == qkv.data_ptr()                         # in place, in the fused rows
     torch.testing.assert_close(qkv[:, :heads * d].view(rows, heads, d), want, rtol=1e-6, atol=1e-6)
     assert torch.equal(qkv[:, heads * d:], v_before)                # only the first `heads` vectors move
 
 
-def test_silu_mul_matches_torch() -> None:
+def test_silu_mul_matches_torch(ops) -> None:
     gu = torch.randn(5, 2 * 40) * 4
-    gate, up = gu.split(40, dim=-1)
-    torch.testing.assert_close(cpu_ops.silu_mul(gu), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ops.silu_mul(gu), REF.silu_mul(gu), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("shape", [(64, 49152), (3, 1000), (2, 17), (1, 5)])
-def test_argmax_matches_torch(shape) -> None:
+def test_argmax_matches_torch(ops, shape) -> None:
     torch.manual_seed(0)
     x = torch.randn(shape)
     x[0, 1:3] = 9.0                       # a tie: the first index wins
     if shape[1] > 16:
         x[-1, -1] = 99.0                  # the largest in the tail after the last whole vector
-    assert torch.equal(cpu_ops.argmax(x), x.argmax(dim=-1))
+    assert torch.equal(ops.argmax(x), x.argmax(dim=-1))
     # torch's rules at the edges: a NaN is the largest (its first one), -0.0 == 0.0, a row of -inf gives 0
     e = torch.randn(5, 40)
     e[0, 30], e[0, 7] = float("nan"), float("nan")
@@ -143,11 +210,11 @@ def test_argmax_matches_torch(shape) -> None:
     e[2, 3] = -0.0
     e[3, 20], e[3, 35] = float("inf"), float("inf")
     e[4, 33] = float("nan")
-    assert cpu_ops.argmax(e).tolist() == e.argmax(dim=-1).tolist() == [7, 0, 0, 20, 33]
+    assert ops.argmax(e).tolist() == e.argmax(dim=-1).tolist() == [7, 0, 0, 20, 33]
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-def test_write_kv_matches_index_put(cache_dtype) -> None:
+def test_write_kv_matches_index_put(ops, cache_dtype) -> None:
     """bfloat16 caches (kv_cache_dtype="bfloat16"): rounded exactly as torch converts, to nearest even."""
     kv, d, t = 2, 8, 3
     qkv = torch.randn(t, (4 + 2 * kv) * d)                         # k and v are strided views of these rows
@@ -157,10 +224,13 @@ def test_write_kv_matches_index_put(cache_dtype) -> None:
     kc, vc = torch.zeros(16, kv, d, dtype=cache_dtype), torch.zeros(16, kv, d, dtype=cache_dtype)
     want_k, want_v = kc.clone(), vc.clone()
     want_k[slots], want_v[slots] = k.to(cache_dtype), v.to(cache_dtype)
-    assert cpu_ops.write_kv(k, v, kc, vc, slots)
+    kv = ops.kernels.struct("kv_cache", k=kc, v=vc, num_slots=16, kv_heads=kv, head_dim=d,
+                            bf16=int(cache_dtype == torch.bfloat16))
+    write = dict(kv=kv, k=k, v=v, src_stride=k.stride(0), rows=t)
+    ops.kernels.run("write_kv", slots=slots, **write)
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
     with pytest.raises(IndexError):
-        cpu_ops.write_kv(k, v, kc, vc, torch.tensor([7, 0, 16]))
+        ops.kernels.run("write_kv", slots=torch.tensor([7, 0, 16]), **write)
     assert torch.equal(kc, want_k)                                   # a bad slot writes nothing
 
 
@@ -181,13 +251,14 @@ def test_touch_pages_faults_in_every_page_and_honours_stop() -> None:
     # above glibc's 32 MB mmap threshold (keep_freed_memory): fresh, untouched pages; not a whole number of chunks
     ts = [torch.empty((40 << 20) // 4 + 1000) for _ in range(3)]
     nbytes = ts[0].numel() * 4
-    ptrs = (ctypes.c_void_p * 3)(*[t.data_ptr() for t in ts])
+    lib = load(VARIANTS[0])
     stop = ctypes.c_int(1)
-    assert kernels().touch_pages(ptrs, 3, nbytes, 2 << 20, ctypes.byref(stop)) == 0      # stopped before it began
+    args, keep = touch_pages(lib, ts, 2 << 20, stop)
+    assert lib.call("touch_pages", args) == 0                    # stopped before it began
     resident, total = _resident_pages(ts[2])
     assert resident < total
     stop.value = 0
-    assert kernels().touch_pages(ptrs, 3, nbytes, 2 << 20, ctypes.byref(stop)) == nbytes
+    assert lib.call("touch_pages", args) == nbytes
     for t in ts:
         resident, total = _resident_pages(t)
         assert resident == total
@@ -197,57 +268,31 @@ def test_touch_pages_faults_in_every_page_and_honours_stop() -> None:
 
 def test_faulting_in_joins_its_thread_when_the_body_ends() -> None:
     ts = [torch.empty(1 << 24) for _ in range(4)]     # 256 MB: far more than the empty body leaves time for
-    with faulting_in(ts):
+    lib = load(VARIANTS[0])
+    with faulting_in(lib, ts):
         assert any(t.name == "tokenmill-fault-in" for t in threading.enumerate())
     assert not any(t.name == "tokenmill-fault-in" for t in threading.enumerate())
     with pytest.raises(ValueError, match="one size"):
-        with faulting_in([torch.empty(10), torch.empty(11)]):
+        with faulting_in(lib, [torch.empty(10), torch.empty(11)]):
             pass
 
 
-def test_engine_on_quantised_gguf_matches_dequantised_weights(tmp_path: Path) -> None:
-    """Blocks on vs off through the whole engine: same greedy ids, logprobs within float32 summation-order
-    noise. 40 requests finishing at different steps: decode steps of 40 down to 1 rows, so both kernels
-    (row dot products, and the GEMM above 20 rows with 2, 3 and 4 vectors of inputs) run."""
-    path = tmp_path / "tiny.gguf"
-    _write_tiny(path)
-    prompts = [{"prompt_token_ids": [3, 17, 5, 9, 30]}, {"prompt_token_ids": [11, 4]},
-               {"prompt_token_ids": list(range(3, 40))}]
-    g = torch.Generator().manual_seed(0)
-    prompts += [{"prompt_token_ids": torch.randint(3, 48, (int(n),), generator=g).tolist()}
-                for n in torch.randint(1, 30, (37,), generator=g)]
-    sp = [SamplingParams(temperature=0, max_tokens=4 + i // 2, ignore_eos=True, logprobs=0) for i in range(40)]
-    runs = {}
-    for on in (True, False):
-        llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.01, quantized_kernels=on, tokenizer=None)
-        model = llm.llm_engine.model
-        packed = [m for m in model.modules() if isinstance(m, Linear) and m.packed is not None]
-        # gate (Q4_0) + up (Q4_1) fuse, down is Q8_0; qkv mixes F32/Q8_0/F16 and stays dense
-        assert len(packed) == (4 if on else 0)
-        runs[on] = llm.generate(prompts, sp, use_tqdm=False)
-    for a, b in zip(runs[True], runs[False]):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            (ta, pa), = la.items()
-            (tb, pb), = lb.items()
-            assert ta == tb and abs(pa.logprob - pb.logprob) < 1e-4
-
-
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", VARIANTS)
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
-def test_fused_decode_layer_matches_layer_by_layer(kv_cache_dtype) -> None:
+def test_fused_decode_layer_matches_layer_by_layer(isa, kv_cache_dtype) -> None:
     """The bundled Q4_1 GGUF qualifies for the one-call decode layer; with it and without it (the same kernels
     called one by one from Python), greedy ids are equal and logprobs agree; with a bfloat16 KV cache too."""
     llm = LLM(dtype="float32", kv_cache_memory_gb=0.1, max_model_len=512, enable_prefix_caching=False,
-              kv_cache_dtype=kv_cache_dtype)
+              kv_cache_dtype=kv_cache_dtype, cpu_kernels=isa)
     want = torch.bfloat16 if kv_cache_dtype == "bfloat16" else torch.float32
     assert llm.llm_engine.runner.kv_caches[0][0].dtype == want
-    layers = llm.llm_engine.model.layers
-    assert all(layer.fused is not None for layer in layers)
+    ops = llm.llm_engine.model.ops
+    assert len(ops._layers) == len(llm.llm_engine.model.layers)
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
     fused = llm.generate(prompts, sp, use_tqdm=False)
-    for layer in layers:
-        layer.fused = None
+    ops._layers.clear()
     plain = llm.generate(prompts, sp, use_tqdm=False)
     for a, b in zip(fused, plain):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

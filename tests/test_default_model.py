@@ -26,9 +26,8 @@ def llm():
 
 
 def test_greedy_equals_transformers_gguf(llm, hf_model):
-    from tokenmill.executor.native import kernels
-    if kernels() is not None:   # decode runs on the Q4_1/Q8_0 blocks, prefill on the dequantised weights
-        assert llm.llm_engine.model.tied_head_packed is not None
+    if llm.llm_engine.model.ops.kernels is not None:   # decode runs on the Q4_1/Q8_0 blocks, prefill dense
+        assert llm.llm_engine.model.lm_head.packed is not None
     tok = llm.get_tokenizer()
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, logprobs=0),
                         use_tqdm=False)

@@ -38,6 +38,11 @@ def _configs() -> dict:
         "qwen2": lambda: Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                                      num_key_value_heads=2, tie_word_embeddings=False, **common),
         # explicit head_dim unequal to hidden / heads, q/k norm
+        # the CPU kernels' edges: 144 query heads in groups of 8, and head_dim 256
+        "heads144": lambda: LlamaConfig(hidden_size=144, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=144, num_key_value_heads=18, head_dim=16, **common),
+        "head_dim256": lambda: LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=256, **common),
         "qwen3": lambda: Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                                      num_key_value_heads=2, head_dim=24, tie_word_embeddings=False, **common),
     }

@@ -1,4 +1,4 @@
-"""`tokenmill serve | generate | convert | bench | kv-calc | diagnose`."""
+"""`tokenmill serve | generate | info | convert | bench | kv-calc | diagnose`."""
 from __future__ import annotations
 
 import argparse
@@ -21,13 +21,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     from tokenmill.config import KV_CACHE_DTYPES
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="auto: the model's dtype; bfloat16 halves the KV cache's bytes (K/V rounded)")
+    p.add_argument("--cpu-kernels", default="auto",
+                   help="auto (TOKENMILL_CPU_ISA, else the best for this CPU) | avx512 | avx2 | neon | generic | "
+                        "reference (plain torch)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_memory_gb,
-                enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype)
+                enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
+                cpu_kernels=args.cpu_kernels)
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -118,6 +122,32 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def info_lines(cpu_kernels: str = "auto", dtype: Optional[str] = None) -> list[str]:
+    """The CPU, the kernel variant chosen for it and what serves each op (`tokenmill info`, the server's log)."""
+    import torch
+
+    from tokenmill.config import resolve_dtype
+    from tokenmill.executor.kernels import REFERENCE, choose, runnable_variants, this_cpu
+    from tokenmill.executor.ops import make_ops, plan_lines
+    cpu = this_cpu()
+    dev = torch.device("cpu")
+    torch_dtype = resolve_dtype(dtype, dev)
+    ops = make_ops(dev, torch_dtype, cpu_kernels)
+    chosen = choose(cpu_kernels)
+    simd = sorted(f for f in cpu.flags if f.startswith(("avx", "fma", "f16c", "asimd", "sve", "amx")))
+    return [f"cpu:       {cpu.model} ({cpu.arch}, {torch.get_num_threads()} threads)",
+            f"features:  {' '.join(simd) or '(none of note)'}",
+            f"kernels:   {chosen}{'' if chosen == REFERENCE else f' ({ops.kernels.path.name})'}; this CPU runs "
+            f"{', '.join(runnable_variants() + [REFERENCE])}",
+            f"plan:      for a {str(torch_dtype).replace('torch.', '')} model",
+            *plan_lines(ops)]
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    print("\n".join(info_lines(args.cpu_kernels, args.dtype)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tokenmill", description="A readable LLM inference engine.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -133,6 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     add_engine_args(g)
     g.set_defaults(func=cmd_generate)
+
+    i = sub.add_parser("info", help="the CPU, the kernel variant chosen for it and what serves each op")
+    i.add_argument("--cpu-kernels", default="auto")
+    i.add_argument("--dtype", default=None, help="the model dtype to plan for (default: this machine's)")
+    i.set_defaults(func=cmd_info)
 
     c = sub.add_parser("convert", help="write a GGUF model as a Hugging Face folder (for peers)")
     c.add_argument("out", help="output folder")
@@ -150,10 +185,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from tokenmill.executor.kernels import KernelLibraryError
     args = build_parser().parse_args(argv)
     try:
         return args.func(args) or 0
-    except ValueError as e:
+    except (ValueError, KernelLibraryError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

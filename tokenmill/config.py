@@ -136,6 +136,9 @@ class EngineConfig:
     # GGUF Q4_0/Q4_1/Q8_0: matmuls of up to 64 rows (decode) read the quantised blocks with a C kernel (CPU only);
     # False: always the dequantised float weights
     quantized_kernels: bool = True
+    # the CPU kernel library's variant: "auto" (TOKENMILL_CPU_ISA, else the best this CPU runs), "avx512", "avx2",
+    # "neon", "generic", or "reference" (plain torch for every op)
+    cpu_kernels: str = "auto"
     seed: int = 0
 
     @property

@@ -21,6 +21,7 @@ from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler, SchedulerStats
 from tokenmill.executor.loader import Checkpoint, open_checkpoint, resolve_model_path
 from tokenmill.executor.models.decoder import DecoderForCausalLM
+from tokenmill.executor.ops import make_ops
 from tokenmill.executor.runner import ModelRunner, RunnerOutput
 from tokenmill.executor.sampler import bad_words_to_token_ids, check_params_for_vocab, make_generator
 from tokenmill.outputs import CompletionOutput, RequestOutput
@@ -67,9 +68,10 @@ def pick_device(device: Optional[str]) -> torch.device:
 
 
 def load_model(path: str, mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int,
-               ckpt: Checkpoint, quantized_kernels: bool = True) -> DecoderForCausalLM:
+               ckpt: Checkpoint, quantized_kernels: bool = True, cpu_kernels: str = "auto") -> DecoderForCausalLM:
+    ops = make_ops(device, dtype, cpu_kernels)     # the execution plan: what serves each op, chosen once
     with torch.device("meta"):
-        model = DecoderForCausalLM(mc, max_len)
+        model = DecoderForCausalLM(mc, max_len, ops)
     model = model.to_empty(device=device).to(dtype)
     # rotary tables stay float32 (transformers computes them in float32 too)
     from tokenmill.executor.layers.rotary import RotaryEmbedding
@@ -77,10 +79,9 @@ def load_model(path: str, mc: ModelConfig, dtype: torch.dtype, device: torch.dev
                                    max_len).to(device)
     model.load_weights(ckpt.tensors())
     model.finalize()
-    if quantized_kernels and ckpt.packed is not None and device.type == "cpu":
-        from tokenmill.executor.native import kernels
-        if kernels() is not None:
-            model.load_packed(ckpt.packed())
+    if quantized_kernels and ckpt.packed is not None and ops.kernels is not None:
+        model.load_packed(ckpt.packed())
+    ops.prepare(model)
     return model.eval()
 
 
@@ -102,8 +103,8 @@ class LLMEngine:
                  block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  max_model_len: Optional[int] = None, kv_cache_memory_gb: Optional[float] = None,
                  enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto", use_kv_cache: bool = True,
-                 attention_backend: str = "auto",
-                 quantized_kernels: bool = True, seed: int = 0, tokenizer: Any = "auto"):
+                 attention_backend: str = "auto", quantized_kernels: bool = True, cpu_kernels: str = "auto",
+                 seed: int = 0, tokenizer: Any = "auto"):
         path = resolve_model_path(model)
         dev = pick_device(device)
         torch_dtype = resolve_dtype(dtype, dev)
@@ -120,11 +121,11 @@ class LLMEngine:
         cache_cfg = CacheConfig(block_size, kv_cache_memory_gb, enable_prefix_caching=enable_prefix_caching,
                                 cache_dtype=kv_cache_dtype)
         self.config = EngineConfig(path, mc, cache_cfg, sched_cfg, torch_dtype, dev, attention_backend,
-                                   quantized_kernels, seed)
+                                   quantized_kernels, cpu_kernels, seed)
         self.model_config = mc
         torch.manual_seed(seed)
 
-        self.model = load_model(path, mc, torch_dtype, dev, max_model_len, ckpt, quantized_kernels)
+        self.model = load_model(path, mc, torch_dtype, dev, max_model_len, ckpt, quantized_kernels, cpu_kernels)
         num_blocks = self._size_kv_cache()
         self.runner = ModelRunner(self.config, self.model, num_blocks)
         # the tokenizer loads on one core (the bundled GGUF's: ~2.4 s); the other faults in the KV cache meanwhile

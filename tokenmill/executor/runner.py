@@ -9,7 +9,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.scheduler import SchedulerOutput
-from tokenmill.executor.native import advise_huge_pages, faulting_in, keep_freed_memory
+from tokenmill.executor.memory import advise_huge_pages, faulting_in, keep_freed_memory
 from tokenmill.executor.attention import AttentionMetadata, get_backend
 from tokenmill.executor.models.decoder import DecoderForCausalLM
 from tokenmill.executor.sampler import Sampler, SamplingInput, compute_prompt_logprobs
@@ -30,8 +30,8 @@ class ModelRunner:
         self.device = config.device
         mc = config.model_config
         self.block_size = config.cache_config.block_size
-        self.backend = get_backend(config.attention_backend, self.device, mc.head_dim,
-                                   mc.num_attention_heads // mc.num_key_value_heads)
+        self.backend = get_backend(config.attention_backend, self.device, mc.num_attention_heads,
+                                   mc.num_key_value_heads, mc.head_dim, model.ops.kernels)
         # one K and one V tensor per layer: [num_blocks * block_size, kv_heads, head_dim] (flat slots).
         # torch.empty: start-up does not wait for the whole budget to be touched (faulting_in_kv_cache touches what
         # it can on an idle core while the engine loads the tokenizer);
@@ -45,14 +45,14 @@ class ModelRunner:
             advise_huge_pages(v)
         if self.device.type == "cpu":
             keep_freed_memory()
-        model.bind_kv_cache(self.kv_caches)
-        self.sampler = Sampler(mc.vocab_size, set(mc.eos_token_ids))
+        self.backend.bind_kv_cache(self.kv_caches)
+        self.sampler = Sampler(mc.vocab_size, set(mc.eos_token_ids), model.ops.argmax)
 
     def faulting_in_kv_cache(self) -> AbstractContextManager:
         """A context during which the KV cache's pages are faulted in on a background thread, the first blocks of
         every layer first (blocks are handed out from the lowest id up): for start-up work that leaves a core
-        idle, before any step has used the cache. A no-op off CPU (faulting_in takes CPU tensors only)."""
-        return faulting_in([t for kv in self.kv_caches for t in kv])
+        idle, before any step has used the cache. A no-op off CPU, or without the kernel library."""
+        return faulting_in(self.model.ops.kernels, [t for kv in self.kv_caches for t in kv])
 
     @staticmethod
     def kv_bytes_per_block(config: EngineConfig) -> int:
@@ -91,7 +91,7 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev), query_start_loc=qsl,
             num_computed=num_computed, seq_lens=seq_lens, block_tables=block_tables, block_size=bs,
             sliding_window=self.config.model_config.sliding_window, device=dev)
-        self.backend.prepare(meta)
+        meta = self.backend.prepare(meta)
         hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
                             torch.tensor(pos, dtype=torch.long, device=dev), self.backend, meta)
         out = RunnerOutput({})

@@ -11,11 +11,10 @@ processing above, as vLLM does by default ("raw_logprobs"); ranks are 1-based in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from tokenmill.executor.layers import cpu_ops
 from tokenmill.outputs import Logprob
 from tokenmill.sampling_params import SamplingParams
 
@@ -253,9 +252,12 @@ def compute_prompt_logprobs(logits: torch.Tensor, next_token_ids: list[int], num
 # ---------------------------------------------------------------------------------------------------------
 
 class Sampler:
-    def __init__(self, vocab_size: int, eos_token_ids: set[int]):
+    def __init__(self, vocab_size: int, eos_token_ids: set[int],
+                 argmax: Callable[[torch.Tensor], torch.Tensor] = lambda x: x.argmax(dim=-1)):
+        """argmax: the plan's (ops.argmax), torch.argmax's rules whatever serves it."""
         self.vocab_size = vocab_size
         self.eos_token_ids = set(eos_token_ids)
+        self.argmax = argmax
 
     def __call__(self, logits: torch.Tensor, inputs: list[SamplingInput]) -> SamplerOutput:
         """logits: [R, V] float32, one row per entry of `inputs`. Seeded rows draw their noise only from
@@ -270,9 +272,7 @@ class Sampler:
         x = apply_logits_processors(raw, inputs, sorted(self.eos_token_ids))
 
         greedy_rows = [inp.params.greedy for inp in inputs]
-        tokens = cpu_ops.argmax(x)
-        if tokens is None:
-            tokens = x.argmax(dim=-1)
+        tokens = self.argmax(x)
         rand = [r for r in range(R) if not greedy_rows[r]]
         if rand:
             p = [inputs[r].params for r in rand]

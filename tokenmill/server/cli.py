@@ -69,6 +69,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     key = " (API key required)" if args.api_key else ""
+    from tokenmill.executor.ops import plan_lines
+    ops = engine.model.ops
+    print(f"tokenmill: {ops.name} plan ({engine.config.dtype}, attention backend "
+          f"{engine.runner.backend.name}):\n" + "\n".join(plan_lines(ops)), flush=True)
     print(f"tokenmill: serving {app.state.ctx.model_name} on {engine.config.device}\n"
           f"  OpenAI API:  {url}/v1{key}\n  playground:  {url}/\n  metrics:     {url}/metrics\n"
           f"  Ctrl-C stops.", flush=True)

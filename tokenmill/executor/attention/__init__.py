@@ -1,3 +1,40 @@
-from tokenmill.executor.attention.backend import AttentionMetadata, AttentionBackend, get_backend
+"""Paged attention behind one narrow interface (backend.py): bind_kv_cache once, prepare() once a step,
+forward() per layer. The backend is chosen once at load (get_backend)."""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from tokenmill.executor.attention.backend import (AttentionBackend, AttentionMetadata, BatchedBackend,
+                                                  TorchReferenceBackend)
+from tokenmill.executor.attention.cpu import CpuKernelBackend, kernel_fits
+from tokenmill.executor.kernels import KernelLibrary
 
 __all__ = ["AttentionMetadata", "AttentionBackend", "get_backend"]
+log = logging.getLogger("tokenmill")
+
+
+def get_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int,
+                kernels: Optional[KernelLibrary]) -> AttentionBackend:
+    """'auto': the CPU kernels on CPU where they take the model's shapes (else torch, said once), batched SDPA
+    elsewhere; 'cpu', 'batched' or 'torch' by name. kernels: the CPU kernel library, None without one."""
+    why_not = "the CPU kernels are off (reference)" if kernels is None else \
+        kernel_fits(kernels, num_heads, num_kv_heads, head_dim)
+    if name == "auto":
+        if device.type == "cpu" and why_not is None:
+            return CpuKernelBackend(kernels)
+        if device.type == "cpu" and kernels is not None:
+            log.warning("attention runs on torch (batched SDPA): the CPU kernels do not take %s", why_not)
+        return BatchedBackend()
+    if name == "cpu":
+        if why_not is not None or device.type != "cpu":
+            raise ValueError(f"attention_backend='cpu' cannot run here: "
+                             f"{why_not if device.type == 'cpu' else 'the device is not a CPU'}; use 'batched'")
+        return CpuKernelBackend(kernels)
+    if name == "batched":
+        return BatchedBackend()
+    if name == "torch":
+        return TorchReferenceBackend()
+    raise ValueError(f"unknown attention_backend {name!r}; choose auto, cpu, batched or torch")

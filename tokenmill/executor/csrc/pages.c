@@ -9,13 +9,15 @@
  * madvise version running beside it, 2.7 s with this one). */
 #include <stdint.h>
 
+#include "tokenmill.h"
+
 #define TOUCH_STRIDE 4096   /* the smallest page size: every page is written at least once */
 
 /* For offsets 0, chunk, 2 chunk, ... below `bytes`: write a zero into every page of that chunk of each of the
  * n buffers, until done or *stop becomes non-zero. For memory that nothing else reads or writes yet (the
  * stores change it). Buffers go chunk by chunk so that, with blocks handed out from the lowest id up, the
  * first blocks of every layer's K and V are ready first. Returns the bytes of each buffer done. */
-int64_t touch_pages(void *const *bufs, int n, int64_t bytes, int64_t chunk, const volatile int *stop) {
+static int64_t touch_pages(void *const *bufs, int n, int64_t bytes, int64_t chunk, const volatile int *stop) {
     int64_t done = 0;
     while (done < bytes && !*stop) {
         const int64_t len = bytes - done < chunk ? bytes - done : chunk;
@@ -27,4 +29,8 @@ int64_t touch_pages(void *const *bufs, int n, int64_t bytes, int64_t chunk, cons
         done += len;
     }
     return done;
+}
+
+TM_API int64_t tm_touch_pages(const tm_touch_pages_args *a) {
+    return touch_pages((void *const *)a->bufs, a->n, a->bytes, a->chunk, a->stop);
 }

@@ -2,30 +2,35 @@
  * there the step is bound by reading the weights, and 4-bit codes are 1/8 of float32's bytes.
  *
  *   x [B, K] float32      y [B, N] float32      y[b][n] = sum_k x[b][k] * w[n][k]
- *   block i of row n:     w[n][32i + j] = d[n][i] * c_j + m[n][i]
- *   q4 codes [N, K/2]:    16 bytes a block; byte j holds c_j (low nibble) and c_{j+16} (high nibble)
- *   q8 codes [N, K]:      32 signed bytes a block; no m
+ *   block i of row n:     w[n][32i + j] = d[n][i] * c_j + m[n][i]      (tokenmill.h: tm_qweight)
  *
- * Each block is dequantised in registers (d * c + m, as llama.cpp's reference dequantiser does) and multiplied
- * into float32 x, so the result differs from x @ dequantised(w)^T only in summation order.
- * Written with GCC vector extensions plus AVX-512 widening where -march=native has it. K is a multiple of 32.
+ * Each block is dequantised in registers (simd.h's q4_block / q8_block, d * c + m as llama.cpp's reference
+ * dequantiser does) and multiplied into float32 x, so the result differs from x @ dequantised(w)^T only in
+ * summation order. Written once over simd.h's vectors; AVX-512 adds the lanes kernel (arch/avx512/).
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "simd16.h"
+#include "qmatmul.h"
+#include "simd.h"
+#if defined(__AVX512F__)
+#include "arch/avx512/transpose.h"
+#endif
 
-#define QK 32
-#define MAX_B 8      /* inputs per pass over a row group (accumulators in registers) */
-#define MAX_ROWS 64  /* inputs per call */
+/* inputs per pass over a row group (accumulators in registers): R rows x MAX_B inputs of vf, with 32 vector
+ * registers (AVX-512, NEON) or 16 (AVX2, SSE) */
+#if defined(__AVX512F__) || defined(__ARM_NEON)
+#define MAX_B 8
+#else
+#define MAX_B 4
+#endif
 #define PREFETCH_ROWS 16
-/* Above this many inputs, qgemm(). SmolLM2's 120 matrices, cold, on the 2-core dev machine, row dot products
- * vs qgemm: 16 rows 23 ms either way; 17: 26 vs 33 (qgemm pads to 32); 24: 48 vs 45; 32: 49 vs 35; 64: 166
- * vs 57. (Against MKL: layers/quant.py.) */
+/* Above this many inputs, qgemm() (BENCHMARKS.md has the crossover). */
 #define GEMM_MIN_ROWS 20
 #define KC 128            /* positions of weights dequantised at a time by qgemm() */
 
+/* qgemm's vectors: 16 inputs, whatever the variant's register width (two AVX2 registers, four NEON ones) */
 typedef float v16f __attribute__((vector_size(64)));
 
 static inline v16f load16(const float *p) {
@@ -33,54 +38,10 @@ static inline v16f load16(const float *p) {
     memcpy(&v, p, 64);
     return v;
 }
-
-/* The two halves (weights 0-15 and 16-31) of a block, dequantised to float32: d * code (+ m for q4). GCC turns a generic byte-to-float
- * __builtin_convertvector into scalar code, so the widening is spelled out per instruction set. */
 #if defined(__AVX512F__)
-#include <immintrin.h>
-/* 16 bytes of q4 codes as d * code + m, low nibbles into lo and high nibbles into hi; 16 signed q8 codes as
- * d * code. The one spelling of the arithmetic, so every kernel dequantises to the same bits: d and m broadcast
- * (a block of one row) or per lane (the lanes layout's 16 rows). */
-static inline __attribute__((always_inline)) void q4_16(const uint8_t *codes, v16f d, v16f m, v16f *lo, v16f *hi) {
-    const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
-    *lo = (v16f)_mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(15))) * d + m;
-    *hi = (v16f)_mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)) * d + m;
-}
-static inline __attribute__((always_inline)) v16f q8_16(const int8_t *codes, v16f d) {
-    return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes))) * d;
-}
-static inline __attribute__((always_inline)) void q4_block(const uint8_t *codes, float d, float m, v16f *lo, v16f *hi) {
-    q4_16(codes, (v16f){0} + d, (v16f){0} + m, lo, hi);
-}
-static inline __attribute__((always_inline)) void q8_block(const int8_t *codes, float d, v16f *lo, v16f *hi) {
-    *lo = q8_16(codes, (v16f){0} + d);
-    *hi = q8_16(codes + 16, (v16f){0} + d);
-}
-/* Horizontal sum as a shuffle tree. (A memcpy-based version made GCC keep every accumulator on the stack.) */
-static inline float hsum(v16f v) { return _mm512_reduce_add_ps((__m512)v); }
-
-/* acc + a * b as one fused op: -ffast-math would otherwise regroup two FMAs into mul + fma + add */
 static inline v16f fma16(v16f a, v16f b, v16f acc) { return (v16f)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc); }
 #else
 static inline v16f fma16(v16f a, v16f b, v16f acc) { return a * b + acc; }
-static inline float hsum(v16f v) {
-    float s = 0.f;
-    for (int i = 0; i < 16; i++) s += v[i];
-    return s;
-}
-static inline __attribute__((always_inline)) void q4_block(const uint8_t *codes, float d, float m, v16f *lo,
-                                                           v16f *hi) {
-    for (int j = 0; j < 16; j++) {
-        (*lo)[j] = (float)(codes[j] & 15) * d + m;
-        (*hi)[j] = (float)(codes[j] >> 4) * d + m;
-    }
-}
-static inline __attribute__((always_inline)) void q8_block(const int8_t *codes, float d, v16f *lo, v16f *hi) {
-    for (int j = 0; j < 16; j++) {
-        (*lo)[j] = (float)codes[j] * d;
-        (*hi)[j] = (float)codes[j + 16] * d;
-    }
-}
 #endif
 
 /* R rows against B inputs: R * B independent accumulators, so a single input still keeps several FMA chains
@@ -104,31 +65,40 @@ static inline __attribute__((always_inline)) void rows(int q4, const float *x, i
             }
         }
     }
-    v16f acc[4][MAX_B];   /* fully unrolled below, so these live in registers */
+    vf acc[4][MAX_B];     /* fully unrolled below, so these live in registers */
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
-        for (int b = 0; b < B; b++) acc[r][b] = (v16f){0};
+        for (int b = 0; b < B; b++) acc[r][b] = (vf){0};
     for (int i = 0; i < nb; i++) {
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             const size_t n = (size_t)n0 + r;
-            v16f lo, hi;
-            if (q4) q4_block(codes + n * row_bytes + (size_t)i * 16, d[n * nb + i], m[n * nb + i], &lo, &hi);
-            else q8_block((const int8_t *)codes + n * row_bytes + (size_t)i * 32, d[n * nb + i], &lo, &hi);
+            vf w[QV];
+            if (q4) q4_block(codes + n * row_bytes + (size_t)i * 16, d[n * nb + i], m[n * nb + i], w);
+            else q8_block((const int8_t *)codes + n * row_bytes + (size_t)i * 32, d[n * nb + i], w);
 #pragma GCC unroll 8
             for (int b = 0; b < B; b++) {
                 const float *xb = x + ((size_t)i * XB + b) * QK;  /* x blocked as [K/32][XB][32] */
-                acc[r][b] = fma16(hi, load16(xb + 16), fma16(lo, load16(xb), acc[r][b]));
+#pragma GCC unroll 8
+                for (int v = 0; v < QV; v++) acc[r][b] = vfma(w[v], vload(xb + v * VL), acc[r][b]);
             }
         }
     }
     for (int r = 0; r < R; r++) {
         const size_t n = (size_t)n0 + r;
-        for (int b = 0; b < B; b++) y[(size_t)b * N + n] = hsum(acc[r][b]);
+        for (int b = 0; b < B; b++) y[(size_t)b * N + n] = vhsum(acc[r][b]);
     }
 }
 
+#if MAX_B == 8
+#define CASES_5_TO_7(RC) \
+    case 5: rows(q4, xc, XB, 5, K, N, codes, d, m, yc, n, RC, c0 == 0); break;                     \
+    case 6: rows(q4, xc, XB, 6, K, N, codes, d, m, yc, n, RC, c0 == 0); break;                     \
+    case 7: rows(q4, xc, XB, 7, K, N, codes, d, m, yc, n, RC, c0 == 0); break;
+#else
+#define CASES_5_TO_7(RC)
+#endif
 /* One group of RC rows against all XB inputs, MAX_B at a time: the group's codes (a few KB) stay in L1 while
  * each chunk of inputs passes over them, so more inputs cost FMAs, not weight reads. */
 #define GROUP(RC)                                                                                       \
@@ -140,10 +110,8 @@ static inline __attribute__((always_inline)) void rows(int q4, const float *x, i
             case 2: rows(q4, xc, XB, 2, K, N, codes, d, m, yc, n, RC, c0 == 0); break;              \
             case 3: rows(q4, xc, XB, 3, K, N, codes, d, m, yc, n, RC, c0 == 0); break;              \
             case 4: rows(q4, xc, XB, 4, K, N, codes, d, m, yc, n, RC, c0 == 0); break;              \
-            case 5: rows(q4, xc, XB, 5, K, N, codes, d, m, yc, n, RC, c0 == 0); break;              \
-            case 6: rows(q4, xc, XB, 6, K, N, codes, d, m, yc, n, RC, c0 == 0); break;              \
-            case 7: rows(q4, xc, XB, 7, K, N, codes, d, m, yc, n, RC, c0 == 0); break;              \
-            default: rows(q4, xc, XB, 8, K, N, codes, d, m, yc, n, RC, c0 == 0); break;             \
+            CASES_5_TO_7(RC)                                                                        \
+            default: rows(q4, xc, XB, MAX_B, K, N, codes, d, m, yc, n, RC, c0 == 0); break;         \
         }                                                                                           \
     }
 
@@ -182,11 +150,10 @@ static inline __attribute__((always_inline)) void dequant_rows(int q4, int K, co
         }
         const size_t n = (size_t)n0 + r;
         for (int i = k0 / QK; i < (k0 + kc) / QK; i++) {
-            v16f lo, hi;
-            if (q4) q4_block(codes + n * row_bytes + (size_t)i * 16, d[n * nb + i], m[n * nb + i], &lo, &hi);
-            else q8_block((const int8_t *)codes + n * row_bytes + (size_t)i * 32, d[n * nb + i], &lo, &hi);
-            memcpy(w + (size_t)i * QK - k0, &lo, 64);
-            memcpy(w + (size_t)i * QK - k0 + 16, &hi, 64);
+            vf q[QV];
+            if (q4) q4_block(codes + n * row_bytes + (size_t)i * 16, d[n * nb + i], m[n * nb + i], q);
+            else q8_block((const int8_t *)codes + n * row_bytes + (size_t)i * 32, d[n * nb + i], q);
+            for (int v = 0; v < QV; v++) vstore(w + (size_t)i * QK - k0 + v * VL, q[v]);
         }
     }
 }
@@ -323,155 +290,26 @@ static int qgemm(int q4, const float *x, int B, int K, int N, const uint8_t *cod
 }
 #undef GEMM_CASE
 
-/* ---- the lanes layout: output rows along the vector lanes, so no input is padded ---------------------------
- * qgemm() keeps 16 inputs in a vector and computes whole vectors: 33 inputs cost 48, 49 cost 64. Here the 16
- * lanes hold 16 outputs and each input is a broadcast, so B inputs cost B. The blocks are re-laid out once at
- * load time (pack_lanes) so that one 16-byte load holds a position's codes for 16 rows:
- *   q4: row tile t (rows 16t .. 16t+15), block i: 16 x 16 bytes, byte [j][r] = c_j | c_{j+16} << 4 of row 16t+r
- *   q8: 32 x 16 bytes, byte [j][r] = c_j of row 16t + r
- *   scale and offset [N/16][K/32][16]
- * A thread dequantises a panel of LANES_NP rows over all of K into ws [K][LANES_NP] (q4_16 / q8_16, as the
- * other kernels) and runs every input over it, LANES_RB at a time; sums run over k in order as in qgemm (equal bits).
- * Above 40 inputs qgemm wins: its padding is small there, and it dequantises into L1 alongside its FMAs where
- * this kernel dequantises a whole panel first. SmolLM2's 120 matrices, cold, two threads, dev machine, medians
- * of 11 alternated runs, row dot products / qgemm vs lanes: 8 inputs 16.2 vs 15.7 ms, 9: 21.7 vs 18.7,
- * 12: 27.8 vs 22.0, 16: 33.4 vs 29.1, 20: 51.6 vs 33.5, 24: 44.4 vs 34.6, 33: 57.7 vs 50.7, 40: 70.8 vs 62.8,
- * 44: 61.5 vs 64.3, 48: 60.0 vs 63.9, 56: 69.5 vs 76.5, 64: 76.2 vs 81.3. */
-#if defined(__AVX512F__)
-#define LANES_NP 48   /* outputs per panel, 3 vectors: divides SmolLM2's 576, 960, 3072 and 49152 */
-#define LANES_RB 8    /* inputs per register block: 8 x 3 accumulators */
-#define LANES_MIN_ROWS 9
-#define LANES_MAX_ROWS 40
-
-int pack_lanes(int q4, int K, int N, const uint8_t *codes, const float *d, const float *m, uint8_t *lcodes,
-               float *ld, float *lm) {
-    if (K % QK != 0 || N % 16 != 0) return -1;
-    const int nb = K / QK;
-    const size_t row_bytes = q4 ? (size_t)K / 2 : (size_t)K, bb = q4 ? 16 : 32;
-    for (int t = 0; t < N / 16; t++)
-        for (int i = 0; i < nb; i++) {
-            uint8_t *o = lcodes + ((size_t)t * nb + i) * 16 * bb;
-            const size_t s0 = ((size_t)t * nb + i) * 16;
-            for (int r = 0; r < 16; r++) {
-                const size_t n = (size_t)t * 16 + r;
-                const uint8_t *c = codes + n * row_bytes + (size_t)i * bb;
-                for (size_t j = 0; j < bb; j++) o[j * 16 + r] = c[j];
-                ld[s0 + r] = d[n * nb + i];
-                if (m) lm[s0 + r] = m[n * nb + i];
-            }
-        }
-    return 0;
-}
-
-/* ws [K][np] = rows n0 .. n0+np-1 (np a multiple of 16), dequantised */
-static void lanes_dequant(int q4, int K, const uint8_t *lcodes, const float *ld, const float *lm, int n0, int np,
-                          float *ws) {
-    const int nb = K / QK;
-    const size_t bb = q4 ? 16 : 32;
-    for (int v = 0; v < np / 16; v++) {
-        const size_t t = (size_t)n0 / 16 + v;
-        for (int i = 0; i < nb; i++) {
-            const uint8_t *c = lcodes + (t * nb + i) * 16 * bb;
-            const v16f dv = load16(ld + (t * nb + i) * 16);
-            float *w = ws + (size_t)i * QK * np + 16 * v;
-            if (q4) {
-                const v16f mv = load16(lm + (t * nb + i) * 16);
-                for (int j = 0; j < 16; j++) {
-                    v16f lo, hi;
-                    q4_16(c + 16 * j, dv, mv, &lo, &hi);
-                    _mm512_store_ps(w + (size_t)j * np, (__m512)lo);
-                    _mm512_store_ps(w + (size_t)(j + 16) * np, (__m512)hi);
-                }
-            } else {
-                for (int j = 0; j < 32; j++)
-                    _mm512_store_ps(w + (size_t)j * np, (__m512)q8_16((const int8_t *)c + 16 * j, dv));
-            }
-        }
-    }
-}
-
-/* y[b][n0 .. n0+16NV) for inputs b0 .. b0+R-1 over all of K from the panel ws [K][16NV] */
-static inline __attribute__((always_inline)) void lanes_rows(const float *x, int K, const float *ws, int NV, int R,
-                                                             float *y, int N, int b0, int n0) {
-    __m512 acc[LANES_RB][3];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 3
-        for (int j = 0; j < NV; j++) acc[r][j] = _mm512_setzero_ps();
-    const float *xr = x + (size_t)b0 * K;
-    for (int k = 0; k < K; k++) {
-        __m512 w[3];
-#pragma GCC unroll 3
-        for (int j = 0; j < NV; j++) w[j] = _mm512_load_ps(ws + (size_t)k * 16 * NV + 16 * j);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; r++) {
-            const __m512 xb = _mm512_set1_ps(xr[(size_t)r * K + k]);
-#pragma GCC unroll 3
-            for (int j = 0; j < NV; j++) acc[r][j] = _mm512_fmadd_ps(xb, w[j], acc[r][j]);
-        }
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 3
-        for (int j = 0; j < NV; j++) _mm512_storeu_ps(y + (size_t)(b0 + r) * N + n0 + 16 * j, acc[r][j]);
-}
-
-/* every input over one panel of NV vectors (R and NV constants at each call, so acc stays in registers) */
-#define LANES_PANEL(NV)                                                                                 \
-    for (int b0 = 0; b0 < B; b0 += LANES_RB) {                                                      \
-        switch (B - b0 < LANES_RB ? B - b0 : LANES_RB) {                                            \
-            case 1: lanes_rows(x, K, ws, NV, 1, y, N, b0, n0); break;                               \
-            case 2: lanes_rows(x, K, ws, NV, 2, y, N, b0, n0); break;                               \
-            case 3: lanes_rows(x, K, ws, NV, 3, y, N, b0, n0); break;                               \
-            case 4: lanes_rows(x, K, ws, NV, 4, y, N, b0, n0); break;                               \
-            case 5: lanes_rows(x, K, ws, NV, 5, y, N, b0, n0); break;                               \
-            case 6: lanes_rows(x, K, ws, NV, 6, y, N, b0, n0); break;                               \
-            case 7: lanes_rows(x, K, ws, NV, 7, y, N, b0, n0); break;                               \
-            default: lanes_rows(x, K, ws, NV, 8, y, N, b0, n0); break;                              \
-        }                                                                                           \
-    }
-
-static int qgemm_lanes(int q4, const float *x, int B, int K, int N, const uint8_t *lcodes, const float *ld,
-                       const float *lm, float *y, int num_threads) {
-    const int panels = (N + LANES_NP - 1) / LANES_NP;
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads)
-    {
-        float *ws = aligned_alloc(64, sizeof(float) * (size_t)K * LANES_NP);
-        if (!ws) failed = 1;
-        /* dynamic: with static halves, one core running slower (a neighbour, an interrupt) left the other
-         * waiting at the barrier, ~3.5 ms a 21-40-row step of offline-64 */
-#pragma omp for schedule(dynamic, 1)
-        for (int p = 0; p < panels; p++) {
-            if (!ws) continue;
-            const int n0 = p * LANES_NP, np = N - n0 < LANES_NP ? N - n0 : LANES_NP;
-            lanes_dequant(q4, K, lcodes, ld, lm, n0, np, ws);
-            switch (np / 16) {
-                case 1: LANES_PANEL(1) break;
-                case 2: LANES_PANEL(2) break;
-                default: LANES_PANEL(3) break;
-            }
-        }
-        free(ws);
-    }
-    return failed ? -2 : 0;
-}
-#undef LANES_PANEL
-#else
-int pack_lanes(int q4, int K, int N, const uint8_t *codes, const float *d, const float *m, uint8_t *lcodes,
-               float *ld, float *lm) {
-    return -1;   /* no lanes kernel without AVX-512: callers keep only the row layout */
+#if !HAVE_LANES
+TM_API int tm_pack_lanes(const tm_qweight *w) {
+    (void)w;
+    return -1;   /* no lanes kernel in this variant: callers keep only the row layout */
 }
 #endif
 
-/* y = x @ w^T for B <= MAX_ROWS rows of x; lcodes/ld/lm: the lanes layout of the same weights, or NULL. Returns
- * 0, or a negative status for arguments it cannot take. */
-int qmatmul(int q4, const float *x, int B, int K, int N, const uint8_t *codes, const float *d, const float *m,
-            const uint8_t *lcodes, const float *ld, const float *lm, float *y, int num_threads) {
-    if (B < 1 || B > MAX_ROWS || K % QK != 0 || N < 1) return -1;
-#if defined(__AVX512F__)
-    if (lcodes && B >= LANES_MIN_ROWS && B <= LANES_MAX_ROWS && N % 16 == 0)
-        return qgemm_lanes(q4, x, B, K, N, lcodes, ld, lm, y, num_threads);
+TM_API int tm_qmatmul(const tm_qmatmul_args *a) {
+    const tm_qweight *w = a->w;
+    const int B = a->rows, K = w->k, N = w->n, q4 = w->bits == 4, num_threads = a->num_threads;
+    const float *x = a->x;
+    float *y = a->y;
+    const uint8_t *codes = w->codes;
+    const float *d = w->scale, *m = w->offset;
+    if (B < 1 || B > TM_QMATMUL_MAX_ROWS || K % QK != 0 || N < 1 || (w->bits != 4 && w->bits != 8)
+        || (q4 && !m))
+        return -1;
+#if HAVE_LANES
+    if (w->lanes_codes && B >= LANES_MIN_ROWS && B <= LANES_MAX_ROWS && N % 16 == 0)
+        return qgemm_lanes(w, x, B, y, num_threads);
 #endif
     if (B > GEMM_MIN_ROWS) return qgemm(q4, x, B, K, N, codes, d, m, y, num_threads);
     /* x as [K/32][B][32]: the B slices a block multiplies sit together instead of K floats apart (at K = 1536

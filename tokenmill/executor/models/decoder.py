@@ -9,91 +9,71 @@ from collections import Counter
 from typing import Iterable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.executor.attention import AttentionBackend, AttentionMetadata
-from tokenmill.executor.layers import cpu_ops
 from tokenmill.executor.layers.linear import Linear
-from tokenmill.executor.layers.quant import MAX_ROWS, PackedWeight, concat_rows, qmatmul, with_lanes
+from tokenmill.executor.layers.quant import PackedWeight, concat_rows
 from tokenmill.executor.layers.norm import RMSNorm
-from tokenmill.executor.layers.rotary import RotaryEmbedding, apply_rotary
-from tokenmill.executor.models.fused_decode import FusedDecodeLayer
+from tokenmill.executor.layers.rotary import RotaryEmbedding
+from tokenmill.executor.ops import ReferenceOps
 
 Rope = tuple[torch.Tensor, torch.Tensor]   # cos, sin [T, 1, head_dim] of this step's positions
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: ReferenceOps):
         super().__init__()
+        self.ops, self.layer_idx = ops, layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, ops)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, False, ops)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
         self.scale = self.head_dim ** -0.5
-        self.k_cache: Optional[torch.Tensor] = None   # bound by the runner: [slots, KV, D]
-        self.v_cache: Optional[torch.Tensor] = None
 
     def forward(self, x: torch.Tensor, rope: Rope, backend: AttentionBackend,
                 meta: AttentionMetadata) -> torch.Tensor:
         T, H = x.shape[0], self.num_heads
         qkv = self.qkv_proj(x)
-        if self.q_norm is None:
-            o = backend.decode_fused(qkv, H, self.num_kv_heads, self.head_dim, rope, self.k_cache, self.v_cache,
-                                     meta, self.scale)
-            if o is not None:
-                return self.o_proj(o.view(T, self.q_size))
-        # q and k side by side as [T, H + KV, D], so one rotation covers both
+        # q and k side by side as [T, H + KV, D] (a view of the qkv rows), so one rotation covers both
         qk = qkv[:, :self.q_size + self.kv_size].view(T, H + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])], dim=1)
-            qk = apply_rotary(qk, *rope)
-        elif not cpu_ops.rotary_(qkv, H + self.num_kv_heads, self.head_dim, *rope):   # in place in qkv
-            qk = apply_rotary(qk, *rope)
-        q, k = qk[:, :H], qk[:, H:]
-        o = backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)   # [T, H, D]
+        qk = self.ops.rotary(qk, *rope)
+        o = backend.forward(self.layer_idx, qk[:, :H], qk[:, H:], v, meta, self.scale)   # [T, H, D]
         return self.o_proj(o.reshape(T, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ops: ReferenceOps):
         super().__init__()
+        self.ops = ops
         self.inter = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, ops)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        h = cpu_ops.silu_mul(gate_up)
-        if h is None:
-            gate, up = gate_up.split(self.inter, dim=-1)
-            h = F.silu(gate) * up
-        return self.down_proj(h)
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: ReferenceOps):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
-        self.fused: Optional[FusedDecodeLayer] = None   # set by load_packed() when the C layer call applies
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.self_attn = Attention(cfg, layer_idx, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.mlp = MLP(cfg, ops)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], rope: Rope, backend: AttentionBackend,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """vLLM's residual form: x is the previous layer's MLP output (the embeddings, with residual None, on
         the first layer) and residual the running sum before it. Returns this layer's (MLP output, residual)."""
-        if self.fused is not None:
-            args = backend.decode_args(rope, self.self_attn.k_cache, self.self_attn.v_cache, meta)
-            done = None if args is None else self.fused.run(x, residual, args, meta)
-            if done is not None:
-                return done
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
@@ -122,17 +102,16 @@ def _our_name(name: str) -> tuple[str, Optional[int]]:
 
 
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_len: int):
+    def __init__(self, cfg: ModelConfig, max_len: int, ops: ReferenceOps):
         super().__init__()
-        self.config = cfg
+        self.config, self.ops = cfg, ops
         # given storage, not a random init: normal_ on the meta device imports torch._dynamo (~1.7 s of start-up)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.tied_head_t: Optional[torch.Tensor] = None    # set by finalize() on CPU
-        self.tied_head_packed: Optional[PackedWeight] = None  # set by load_packed() for a quantised GGUF
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        # a tied head is made by finalize(), from the loaded embeddings
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, ops)
         # computed tables, not weights: built on the CPU even when the model is built on the meta device (math on
         # meta tensors imports torch._dynamo, ~1.7 s of start-up); the model's .to() moves them with the rest
         with torch.device("cpu"):
@@ -146,39 +125,32 @@ class DecoderForCausalLM(nn.Module):
         rope = self.rotary.tables(positions, x.dtype)
         residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, rope, backend, meta)
+            x, residual = self.ops.decoder_layer(layer, x, residual, rope, backend, meta)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [S, hidden] (only the rows that sample). Returns float32 logits [S, vocab]."""
-        if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        if self.tied_head_packed is not None and hidden.shape[0] <= MAX_ROWS:
-            return qmatmul(hidden.float(), self.tied_head_packed)
-        if self.tied_head_t is not None:
-            return (hidden @ self.tied_head_t).float()
-        return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
     def finalize(self) -> None:
-        """After loading: lay weights out for the device's fast paths (see Linear.finalize)."""
+        """After loading: lay weights out for the device's fast paths (see Linear.finalize); a tied head gets its
+        own [hidden, vocab] copy on CPU beside the embeddings' [vocab, hidden] (lookup and GEMM each want theirs)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head = Linear.tied(self.embed_tokens.weight, self.ops)
         for m in self.modules():
             if isinstance(m, Linear):
                 m.finalize()
-        self.tied_head_t = None
-        if self.lm_head is None and self.embed_tokens.weight.device.type == "cpu":
-            # a tied head needs [vocab, hidden] for the lookup and [hidden, vocab] for a fast GEMM: keep both
-            self.tied_head_t = self.embed_tokens.weight.data.t().contiguous()
 
     def load_packed(self, weights: Iterable[tuple[str, PackedWeight]]) -> None:
-        """Give Linear layers (and a tied head) their GGUF blocks for decode-sized matmuls, after load_weights.
+        """Give Linear layers (and a tied head) their GGUF blocks for decode-sized matmuls, after finalize().
         A fused layer gets them only if every shard came in the same block format."""
         modules = dict(self.named_modules())
         shards: dict[str, dict[int, PackedWeight]] = {}
         for name, p in weights:
             pname, shard = _our_name(name)
             if pname == "embed_tokens.weight":
-                if self.lm_head is None:
-                    self.tied_head_packed = with_lanes(p)
+                if self.config.tie_word_embeddings:
+                    self.lm_head.packed = p
                 continue
             mname, kind = pname.rsplit(".", 1)
             if kind == "weight":
@@ -187,14 +159,7 @@ class DecoderForCausalLM(nn.Module):
             module = modules.get(mname)
             if not isinstance(module, Linear) or len(got) != _NUM_SHARDS.get(mname.split(".")[-1], 1):
                 continue
-            packed = concat_rows([got[i] for i in sorted(got)])
-            module.packed = None if packed is None else with_lanes(packed)
-        for layer in self.layers:
-            layer.fused = FusedDecodeLayer.build(layer)
-
-    def bind_kv_cache(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        for layer, (k, v) in zip(self.layers, caches):
-            layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
+            module.packed = concat_rows([got[i] for i in sorted(got)])
 
     # ---- loading -------------------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

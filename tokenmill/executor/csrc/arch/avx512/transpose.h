@@ -1,4 +1,4 @@
-/* AVX-512 helpers shared by the kernels (included by each .c file that uses them). */
+/* transpose16 for the AVX-512 kernels (qmatmul.c, attention.c, arch/avx512/). */
 #ifndef TOKENMILL_SIMD16_H
 #define TOKENMILL_SIMD16_H
 #if defined(__AVX512F__)

@@ -5,6 +5,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "tokenmill.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -13,7 +15,7 @@
 
 /* residual += x (when residual is given, else residual = x is the caller's business: pass x as residual with
  * add = 0); out = weight * residual / rms(residual). x, residual, out [rows, dim]; weight [dim]. */
-void add_rms_norm(float *x, float *residual, const float *weight, float *out, int rows, int dim, float eps,
+static void add_rms_norm(const float *x, float *residual, const float *weight, float *out, int rows, int dim, float eps,
                   int add, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= PAR_ROWS)
     for (int r = 0; r < rows; r++) {
@@ -50,7 +52,7 @@ void rotary(float *x, const float *cos, const float *sin, int rows, int heads, i
 }
 
 /* out = silu(gate) * up, with gate_up [rows, 2 * inter] (gate first) and out [rows, inter]. */
-void silu_mul(const float *gate_up, float *out, int rows, int inter, int num_threads) {
+static void silu_mul(const float *gate_up, float *out, int rows, int inter, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= PAR_ROWS)
     for (int r = 0; r < rows; r++) {
         const float *g = gate_up + (size_t)r * 2 * inter, *u = g + inter;
@@ -109,7 +111,30 @@ static int64_t argmax_row(const float *x, int n) {
     return best;
 }
 
-void argmax_rows(const float *x, int rows, int n, int64_t *out, int num_threads) {
+static void argmax_rows(const float *x, int rows, int n, int64_t *out, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= 2)
     for (int r = 0; r < rows; r++) out[r] = argmax_row(x + (size_t)r * n, n);
+}
+
+/* ---- the library's entry points (tokenmill.h) ---- */
+TM_API int tm_rms_norm(const tm_rms_norm_args *a) {
+    add_rms_norm(a->x, a->residual, a->weight, a->out, a->rows, a->dim, a->eps, a->add, a->num_threads);
+    return 0;
+}
+
+TM_API int tm_rotary(const tm_rotary_args *a) {
+    if (a->dim % 2 || a->row_stride < a->heads * a->dim) return -1;
+    rotary(a->x, a->cos, a->sin, a->rows, a->heads, a->dim, a->row_stride, a->num_threads);
+    return 0;
+}
+
+TM_API int tm_silu_mul(const tm_silu_mul_args *a) {
+    silu_mul(a->gate_up, a->out, a->rows, a->inter, a->num_threads);
+    return 0;
+}
+
+TM_API int tm_argmax(const tm_argmax_args *a) {
+    if (a->n < 1) return -1;
+    argmax_rows(a->x, a->rows, a->n, a->out, a->num_threads);
+    return 0;
 }

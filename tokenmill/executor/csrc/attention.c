@@ -1,14 +1,15 @@
 /* Paged attention for CPU, reading keys and values in place from the paged cache through block tables (no
- * gather copy). Three entry points share one core (attend_rows):
- *   paged_decode   one query token per request; a prefix of blocks that every request shares (prefix caching)
- *                  can be attended once for the whole batch (cascade attention) and merged with each
- *                  request's own suffix;
- *   paged_prefill  several query tokens per request over a context already in the cache (a prefix-cache hit,
- *                  a later chunk of a chunked prefill), causal;
- *   decode_attention  rotary + KV write + paged_decode of a fused qkv row, for the fused decode layer.
+ * gather copy). The entry points (tokenmill.h) share one core (attend_rows):
+ *   tm_paged_decode   one query token per request; a prefix of blocks that every request shares (prefix
+ *                     caching) can be attended once for the whole batch (cascade attention) and merged with
+ *                     each request's own suffix;
+ *   tm_paged_prefill  several query tokens per request over a context already in the cache (a prefix-cache
+ *                     hit, a later chunk of a chunked prefill), causal;
+ *   tm_write_kv       the step's K/V into their slots;
+ *   tm_decode_attention  rotary + KV write + paged decode of fused qkv rows, for the one-call decode layer.
  * Math in float32 whatever the storage types: q and out float32 or bfloat16 (q_bf16), the cache float32 or
  * bfloat16 (kv_bf16, kv_cache_dtype="bfloat16" under a float32 model). With AVX-512 and D a multiple of 16,
- * paged_decode runs its items through decode_fast instead: a request's own positions (one query token per
+ * paged_decode runs its items through decode_fast (arch/avx512/attention_fast.c) instead: a request's own positions (one query token per
  * head: little arithmetic per byte, where decode_fast's two passes spend about half of attend_rows'
  * instructions) and the cascade's shared prefix (a tile's 48 rows, without per-chunk rescaling); so does
  * paged_prefill for contexts up to FAST_N (a tile of 16 tokens x G rows, causal masks in the softmax).
@@ -23,17 +24,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "simd16.h"
-
-#define MAX_G 16
-#define MAX_H 128    /* query heads */
-#define MAX_D 256
-#define MAX_ROWS 128 /* query rows one attend_rows call carries: a request's heads, or a tile of requests/tokens */
-#define CHUNK 64     /* positions per online-softmax step: 16 KB of K (or V) per head of 64, L1-resident */
-#define TILE_ROWS 48 /* rows per cascade / prefill work item: each K/V chunk is loaded once for this many queries */
+#include "attention.h"
 
 typedef float v8 __attribute__((vector_size(32)));
-typedef int v8i __attribute__((vector_size(32)));
 
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;
@@ -50,17 +43,6 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-/* Where one context's K/V rows live. */
-typedef struct {
-    const void *k, *v;
-    int bf16, KV, D, bs_shift, bs_mask;   /* block_size = 1 << bs_shift */
-    const int32_t *table;
-} ctx_t;
-
-static inline size_t slot_of(const ctx_t *c, int pos) {
-    return ((size_t)c->table[pos >> c->bs_shift] << c->bs_shift) + (pos & c->bs_mask);
-}
-
 /* Query row `idx` (D values) of q, scaled, as float32 into dst. */
 static inline void load_q(float *dst, const void *q, int bf16, size_t idx, int D, float scale) {
     if (bf16)
@@ -72,14 +54,16 @@ static inline void load_q(float *dst, const void *q, int bf16, size_t idx, int D
 /* Eight horizontal sums at once: r[j] = sum of a[j]'s lanes. Three rounds of pairwise adds on shuffles that map
  * to single instructions (vshufps, vperm2f128), instead of a scalar reduction per dot product. */
 static inline v8 hsum8(const v8 *a) {
-    const v8i lo = {0, 2, 8, 10, 4, 6, 12, 14}, hi = {1, 3, 9, 11, 5, 7, 13, 15};
+#define EVEN(x, y) __builtin_shufflevector(x, y, 0, 2, 8, 10, 4, 6, 12, 14)
+#define ODD(x, y) __builtin_shufflevector(x, y, 1, 3, 9, 11, 5, 7, 13, 15)
     v8 x[4];
-    for (int i = 0; i < 4; i++)
-        x[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo) + __builtin_shuffle(a[2 * i], a[2 * i + 1], hi);
-    const v8 y0 = __builtin_shuffle(x[0], x[1], lo) + __builtin_shuffle(x[0], x[1], hi);   /* a0..a3 per lane */
-    const v8 y1 = __builtin_shuffle(x[2], x[3], lo) + __builtin_shuffle(x[2], x[3], hi);   /* a4..a7 */
-    const v8i first = {0, 1, 2, 3, 8, 9, 10, 11}, second = {4, 5, 6, 7, 12, 13, 14, 15};
-    return __builtin_shuffle(y0, y1, first) + __builtin_shuffle(y0, y1, second);
+    for (int i = 0; i < 4; i++) x[i] = EVEN(a[2 * i], a[2 * i + 1]) + ODD(a[2 * i], a[2 * i + 1]);
+    const v8 y0 = EVEN(x[0], x[1]) + ODD(x[0], x[1]);   /* a0..a3 per lane */
+    const v8 y1 = EVEN(x[2], x[3]) + ODD(x[2], x[3]);   /* a4..a7 */
+#undef EVEN
+#undef ODD
+    return __builtin_shufflevector(y0, y1, 0, 1, 2, 3, 8, 9, 10, 11)
+           + __builtin_shufflevector(y0, y1, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
 /* Scores of NR (1 or 2) query rows against 8 key rows: out[r][j] = q_r . k_j. The NR rows share each key load;
@@ -248,268 +232,6 @@ static void attend_rows(const ctx_t *c, int h0, int NH, int RG, float (*qs)[MAX_
     }
 }
 
-#if defined(__AVX512F__)
-#define FAST_N 1024   /* positions per work item on the fast decode path: the scores scratch is rows x FAST_N */
-#define PF_AHEAD 16   /* positions ahead that the fast path asks for K (and its value pass for V): the blocks
-                       * sit anywhere, so the hardware prefetcher loses the stream at each one */
-
-/* out[j] = the sum of a[j]'s 16 lanes, j = 0..7: halves, then quarters, then a 4 x 4 transpose-add */
-static inline __m256 reduce8(const __m512 *a) {
-    __m512 u[4];
-    for (int i = 0; i < 4; i++)   /* u[i]: lanes 0-7 partial sums of a[2i], lanes 8-15 of a[2i+1] */
-        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
-    /* w0: 128-bit lane i holds four partial sums of a[i]; w1 of a[4 + i] */
-    const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
-    const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
-    const __m512 x = _mm512_add_ps(_mm512_unpacklo_ps(w0, w1), _mm512_unpackhi_ps(w0, w1));
-    const __m512 y = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E));   /* lane i: [sum a[i], sum a[4+i], ...] */
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
-    return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, y));
-}
-
-/* K rows of heads h0 .. h0+NH-1 at a slot, to L1. (Asking for V here as well, to L2, ran slower; the value
- * pass asks for its own rows, prefetch_v.) */
-static inline __attribute__((always_inline)) void prefetch_k(const ctx_t *c, size_t slot, int h0, int NH) {
-    const size_t es = c->bf16 ? 2 : 4, off = (slot * c->KV + h0) * c->D * es, bytes = (size_t)NH * c->D * es;
-    for (size_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)c->k + off + b, _MM_HINT_T0);
-}
-
-/* The DV x 16 values of V from element idx that the value pass reads PF_AHEAD positions on, to L1: that pass
- * reads one kv head's slice of each position (SmolLM2: 4 lines in every 12), a stride across blocks anywhere in
- * the pool that the hardware prefetcher follows poorly (cold, the whole kernel read ~11% slower without this).
- * Forced inline: written as a plain static inline helper, GCC left it out of decode_fast and then deleted the
- * call, a function whose only effect is a prefetch counting as one with none (objdump: 4 prefetcht0, not 52). */
-static inline __attribute__((always_inline)) void prefetch_v(const void *V, size_t idx, int DV, const int kv16) {
-    const char *p = (const char *)V + idx * (kv16 ? 2 : 4);
-    for (int b = 0; b < DV * (kv16 ? 32 : 64); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
-}
-
-/* 16 cache values from element idx, as float32 (bfloat16 is the top half of a float32) */
-static inline __m512 load_kv(const void *base, size_t idx, int kv16) {
-    if (kv16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + idx))), 16));
-    return _mm512_loadu_ps((const float *)base + idx);
-}
-
-/* e^x for 16 floats, to about 1 ulp: x = k ln2 + r with |r| <= ln2 / 2 (ln2 split in two for an exact k ln2),
- * e^r by Cephes' expf polynomial, times 2^k by scalef. Inline, 16 wide: libmvec's expf, which GCC calls 8 wide
- * here, took ~2.5 cycles a value, as much as the 48-row score pass it follows. x below -87 gives ~0. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    return _mm512_scalef_ps(p, k);
-}
-
-#define KT_POS 64     /* positions of K turned round at a time for the many-row score pass: kt [D][64] */
-#define GEMM_ROWS 12  /* query rows of one kv head from which decode_fast takes that pass */
-
-/* kt[d][j] = K row of kv head h at slot[j], d < D, j < nj (<= KT_POS); 16 x 16 squares turned round in
- * registers. Groups of 16 positions past nj are left as they were: their scores are never read. */
-static inline __attribute__((always_inline)) void k_turned(const ctx_t *c, int h, const size_t *slot, int nj,
-                                                           float *kt, const int kv16) {
-    const int D = c->D;
-    for (int jb = 0; jb < nj; jb += 16)
-        for (int d0 = 0; d0 < D; d0 += 16) {
-            __m512 r[16];
-            for (int i = 0; i < 16; i++)   /* a short last group repeats its last position */
-                r[i] = load_kv(c->k, (slot[jb + i < nj ? jb + i : nj - 1] * c->KV + h) * D + d0, kv16);
-            transpose16(r);
-            for (int i = 0; i < 16; i++) _mm512_store_ps(kt + (size_t)(d0 + i) * KT_POS + jb, r[i]);
-        }
-}
-
-/* Scores of many query rows (G >= GEMM_ROWS, one kv head h: a cascade tile, a prompt tile) against positions
- * slot[0 .. n), into sbuf [row][FAST_N], as a small GEMM over K turned round: 6 rows x 64 positions of
- * accumulators, per d four loads of kt and six broadcasts of q feed 24 FMAs, no horizontal sums. */
-static inline __attribute__((always_inline)) void scores_many(const ctx_t *c, int h, int G, float (*qs)[MAX_D],
-                                                               int n, float *sbuf, const size_t *slot, float *kt,
-                                                               const int kv16) {
-    const int D = c->D;
-    for (int j0 = 0; j0 < n; j0 += KT_POS) {
-        k_turned(c, h, slot + j0, n - j0 < KT_POS ? n - j0 : KT_POS, kt, kv16);
-        for (int r0 = 0; r0 < G; r0 += 6) {
-#define QK_GEMM(NR)                                                                                       \
-            {                                                                                             \
-                __m512 a[NR][4];                                                                          \
-                for (int r = 0; r < NR; r++)                                                              \
-                    for (int i = 0; i < 4; i++) a[r][i] = _mm512_setzero_ps();                            \
-                for (int d = 0; d < D; d++) {                                                             \
-                    __m512 kv[4];                                                                         \
-                    for (int i = 0; i < 4; i++) kv[i] = _mm512_load_ps(kt + (size_t)d * KT_POS + 16 * i);  \
-                    for (int r = 0; r < NR; r++) {                                                        \
-                        const __m512 qb = _mm512_set1_ps(qs[r0 + r][d]);                                  \
-                        for (int i = 0; i < 4; i++) a[r][i] = _mm512_fmadd_ps(qb, kv[i], a[r][i]);        \
-                    }                                                                                     \
-                }                                                                                         \
-                for (int r = 0; r < NR; r++)                                                              \
-                    for (int i = 0; i < 4; i++)                                                           \
-                        _mm512_storeu_ps(sbuf + (size_t)(r0 + r) * FAST_N + j0 + 16 * i, a[r][i]);        \
-            }
-            switch (G - r0 < 6 ? G - r0 : 6) {
-                case 6: QK_GEMM(6) break;
-                case 5: QK_GEMM(5) break;
-                case 4: QK_GEMM(4) break;
-                case 3: QK_GEMM(3) break;
-                case 2: QK_GEMM(2) break;
-                default: QK_GEMM(1) break;
-            }
-#undef QK_GEMM
-        }
-    }
-}
-
-/* Scores of a few rows per kv head (NH heads from h0, G rows each: a request's heads) against positions
- * slot[0 .. n): 8 positions x up to 3 rows per register block, so each K row is loaded once per 3 query rows,
- * with K asked for PF_AHEAD positions ahead. */
-static inline __attribute__((always_inline)) void scores_few(const ctx_t *c, int h0, int NH, int G,
-                                                              float (*qs)[MAX_D], int n, float *sbuf,
-                                                              const size_t *slot, const int kv16) {
-    const int D = c->D, KV = c->KV;
-    const void *K = c->k;
-    for (int j = 0; j < PF_AHEAD && j < n; j++) prefetch_k(c, slot[j], h0, NH);
-    for (int j0 = 0; j0 < n; j0 += 8) {
-        for (int j = j0 + PF_AHEAD; j < j0 + 8 + PF_AHEAD && j < n; j++) prefetch_k(c, slot[j], h0, NH);
-        for (int h = 0; h < NH; h++) {
-            size_t kr[8];   /* element offsets of the 8 K rows */
-            for (int j = 0; j < 8; j++) kr[j] = (slot[j0 + j < n ? j0 + j : n - 1] * KV + h0 + h) * D;
-            for (int g0 = 0; g0 < G; g0 += 3) {
-                const int row = h * G + g0;
-#define QK_BLOCK(NR)                                                                                      \
-                {                                                                                         \
-                    __m512 a[NR][8];                                                                      \
-                    for (int r = 0; r < NR; r++)                                                          \
-                        for (int j = 0; j < 8; j++) a[r][j] = _mm512_setzero_ps();                        \
-                    for (int d = 0; d < D; d += 16) {                                                     \
-                        __m512 q[NR];                                                                     \
-                        for (int r = 0; r < NR; r++) q[r] = _mm512_loadu_ps(qs[row + r] + d);             \
-                        for (int j = 0; j < 8; j++) {                                                     \
-                            const __m512 kv = load_kv(K, kr[j] + d, kv16);                                \
-                            for (int r = 0; r < NR; r++) a[r][j] = _mm512_fmadd_ps(q[r], kv, a[r][j]);   \
-                        }                                                                                 \
-                    }                                                                                     \
-                    for (int r = 0; r < NR; r++)                                                          \
-                        _mm256_storeu_ps(sbuf + (size_t)(row + r) * FAST_N + j0, reduce8(a[r]));          \
-                }
-                if (G - g0 >= 3) QK_BLOCK(3)
-                else if (G - g0 == 2) QK_BLOCK(2)
-                else QK_BLOCK(1)
-#undef QK_BLOCK
-            }
-        }
-    }
-}
-
-/* Attention of rows (h - h0) * G + g (qs, scaled) over positions p0 .. p0+n-1 (n <= FAST_N) of a float32
- * (kv16 = 0) or bfloat16 (kv16 = 1) cache, D a multiple of 16, in two passes: all scores first (scores_few, or
- * scores_many for many rows of one kv head), then one exact softmax per row (row r only over [begin[r], end[r])
- * where begin/end are given: a causal prompt tile), then the weighted sum of V (up to 4 rows, 6 for many rows,
- * x 64 dims of accumulators; 16-wide tails of D one vector at a time). Leaves m (max), l (sum of e^(s - m))
- * and acc (unnormalised) as attend_rows does, so combine() merges the results the same way. */
-static inline __attribute__((always_inline)) void decode_fast(const ctx_t *c, int h0, int NH, int G,
-                                                               float (*qs)[MAX_D], int p0, int n, float *m,
-                                                               float *l, float (*acc)[MAX_D], float *sbuf,
-                                                               size_t *slot, float *kt, const int *begin,
-                                                               const int *end, const int kv16) {
-    const int D = c->D, KV = c->KV;
-    const void *V = c->v;
-    for (int j = 0; j < n; j++) slot[j] = slot_of(c, p0 + j);
-    const int many = NH == 1 && G >= GEMM_ROWS;
-    if (many) scores_many(c, h0, G, qs, n, sbuf, slot, kt, kv16);
-    else scores_few(c, h0, NH, G, qs, n, sbuf, slot, kv16);
-    /* One exact softmax per row over the positions it attends, [lo, hi) of the n (row r's [begin, end) where
-     * given, as a causal prompt tile has; the rest weigh 0), 16 at a time */
-    const int rows = NH * G;
-    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (int r = 0; r < rows; r++) {
-        float *s = sbuf + (size_t)r * FAST_N;
-        const int lo = begin && begin[r] > p0 ? begin[r] - p0 : 0;
-        const int hi = end && end[r] - p0 < n ? end[r] - p0 : n;
-        const __m512i lov = _mm512_set1_epi32(lo), hiv = _mm512_set1_epi32(hi);
-        __m512 mv = _mm512_set1_ps(-FLT_MAX), tv = _mm512_setzero_ps();
-#define LIVE(j) (_mm512_cmpge_epi32_mask(_mm512_add_epi32(iota, _mm512_set1_epi32(j)), lov) &                \
-                 _mm512_cmplt_epi32_mask(_mm512_add_epi32(iota, _mm512_set1_epi32(j)), hiv))
-        for (int j = lo & ~15; j < hi; j += 16) mv = _mm512_mask_max_ps(mv, LIVE(j), mv, _mm512_loadu_ps(s + j));
-        const float mx = _mm512_reduce_max_ps(mv);
-        const __m512 mxv = _mm512_set1_ps(mx);
-        for (int j = 0; j < n; j += 16) {   /* every position up to n: the value pass reads them all */
-            const __mmask16 live = LIVE(j);
-            const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), mxv)));
-            _mm512_storeu_ps(s + j, e);
-            tv = _mm512_add_ps(tv, e);
-        }
-#undef LIVE
-        m[r] = mx;
-        l[r] = _mm512_reduce_add_ps(tv);
-    }
-    const int pv_rows = many ? 6 : 4;   /* many rows: 6 per pass over V (24 accumulators) */
-    for (int h = 0; h < NH; h++)
-        for (int g0 = 0; g0 < G; g0 += pv_rows) {
-            const int row = h * G + g0, nr = G - g0 < pv_rows ? G - g0 : pv_rows;
-#define PV_BLOCK(NR, DV)                                                                                  \
-            {                                                                                             \
-                __m512 a[NR][DV];                                                                         \
-                for (int r = 0; r < NR; r++)                                                              \
-                    for (int i = 0; i < DV; i++) a[r][i] = _mm512_setzero_ps();                           \
-                for (int j = 0; j < n; j++) {                                                             \
-                    const size_t vr = (slot[j] * KV + h0 + h) * D + d0;                                   \
-                    if (j + PF_AHEAD < n) prefetch_v(V, (slot[j + PF_AHEAD] * KV + h0 + h) * D + d0, DV, kv16); \
-                    for (int i = 0; i < DV; i++) {                                                        \
-                        const __m512 vv = load_kv(V, vr + 16 * i, kv16);                                  \
-                        for (int r = 0; r < NR; r++)                                                      \
-                            a[r][i] = _mm512_fmadd_ps(_mm512_set1_ps(sbuf[(size_t)(row + r) * FAST_N + j]), \
-                                                      vv, a[r][i]);                                       \
-                    }                                                                                     \
-                }                                                                                         \
-                for (int r = 0; r < NR; r++)                                                              \
-                    for (int i = 0; i < DV; i++) _mm512_storeu_ps(acc[row + r] + d0 + 16 * i, a[r][i]);  \
-            }
-#define PV_ROWS(DV)                                                                                       \
-            switch (nr) {                                                                                 \
-                case 6: PV_BLOCK(6, DV) break;                                                            \
-                case 5: PV_BLOCK(5, DV) break;                                                            \
-                case 4: PV_BLOCK(4, DV) break;                                                            \
-                case 3: PV_BLOCK(3, DV) break;                                                            \
-                case 2: PV_BLOCK(2, DV) break;                                                            \
-                default: PV_BLOCK(1, DV) break;                                                           \
-            }
-            for (int d0 = 0; d0 < D;) {
-                if (D - d0 >= 64) {
-                    PV_ROWS(4)
-                    d0 += 64;
-                } else {
-                    PV_ROWS(1)
-                    d0 += 16;
-                }
-            }
-#undef PV_ROWS
-#undef PV_BLOCK
-        }
-}
-
-/* decode_fast for the cache's dtype (kv16 a constant in each call, so the loads compile without a branch) */
-static void decode_fast_any(const ctx_t *c, int h0, int NH, int G, float (*qs)[MAX_D], int p0, int n, float *m,
-                            float *l, float (*acc)[MAX_D], float *sbuf, size_t *slot, float *kt, const int *begin,
-                            const int *end) {
-    if (c->bf16) decode_fast(c, h0, NH, G, qs, p0, n, m, l, acc, sbuf, slot, kt, begin, end, 1);
-    else decode_fast(c, h0, NH, G, qs, p0, n, m, l, acc, sbuf, slot, kt, begin, end, 0);
-}
-#define HAVE_FAST 1
-#else
-#define HAVE_FAST 0
-#endif
-
 /* Per-thread scratch of the kernels' work items. */
 typedef struct {
     float (*qs)[MAX_D], (*acc)[MAX_D], (*kbuf)[MAX_D], (*vbuf)[MAX_D];
@@ -582,11 +304,11 @@ static void attend_tile(const ctx_t *c, int h, int rows, scratch_t *s, const int
     attend_rows(c, h, 1, rows, s->qs, begin, end, p0, p1, s->m, s->l, s->acc, s->kbuf, s->vbuf);
 }
 
-/* Shapes the kernels take: whole groups of at most MAX_G query heads per kv head, D a multiple of 8 up to
- * MAX_D, block_size a power of two (slot math in shifts and masks). */
+/* Shapes the kernels take (tokenmill.h's TM_ATTN_ limits): block_size a power of two (slot math in shifts and
+ * masks). */
 static int shapes_ok(int H, int KV, int D, int block_size) {
-    return KV > 0 && H % KV == 0 && H / KV <= MAX_G && H <= MAX_H && D % 8 == 0 && D <= MAX_D && block_size > 0
-           && (block_size & (block_size - 1)) == 0;
+    return KV > 0 && H % KV == 0 && H / KV <= MAX_G && H <= TM_ATTN_MAX_HEADS && D % TM_ATTN_HEAD_DIM_MULTIPLE == 0
+           && D <= MAX_D && block_size > 0 && (block_size & (block_size - 1)) == 0;
 }
 
 /* Output row `orow` = o * inv, as float32 or bfloat16. */
@@ -621,7 +343,7 @@ static void combine(void *out, int bf16, size_t orow, int D, int parts, int step
     store_row(out, bf16, orow, o, 1.f / total, D);
 }
 
-int paged_decode(const void *q, int q_stride, const void *k, const void *v, void *out, int q_bf16, int kv_bf16,
+static int paged_decode(const void *q, int q_stride, const void *k, const void *v, void *out, int q_bf16, int kv_bf16,
                  const int32_t *tables, int max_blocks, const int32_t *starts, const int32_t *lens, int shared_len,
                  int B, int H, int KV, int D, int block_size, float scale, int max_len, int num_threads) {
     /* shared_len > 0 (cascade): positions 0 .. shared_len-1 sit in the same blocks for every request (the
@@ -634,7 +356,7 @@ int paged_decode(const void *q, int q_stride, const void *k, const void *v, void
     /* Work units: with enough requests to keep every thread busy, one per request with all its heads; otherwise
      * one per (request, kv head). Too few units even so (a single stream: 1 x KV), and each unit's positions
      * are split into parts that run in parallel and are merged after (flash-decoding), parts of >= 64. */
-    const int per_head = B < 2 * num_threads;
+    const int per_head = B < 2 * num_threads || H > MAX_ROWS;   /* a request's heads must fit a work item */
     const int units = per_head ? B * KV : B, rows = per_head ? G : H;
     const int own = max_len - shared_len;       /* the longest per-request range */
     int parts = units < 2 * num_threads ? (2 * num_threads + units - 1) / units : 1;
@@ -737,7 +459,7 @@ int paged_decode(const void *q, int q_stride, const void *k, const void *v, void
  * request i's tokens are rows row0[i] .. row0[i]+count[i]-1 of q and out, at positions
  * computed[i] .. computed[i]+count[i]-1, each attending causally (and within `window` positions when
  * window > 0). Items are (request, kv head, tile of tokens), so each K/V chunk is loaded once per tile. */
-int paged_prefill(const void *q, int q_stride, const void *k, const void *v, void *out, int q_bf16, int kv_bf16,
+static int paged_prefill(const void *q, int q_stride, const void *k, const void *v, void *out, int q_bf16, int kv_bf16,
                   const int32_t *tables, int max_blocks, const int32_t *row0, const int32_t *count,
                   const int32_t *computed, int R, int H, int KV, int D, int block_size, int window, float scale,
                   int num_threads) {
@@ -793,14 +515,14 @@ int paged_prefill(const void *q, int q_stride, const void *k, const void *v, voi
     return status;
 }
 
-/* cpu_ops.c */
+/* ops.c */
 void rotary(float *x, const float *cos, const float *sin, int rows, int heads, int dim, int row_stride,
             int num_threads);
 
 /* k_cache[slots[t]] = k[t] and v_cache[slots[t]] = v[t] for t < rows: width (KV * D) float32 values per row,
  * source rows src_stride apart (views into fused qkv); stored as float32, or rounded to bfloat16 (to nearest
  * even, as torch converts) when kv_bf16. Returns -3, writing nothing, for a slot outside the cache. */
-int write_kv(const float *k, const float *v, int src_stride, void *k_cache, void *v_cache, int kv_bf16,
+static int write_kv(const float *k, const float *v, int src_stride, void *k_cache, void *v_cache, int kv_bf16,
              const int64_t *slots, int rows, int width, int64_t num_slots) {
     for (int t = 0; t < rows; t++)
         if (slots[t] < 0 || slots[t] >= num_slots) return -3;
@@ -824,7 +546,7 @@ int write_kv(const float *k, const float *v, int src_stride, void *k_cache, void
  * fused qkv rows [B, (H + 2 KV) * D] (row stride qkv_stride), write k and v into their cache slots (float32, or
  * bfloat16 when kv_bf16), attend. Returns paged_decode's status, or write_kv's -3 for a slot outside the cache
  * (nothing written). */
-int decode_attention(float *qkv, int qkv_stride, float *out, const float *cos, const float *sin,
+static int decode_attention(float *qkv, int qkv_stride, float *out, const float *cos, const float *sin,
                      const int64_t *slots, int64_t num_slots, void *k_cache, void *v_cache, int kv_bf16,
                      const int32_t *tables, int max_blocks, const int32_t *starts, const int32_t *lens, int shared_len,
                      int B, int H, int KV, int D, int block_size, float scale, int max_len, int num_threads) {
@@ -834,4 +556,37 @@ int decode_attention(float *qkv, int qkv_stride, float *out, const float *cos, c
     if (rc != 0) return rc;
     return paged_decode(qkv, qkv_stride, k_cache, v_cache, out, 0, kv_bf16, tables, max_blocks, starts, lens,
                         shared_len, B, H, KV, D, block_size, scale, max_len, num_threads);
+}
+
+
+/* ---- the library's entry points (tokenmill.h) ---- */
+TM_API int tm_paged_decode(const tm_paged_decode_args *a) {
+    const tm_decode_step *s = a->step;
+    const tm_kv_cache *kv = a->kv;
+    return paged_decode(a->q, a->q_stride, kv->k, kv->v, a->out, a->q_bf16, kv->bf16, s->tables, s->max_blocks,
+                        s->starts, s->lens, s->shared_len, s->batch, a->heads, kv->kv_heads, kv->head_dim,
+                        s->block_size, a->scale, s->max_len, s->num_threads);
+}
+
+TM_API int tm_paged_prefill(const tm_paged_prefill_args *a) {
+    const tm_kv_cache *kv = a->kv;
+    return paged_prefill(a->q, a->q_stride, kv->k, kv->v, a->out, a->q_bf16, kv->bf16, a->tables, a->max_blocks,
+                         a->row0, a->count, a->computed, a->reqs, a->heads, kv->kv_heads, kv->head_dim,
+                         a->block_size, a->window, a->scale, a->num_threads);
+}
+
+TM_API int tm_write_kv(const tm_write_kv_args *a) {
+    const tm_kv_cache *kv = a->kv;
+    return write_kv(a->k, a->v, a->src_stride, kv->k, kv->v, kv->bf16, a->slots, a->rows,
+                    kv->kv_heads * kv->head_dim, kv->num_slots);
+}
+
+TM_API int tm_decode_attention(const tm_decode_attention_args *a) {
+    const tm_decode_step *s = a->step;
+    const tm_kv_cache *kv = a->kv;
+    if (!s->cos || !s->sin || !s->slots) return -1;
+    return decode_attention(a->qkv, a->qkv_stride, a->out, s->cos, s->sin, s->slots, kv->num_slots, kv->k, kv->v,
+                            kv->bf16, s->tables, s->max_blocks, s->starts, s->lens, s->shared_len, s->batch,
+                            a->heads, kv->kv_heads, kv->head_dim, s->block_size, a->scale, s->max_len,
+                            s->num_threads);
 }

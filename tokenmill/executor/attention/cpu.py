@@ -1,0 +1,158 @@
+"""The CPU kernels' attention backend (csrc/attention.c through the kernel library): reads K/V in place from the
+paged cache, decoding requests in one call and prompt chunks (fresh, prefix-cache hits, later chunks of a
+chunked prefill) in another.
+
+Cascade attention: when every decoding request's table starts with the same blocks (a prefix cache hit on a
+shared system prompt), those positions are attended once for the whole batch and merged with each request's
+own part, instead of once per request."""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from tokenmill.executor.attention.backend import AttentionBackend, AttentionMetadata, _window_start, extend
+from tokenmill.executor.kernels import KernelLibrary
+
+_KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def kernel_fits(kernels: KernelLibrary, num_heads: int, num_kv_heads: int, head_dim: int) -> Optional[str]:
+    """None when the attention kernels take these shapes (tokenmill.h's TM_ATTN_ limits), else why not."""
+    lim = kernels.limits
+    if num_heads % num_kv_heads or num_heads // num_kv_heads > lim["TM_ATTN_MAX_GROUP"]:
+        return f"{num_heads // num_kv_heads} query heads per kv head (at most {lim['TM_ATTN_MAX_GROUP']})"
+    if num_heads > lim["TM_ATTN_MAX_HEADS"]:
+        return f"{num_heads} query heads (at most {lim['TM_ATTN_MAX_HEADS']})"
+    if head_dim % lim["TM_ATTN_HEAD_DIM_MULTIPLE"] or head_dim > lim["TM_ATTN_MAX_HEAD_DIM"]:
+        return (f"head_dim {head_dim} (a multiple of {lim['TM_ATTN_HEAD_DIM_MULTIPLE']} up to "
+                f"{lim['TM_ATTN_MAX_HEAD_DIM']})")
+    return None
+
+
+def _int32_tables(tables: list[list[int]]) -> torch.Tensor:
+    """[R, max blocks] int32 block tables for the kernels: freed (-1) and padding entries as block 0, which they
+    never read (they attend only positions a table covers)."""
+    width = max(len(t) for t in tables)
+    return torch.tensor([[max(b, 0) for b in t] + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+
+
+@dataclass
+class CpuAttentionMetadata(AttentionMetadata):
+    prefill_reqs: list[int] = field(default_factory=list)
+    decode_rows: Optional[torch.Tensor] = None    # [Bd] row of each decoding request's token
+    all_decode: bool = False                      # every request has one query token (rows are 0..B-1)
+    decode_step: Optional[ctypes.Structure] = None   # tm_decode_step of the decoding requests
+    prefill: Optional[dict] = None                # tm_paged_prefill_args' per-step fields
+    kv: list = field(default_factory=list)        # the layers' tm_kv_cache structs
+    # what the structs point into, kept alive for the step
+    keep: list = field(default_factory=list)
+
+
+class CpuKernelBackend(AttentionBackend):
+    name = "cpu"
+    min_shared_len = 64      # shorter common prefixes are not worth a separate pass
+    min_shared_batch = 4
+
+    def __init__(self, kernels: KernelLibrary):
+        super().__init__()
+        self.kernels = kernels
+        self.kv: list[ctypes.Structure] = []
+
+    def bind_kv_cache(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        super().bind_kv_cache(caches)
+        self.kv = []
+        for k, v in caches:
+            if k.dtype not in _KV_DTYPES or v.dtype != k.dtype or not (k.is_contiguous() and v.is_contiguous()):
+                raise ValueError(f"the CPU attention kernels take a float32 or bfloat16 KV cache, not {k.dtype}")
+            self.kv.append(self.kernels.struct("kv_cache", k=k, v=v, num_slots=k.shape[0], kv_heads=k.shape[1],
+                                               head_dim=k.shape[2], bf16=_KV_DTYPES[k.dtype]))
+
+    def prepare(self, meta: AttentionMetadata) -> CpuAttentionMetadata:
+        decode, prefill = meta.split()
+        out = extend(meta, CpuAttentionMetadata, prefill_reqs=prefill, all_decode=not prefill, kv=self.kv)
+        threads = torch.get_num_threads()
+        if decode:
+            tables = _int32_tables([meta.block_tables[i] for i in decode])
+            starts = torch.tensor([_window_start(meta, i) for i in decode], dtype=torch.int32)
+            lens = torch.tensor([meta.seq_lens[i] for i in decode], dtype=torch.int32)
+            slots = meta.slot_mapping if out.all_decode and meta.slot_mapping.dtype == torch.int64 else None
+            out.decode_rows = torch.tensor([meta.query_start_loc[i] for i in decode])
+            out.decode_step = self.kernels.struct(
+                "decode_step", tables=tables, max_blocks=tables.shape[1], starts=starts, lens=lens,
+                shared_len=self._shared_len(meta, decode, tables), batch=len(decode), block_size=meta.block_size,
+                max_len=int(max(meta.seq_lens[i] for i in decode)), cos=None, sin=None, slots=slots,
+                num_threads=threads)
+            out.keep += [tables, starts, lens]
+        if prefill:
+            qsl = meta.query_start_loc
+            out.prefill = dict(
+                tables=_int32_tables([meta.block_tables[i] for i in prefill]),
+                row0=torch.tensor([qsl[i] for i in prefill], dtype=torch.int32),
+                count=torch.tensor([qsl[i + 1] - qsl[i] for i in prefill], dtype=torch.int32),
+                computed=torch.tensor([meta.num_computed[i] for i in prefill], dtype=torch.int32),
+                reqs=len(prefill), block_size=meta.block_size, window=meta.sliding_window or 0, num_threads=threads)
+            out.prefill["max_blocks"] = out.prefill["tables"].shape[1]
+        return out
+
+    def _shared_len(self, meta: AttentionMetadata, decode: list[int], tables: torch.Tensor) -> int:
+        """Leading positions that all decoding requests read from the same blocks (0: no cascade)."""
+        if len(decode) < self.min_shared_batch or meta.sliding_window is not None:
+            return 0
+        same = (tables == tables[:1]).all(0).to(torch.int32)          # [blocks] True while all tables agree
+        blocks = int(same.cumprod(0).sum())
+        # capped at the shortest context: every request has all these positions (padding never counts)
+        shared = min(blocks * meta.block_size, min(meta.seq_lens[i] for i in decode))
+        return shared if shared >= self.min_shared_len else 0
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: CpuAttentionMetadata,
+                scale: float) -> torch.Tensor:
+        self._write(layer, k, v, meta)
+        if meta.all_decode:       # a pure decode step: no row gather or scatter around the kernel
+            return self._decode(layer, q, meta, scale)
+        q = _rows_dense(q)
+        out = torch.empty(q.shape, dtype=q.dtype)
+        if meta.decode_rows is not None:
+            out[meta.decode_rows] = self._decode(layer, q[meta.decode_rows], meta, scale)
+        self.kernels.run("paged_prefill", kv=meta.kv[layer], q=q, q_stride=_row_stride(q), q_bf16=_bf16(q),
+                         out=out, heads=q.shape[1], scale=scale, **meta.prefill)
+        return out
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        """The step's K/V into their slots: in C for float32 rows (views of the fused qkv), else by torch."""
+        D = k.shape[2]
+        if k.dtype == v.dtype == torch.float32 and k.stride(0) == v.stride(0) and k.stride(1) == v.stride(1) == D \
+                and k.stride(2) == v.stride(2) == 1 and meta.slot_mapping.dtype == torch.int64:
+            self.kernels.run("write_kv", kv=meta.kv[layer], k=k, v=v, src_stride=k.stride(0),
+                             slots=meta.slot_mapping, rows=k.shape[0])
+            return
+        k_cache, v_cache = self.kv_caches[layer]
+        k_cache[meta.slot_mapping] = k.to(k_cache.dtype)
+        v_cache[meta.slot_mapping] = v.to(v_cache.dtype)
+
+    def _decode(self, layer: int, q: torch.Tensor, meta: CpuAttentionMetadata, scale: float) -> torch.Tensor:
+        """The decoding requests' rows q [Bd, H, D] through the kernel."""
+        q = _rows_dense(q)
+        out = torch.empty(q.shape, dtype=q.dtype)
+        self.kernels.run("paged_decode", step=meta.decode_step, kv=meta.kv[layer], q=q, q_stride=_row_stride(q),
+                         q_bf16=_bf16(q), out=out, heads=q.shape[1], scale=scale)
+        return out
+
+
+def _bf16(q: torch.Tensor) -> int:
+    if q.dtype not in _KV_DTYPES:
+        raise ValueError(f"the CPU attention kernels take float32 or bfloat16 queries, not {q.dtype}")
+    return _KV_DTYPES[q.dtype]
+
+
+def _rows_dense(q: torch.Tensor) -> torch.Tensor:
+    """q with each token's heads contiguous (tokens may be strided apart, as views of fused qkv are)."""
+    return q if q.stride(2) == 1 and q.stride(1) == q.shape[2] else q.contiguous()
+
+
+def _row_stride(q: torch.Tensor) -> int:
+    if not (q.stride(2) == 1 and q.stride(1) == q.shape[2]):
+        raise ValueError("the CPU attention kernels take query rows with contiguous heads")
+    return q.stride(0)

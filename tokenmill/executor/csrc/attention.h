@@ -1,0 +1,39 @@
+/* Shared by attention.c and its per-ISA paths (arch/<isa>/attention_*.c); not part of the library's interface. */
+#ifndef TOKENMILL_ATTENTION_H
+#define TOKENMILL_ATTENTION_H
+#include <stddef.h>
+#include <stdint.h>
+
+#include "tokenmill.h"
+
+#define MAX_G TM_ATTN_MAX_GROUP
+#define MAX_D TM_ATTN_MAX_HEAD_DIM
+#define MAX_ROWS 128 /* query rows one attend_rows call carries: a request's heads, or a tile of requests/tokens */
+#define CHUNK 64     /* positions per online-softmax step: 16 KB of K (or V) per head of 64, L1-resident */
+#define TILE_ROWS 48 /* rows per cascade / prefill work item: each K/V chunk is loaded once for this many queries */
+
+/* Where one context's K/V rows live. */
+typedef struct {
+    const void *k, *v;
+    int bf16, KV, D, bs_shift, bs_mask;   /* block_size = 1 << bs_shift */
+    const int32_t *table;
+} ctx_t;
+
+static inline size_t slot_of(const ctx_t *c, int pos) {
+    return ((size_t)c->table[pos >> c->bs_shift] << c->bs_shift) + (pos & c->bs_mask);
+}
+
+/* The AVX-512 decode path (arch/avx512/attention_fast.c): two passes over a work item's positions instead of
+ * attend_rows' online softmax, for D a multiple of 16. */
+#if defined(__AVX512F__)
+#define HAVE_FAST 1
+#define FAST_N 1024   /* positions per work item on the fast decode path: the scores scratch is rows x FAST_N */
+#define KT_POS 64     /* positions of K turned round at a time for the many-row score pass: kt [D][64] */
+void decode_fast_any(const ctx_t *c, int h0, int NH, int G, float (*qs)[MAX_D], int p0, int n, float *m,
+                     float *l, float (*acc)[MAX_D], float *sbuf, size_t *slot, float *kt, const int *begin,
+                     const int *end);
+#else
+#define HAVE_FAST 0
+#endif
+
+#endif

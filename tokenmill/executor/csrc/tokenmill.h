@@ -1,0 +1,223 @@
+/* tokenmill's CPU kernel library: the one interface between the kernels and Python.
+ *
+ * executor/kernels/abi.py reads this file to build its ctypes structs, so the layout is written once, here.
+ * Its rules: one field per line; pointers to float, int32_t, int64_t, uint8_t, int8_t, void or a tm_ struct;
+ * each kernel takes one struct and returns a status: 0, -1 for arguments outside its limits, -2 when memory ran
+ * out, -3 for a KV slot outside the cache. A kernel's limits are the TM_ defines beside it.
+ */
+#ifndef TOKENMILL_H
+#define TOKENMILL_H
+#include <stdint.h>
+
+#define TM_API __attribute__((visibility("default")))
+
+/* ---- the library ------------------------------------------------------------------------------------------ */
+TM_API const char *tm_isa(void);          /* the variant this build is: avx512, avx2, neon or generic */
+TM_API const char *tm_build_hash(void);   /* hash of the sources and flags it was built from (build.py) */
+
+/* ---- matmul over llama.cpp's 32-wide quantised blocks (qmatmul.c; lanes layout: arch/avx512/) -------------- */
+#define TM_QMATMUL_BLOCK 32       /* weights per block along k */
+#define TM_QMATMUL_MAX_ROWS 64    /* rows of x per call */
+
+/* W [n, k]: W[r][32i + j] = scale[r][i] * code + offset[r][i] */
+typedef struct {
+    int bits;                     /* 4: codes uint8 [n, k/2], two per byte; 8: codes int8 [n, k] */
+    const void *codes;
+    const float *scale;           /* [n, k/32] */
+    const float *offset;          /* [n, k/32], or NULL for zero (Q8_0) */
+    void *lanes_codes;            /* the same blocks 16 rows interleaved (tm_pack_lanes), or NULL */
+    float *lanes_scale;
+    float *lanes_offset;
+    int n;
+    int k;
+} tm_qweight;
+
+typedef struct {
+    const tm_qweight *w;
+    const float *x;               /* [rows, k] */
+    float *y;                     /* [rows, n] */
+    int rows;
+    int num_threads;
+} tm_qmatmul_args;
+TM_API int tm_qmatmul(const tm_qmatmul_args *a);
+
+/* Fills w's lanes arrays (the caller's, sized as codes, scale and offset) from its rows; -1 where this variant
+ * has no lanes kernel or n is not a multiple of 16. */
+TM_API int tm_pack_lanes(const tm_qweight *w);
+
+/* ---- small per-layer ops, float32 (ops.c) ----------------------------------------------------------------- */
+typedef struct {
+    const float *x;               /* [rows, dim] */
+    float *residual;              /* [rows, dim]: residual += x when add; x itself when not */
+    const float *weight;          /* [dim] */
+    float *out;                   /* [rows, dim] = weight * residual / rms(residual) */
+    int rows;
+    int dim;
+    float eps;
+    int add;
+    int num_threads;
+} tm_rms_norm_args;
+TM_API int tm_rms_norm(const tm_rms_norm_args *a);
+
+/* the first `heads` vectors of each row rotated in place, "rotate half" form */
+typedef struct {
+    float *x;                     /* [rows, >= heads * dim], rows row_stride floats apart */
+    const float *cos;             /* [rows, dim] */
+    const float *sin;
+    int rows;
+    int heads;
+    int dim;
+    int row_stride;
+    int num_threads;
+} tm_rotary_args;
+TM_API int tm_rotary(const tm_rotary_args *a);
+
+typedef struct {
+    const float *gate_up;         /* [rows, 2 * inter], gate first */
+    float *out;                   /* [rows, inter] = silu(gate) * up */
+    int rows;
+    int inter;
+    int num_threads;
+} tm_silu_mul_args;
+TM_API int tm_silu_mul(const tm_silu_mul_args *a);
+
+/* torch.argmax's rules: the first index on ties, a NaN the largest */
+typedef struct {
+    const float *x;               /* [rows, n] */
+    int64_t *out;                 /* [rows] */
+    int rows;
+    int n;
+    int num_threads;
+} tm_argmax_args;
+TM_API int tm_argmax(const tm_argmax_args *a);
+
+/* ---- paged attention (attention.c; the AVX-512 decode path: arch/avx512/) --------------------------------- */
+#define TM_ATTN_MAX_GROUP 16          /* query heads per kv head */
+#define TM_ATTN_MAX_HEADS 1024
+#define TM_ATTN_MAX_HEAD_DIM 256
+#define TM_ATTN_HEAD_DIM_MULTIPLE 8
+/* block_size must be a power of two */
+
+/* one layer's paged cache: slot = block * block_size + offset */
+typedef struct {
+    void *k;                      /* [num_slots, kv_heads, head_dim], float32 or bfloat16 */
+    void *v;
+    int64_t num_slots;
+    int kv_heads;
+    int head_dim;
+    int bf16;
+} tm_kv_cache;
+
+/* a decode step's requests, the same for every layer (built once a step) */
+typedef struct {
+    const int32_t *tables;        /* [batch, max_blocks] block tables */
+    int max_blocks;
+    const int32_t *starts;        /* [batch] first attended position (> 0 under a sliding window) */
+    const int32_t *lens;          /* [batch] context length */
+    int shared_len;               /* positions every request reads from the same blocks (cascade), or 0 */
+    int batch;
+    int block_size;
+    int max_len;
+    const float *cos;             /* [batch, head_dim] rotary tables, for tm_decode_attention */
+    const float *sin;
+    const int64_t *slots;         /* [batch] where the new K/V go, for tm_decode_attention */
+    int num_threads;
+} tm_decode_step;
+
+/* one query token per request */
+typedef struct {
+    const tm_decode_step *step;
+    const tm_kv_cache *kv;
+    const void *q;                /* [batch, heads, head_dim], rows q_stride elements apart */
+    int q_stride;
+    int q_bf16;
+    void *out;                    /* [batch, heads, head_dim], q's dtype */
+    int heads;
+    float scale;
+} tm_paged_decode_args;
+TM_API int tm_paged_decode(const tm_paged_decode_args *a);
+
+/* several query tokens per request over a context already in the cache, causal */
+typedef struct {
+    const tm_kv_cache *kv;
+    const void *q;                /* [tokens, heads, head_dim], rows q_stride elements apart */
+    int q_stride;
+    int q_bf16;
+    void *out;                    /* [tokens, heads, head_dim] contiguous, q's dtype */
+    const int32_t *tables;        /* [reqs, max_blocks] */
+    int max_blocks;
+    const int32_t *row0;          /* [reqs] request i's rows: row0[i] .. row0[i] + count[i] - 1 */
+    const int32_t *count;
+    const int32_t *computed;      /* [reqs] position of its first row */
+    int reqs;
+    int heads;
+    int block_size;
+    int window;                   /* sliding window, 0 for none */
+    float scale;
+    int num_threads;
+} tm_paged_prefill_args;
+TM_API int tm_paged_prefill(const tm_paged_prefill_args *a);
+
+/* k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t]; nothing written when a slot is outside the cache */
+typedef struct {
+    const tm_kv_cache *kv;
+    const float *k;               /* [rows, kv_heads * head_dim], rows src_stride floats apart */
+    const float *v;
+    int src_stride;
+    const int64_t *slots;         /* [rows] */
+    int rows;
+} tm_write_kv_args;
+TM_API int tm_write_kv(const tm_write_kv_args *a);
+
+/* rotary + KV write + paged decode of a decode step's fused qkv rows */
+typedef struct {
+    const tm_decode_step *step;
+    const tm_kv_cache *kv;
+    float *qkv;                   /* [batch, (heads + 2 kv_heads) * head_dim], rows qkv_stride floats apart */
+    int qkv_stride;
+    float *out;                   /* [batch, heads, head_dim] */
+    int heads;
+    float scale;
+} tm_decode_attention_args;
+TM_API int tm_decode_attention(const tm_decode_attention_args *a);
+
+/* ---- a decoder layer's decode step in one call (decode_layer.c) ------------------------------------------- */
+typedef struct {
+    const float *input_norm;      /* [hidden] */
+    const float *post_norm;
+    float eps;
+    int hidden;
+    int heads;
+    int kv_heads;
+    int head_dim;
+    int inter;
+    float scale;
+    const tm_qweight *qkv;
+    const tm_qweight *o;
+    const tm_qweight *gate_up;
+    const tm_qweight *down;
+} tm_layer;
+
+typedef struct {
+    const tm_layer *layer;
+    const tm_decode_step *step;
+    const tm_kv_cache *kv;
+    const float *x;               /* [batch, hidden]: the previous layer's MLP output */
+    float *residual;              /* [batch, hidden], updated in place; x itself when add is 0 */
+    int add;
+    float *out;                   /* [batch, hidden]: this layer's MLP output */
+} tm_decode_layer_args;
+TM_API int tm_decode_layer(const tm_decode_layer_args *a);
+
+/* ---- faulting in fresh memory (pages.c) ------------------------------------------------------------------- */
+typedef struct {
+    void *bufs;                   /* void *[n]: equal-sized buffers nothing uses yet */
+    int n;
+    int64_t bytes;
+    int64_t chunk;
+    int *stop;                    /* checked before each chunk */
+} tm_touch_pages_args;
+/* returns the bytes of each buffer faulted in */
+TM_API int64_t tm_touch_pages(const tm_touch_pages_args *a);
+
+#endif

@@ -1,0 +1,164 @@
+"""The ops served by the CPU kernel library (one variant, chosen at load): quantised-block matmul for decode-sized
+batches, RMSNorm(+residual), rotary, SiLU-mul, argmax, and a decode step's whole layer in one call. What a
+kernel does not take (another dtype, more rows than it was made for) runs on the reference, and the ops that
+never can for this model are named once at load."""
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import replace
+from typing import Optional
+
+import torch
+
+from tokenmill.executor.kernels import KernelLibrary, check
+from tokenmill.executor.layers.quant import PackedWeight
+from tokenmill.executor.ops.reference import ReferenceOps
+
+log = logging.getLogger("tokenmill")
+
+
+class CpuKernelOps(ReferenceOps):
+    def __init__(self, kernels: KernelLibrary, dtype: torch.dtype):
+        self.kernels = kernels
+        self.name = f"cpu-{kernels.isa}"
+        self.max_rows = kernels.limits["TM_QMATMUL_MAX_ROWS"]
+        self._qweights: dict[int, tuple[PackedWeight, ctypes.Structure]] = {}   # id(packed) -> its tm_qweight
+        self._layers: dict[int, tuple[object, ctypes.Structure]] = {}          # id(layer) -> its tm_layer
+        self._reference = ReferenceOps()
+        # the norm, rotary and SiLU kernels are float32: for another dtype those ops are the reference's
+        self.float_ops = dtype == torch.float32
+        if not self.float_ops:
+            log.info("rms_norm, rotary and silu_mul run on torch: the CPU kernels take float32, the model is %s",
+                     dtype)
+
+    # ---- load time -------------------------------------------------------------------------------------------
+    def prepare(self, model) -> None:
+        """Kernel layouts of the model's quantised weights (the lanes copy where this variant has that kernel)
+        and the one-call decode layers."""
+        from tokenmill.executor.layers.linear import Linear
+        for m in model.modules():
+            if isinstance(m, Linear) and m.packed is not None:
+                m.packed = self._register(m.packed)
+        for layer in model.layers:
+            desc = self._layer_desc(layer)
+            if desc is not None:
+                self._layers[id(layer)] = (layer, desc)
+
+    def _register(self, p: PackedWeight) -> PackedWeight:
+        lanes = replace(p, lanes=(torch.empty_like(p.codes), torch.empty_like(p.scale),
+                                  None if p.offset is None else torch.empty_like(p.offset)))
+        if self.kernels.call("pack_lanes", self._qweight(lanes)) != 0:
+            lanes = p            # no lanes kernel in this variant, or rows not a multiple of 16
+        self._qweights[id(lanes)] = (lanes, self._qweight(lanes))
+        return lanes
+
+    def _qweight(self, p: PackedWeight) -> ctypes.Structure:
+        lc, ls, lo = p.lanes or (None, None, None)
+        return self.kernels.struct("qweight", bits=p.bits, codes=p.codes, scale=p.scale, offset=p.offset,
+                                   lanes_codes=lc, lanes_scale=ls, lanes_offset=lo, n=p.shape[0], k=p.shape[1])
+
+    def _layer_desc(self, layer) -> Optional[ctypes.Structure]:
+        """The tm_layer of a decoder layer the one-call decode covers (all four matrices in blocks, no biases,
+        no q/k norm, float32), else None."""
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if not self.float_ops or attn.q_norm is not None or norms[0].eps != norms[1].eps:
+            return None
+        if any(id(lin.packed) not in self._qweights or lin.bias is not None for lin in linears):
+            return None
+        qw = [self._qweights[id(lin.packed)][1] for lin in linears]
+        return self.kernels.struct("layer", input_norm=norms[0].weight, post_norm=norms[1].weight, eps=norms[0].eps,
+                                   hidden=attn.qkv_proj.packed.shape[1], heads=attn.num_heads,
+                                   kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, inter=mlp.inter,
+                                   scale=attn.scale, qkv=qw[0], o=qw[1], gate_up=qw[2], down=qw[3])
+
+    # ---- the ops -----------------------------------------------------------------------------------------------
+    def linear(self, x: torch.Tensor, layer) -> torch.Tensor:
+        p = layer.packed
+        if p is None or x.shape[0] > self.max_rows:    # prefill chunks: the dense GEMM
+            return super().linear(x, layer)
+        y = self.qmatmul(x if x.dtype == torch.float32 else x.float(), p).to(x.dtype)
+        return y if layer.bias is None else y + layer.bias
+
+    def qmatmul(self, x: torch.Tensor, p: PackedWeight) -> torch.Tensor:
+        """x [B, K] float32, B <= TM_QMATMUL_MAX_ROWS, times the blocks of W [N, K]: x @ W^T, float32 [B, N]."""
+        b, k = x.shape
+        if k != p.shape[1] or b > self.max_rows or x.dtype != torch.float32:
+            raise ValueError(f"qmatmul takes float32 [<= {self.max_rows}, {p.shape[1]}], got {x.dtype} "
+                             f"{tuple(x.shape)}")
+        entry = self._qweights.get(id(p))
+        qw = entry[1] if entry is not None and entry[0] is p else self._qweight(p)
+        x = x.contiguous()
+        y = torch.empty(b, p.shape[0], dtype=torch.float32)
+        self.kernels.run("qmatmul", w=qw, x=x, y=y, rows=b, num_threads=torch.get_num_threads())
+        return y
+
+    def rms_norm(self, x, residual, weight, eps):
+        if not self.float_ops or x.dtype != torch.float32 or not x.is_contiguous() \
+                or (residual is not None and not residual.is_contiguous()):
+            return super().rms_norm(x, residual, weight, eps)
+        dim = x.shape[-1]
+        res = x if residual is None else residual
+        out = torch.empty_like(x)
+        self.kernels.run("rms_norm", x=x, residual=res, weight=weight, out=out, rows=x.numel() // dim, dim=dim,
+                         eps=eps, add=int(residual is not None), num_threads=torch.get_num_threads())
+        return out, res
+
+    def rotary(self, qk, cos, sin):
+        """In place, in the fused qkv rows qk is a view of."""
+        T, heads, D = qk.shape
+        if not self.float_ops or qk.dtype != torch.float32 or qk.stride(2) != 1 or qk.stride(1) != D \
+                or not cos.is_contiguous() or not sin.is_contiguous():
+            return super().rotary(qk, cos, sin)
+        self.kernels.run("rotary", x=qk, cos=cos, sin=sin, rows=T, heads=heads, dim=D, row_stride=qk.stride(0),
+                         num_threads=torch.get_num_threads())
+        return qk
+
+    def silu_mul(self, gate_up):
+        if not self.float_ops or gate_up.dtype != torch.float32 or not gate_up.is_contiguous():
+            return super().silu_mul(gate_up)
+        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(rows, inter)
+        self.kernels.run("silu_mul", gate_up=gate_up, out=out, rows=rows, inter=inter,
+                         num_threads=torch.get_num_threads())
+        return out
+
+    def argmax(self, x):
+        """torch.argmax's rules (first index on ties, NaN the largest), rows over the threads."""
+        if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous() or x.shape[1] == 0:
+            return super().argmax(x)
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self.kernels.run("argmax", x=x, out=out, rows=x.shape[0], n=x.shape[1], num_threads=torch.get_num_threads())
+        return out
+
+    def decoder_layer(self, layer, x, residual, rope, backend, meta):
+        """A pure decode step's layer as one call where it qualifies (the same kernels the layer would call one
+        by one, without the calls between them), else the layer itself."""
+        entry = self._layers.get(id(layer))
+        step = getattr(meta, "decode_step", None)
+        cos, sin = rope
+        if entry is None or step is None or not meta.all_decode or x.shape[0] > self.max_rows \
+                or x.dtype != torch.float32 or not x.is_contiguous() \
+                or (residual is not None and not residual.is_contiguous()) \
+                or cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
+            return layer(x, residual, rope, backend, meta)
+        step.cos, step.sin = cos.data_ptr(), sin.data_ptr()    # the same tables for every layer of the step
+        res = x if residual is None else residual
+        out = torch.empty_like(x)
+        check(self.kernels.call("decode_layer", self.kernels.struct(
+            "decode_layer_args", layer=entry[1], step=step, kv=meta.kv[layer.layer_idx], x=x, residual=res,
+            add=int(residual is not None), out=out)), "decode_layer")
+        return out, res
+
+    def describe(self) -> dict[str, str]:
+        k, ref = f"kernels ({self.kernels.isa})", "torch (the kernels take float32)"
+        lim = self.kernels.limits
+        return {"linear": f"{k} for GGUF blocks up to {self.max_rows} rows, torch otherwise",
+                "rms_norm": k if self.float_ops else ref, "rotary": k if self.float_ops else ref,
+                "silu_mul": k if self.float_ops else ref, "argmax": k,
+                "decoder_layer": f"{k}, one call a layer, for GGUF models in blocks" if self.float_ops else "torch",
+                "attention": f"{k}, paged, for head_dim a multiple of {lim['TM_ATTN_HEAD_DIM_MULTIPLE']} up to "
+                             f"{lim['TM_ATTN_MAX_HEAD_DIM']} and up to {lim['TM_ATTN_MAX_GROUP']} query heads per "
+                             f"kv head; torch otherwise"}
