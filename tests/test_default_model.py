@@ -7,6 +7,8 @@ import torch
 from tokenmill import LLM, SamplingParams
 from tokenmill.executor.loader import default_model_path
 
+pytestmark = pytest.mark.slow   # the real model against transformers (make test-fast skips it)
+
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 N = 24
 

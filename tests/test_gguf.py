@@ -82,6 +82,7 @@ def hf_dir(smol_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 # ---------------------------------------------------------------- the real model vs transformers
 
 
+@pytest.mark.slow
 def test_smollm2_tensors_match_transformers(ours, oracle) -> None:
     _, tensors = ours
     ref = oracle["tensors"]
@@ -129,6 +130,7 @@ TEXTS = ["Hello world", "The capital of France is", "  leading spaces\n\nand\tta
          "héllo wörld — 你好 🙂", "def fibonacci(n):\n    return n", "<|im_start|>user\nHi<|im_end|>"]
 
 
+@pytest.mark.slow
 def test_tokenizer_matches_transformers_gguf_tokenizer(tokenizer, ref_tokenizer) -> None:
     for text in TEXTS:
         ids = tokenizer.encode(text)
@@ -171,6 +173,7 @@ def test_load_tokenizer_bad_paths(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- GGUF -> HF folder
 
 
+@pytest.mark.slow
 def test_gguf_to_hf_logits_match_transformers_gguf(hf_dir: Path, oracle, ref_tokenizer) -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig
 

@@ -82,3 +82,30 @@ def test_native_variants_against_generic(tmp_path: Path) -> None:
         assert f"build_hash={source_hash()}" in output, (
             f"the kernels in {OUT} were built from other sources than tokenmill/executor/csrc: rebuild them "
             f"(make kernels)\n{output}")
+
+
+@pytest.mark.slow
+def test_clang_builds_the_library_and_it_agrees_with_gcc(tmp_path: Path) -> None:
+    """The kernels are plain C11 plus GCC/clang vector extensions: clang builds this machine's best variant, and
+    the driver finds it equal to gcc's generic build."""
+    if shutil.which("clang") is None:
+        pytest.skip("no clang here (Debian: apt-get install clang)")
+    from tokenmill.executor.kernels import runnable_variants
+    from tokenmill.executor.kernels.build import OUT, build, find_compiler, library_name
+
+    best = runnable_variants()[0]
+    try:
+        build(out=tmp_path, cc="clang", isas=[best], quiet=True)
+    except SystemExit as e:
+        if "libomp" in str(e):
+            pytest.skip(f"clang without LLVM's OpenMP runtime here: {e}")
+        raise
+    driver = _compile_driver(find_compiler(None), tmp_path / "kernel_check")
+    _run_driver([str(driver), str(tmp_path / library_name(best)), str(OUT / library_name("generic"))])
+
+
+def test_a_missing_compiler_stops_the_build_with_what_to_install(tmp_path: Path) -> None:
+    from tokenmill.executor.kernels.build import build
+
+    with pytest.raises(SystemExit, match="needs a C compiler with OpenMP.*apt-get install gcc"):
+        build(out=tmp_path, cc="no-such-cc", quiet=True)

@@ -8,6 +8,8 @@ import shutil
 
 import pytest
 
+pytestmark = pytest.mark.slow   # a real browser (make test-fast skips it)
+
 pytest_plugins = ["tests.server_fixtures"]
 
 

@@ -13,6 +13,8 @@ import time
 import httpx
 import pytest
 
+pytestmark = pytest.mark.slow   # real server processes under load (make test-fast skips them)
+
 pytest_plugins = ["tests.server_fixtures"]
 openai = pytest.importorskip("openai")
 

@@ -55,10 +55,16 @@ def library_name(isa: str) -> str:
     return f"tokenmill-{isa}.so"
 
 
-def _openmp_link_flags(cc_arch: str) -> list[str]:
+def is_clang(compiler: str) -> bool:
+    res = subprocess.run([compiler, "--version"], capture_output=True, text=True)
+    return "clang" in res.stdout.lower()
+
+
+def _openmp_link_flags(cc_arch: str, compiler: str) -> list[str]:
     """Link against the OpenMP runtime torch loads, so that GEMMs and our kernels share one thread pool (two
-    runtimes would each keep spinning threads and fight over the cores); the compiler's own without torch."""
-    if cc_arch == machine():
+    runtimes would each keep spinning threads and fight over the cores); the compiler's own without torch, or
+    with clang, whose OpenMP calls only LLVM's runtime (libomp) answers."""
+    if cc_arch == machine() and not is_clang(compiler):
         try:
             import torch   # present when `make setup` builds: it installs torch first
         except ImportError:
@@ -84,6 +90,17 @@ def _run(cmd: list[str]) -> None:
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise SystemExit(f"tokenmill: building the CPU kernels failed:\n  {' '.join(cmd)}\n{res.stderr.strip()}")
+
+
+def _check_loads(lib: Path, compiler: str) -> None:
+    """A library that links but cannot load (a runtime missing) fails the build, not the first request."""
+    import ctypes
+    try:
+        ctypes.CDLL(str(lib))
+    except OSError as e:
+        hint = " clang's OpenMP needs LLVM's runtime: install it (Debian/Ubuntu: apt-get install libomp-dev) or " \
+               "build with gcc (CC=gcc)." if is_clang(compiler) else ""
+        raise SystemExit(f"tokenmill: the CPU kernels built but do not load ({e}).{hint}") from e
 
 
 def build(out: Path = OUT, cc: str | None = None, arch: str | None = None, isas: list[str] | None = None,
@@ -113,7 +130,9 @@ def build(out: Path = OUT, cc: str | None = None, arch: str | None = None, isas:
         for isa in isas:
             objs = [str(obj) for i, _, obj in jobs if i == isa]
             tmp_lib = Path(tmp) / library_name(isa)
-            _run([compiler, "-shared", *objs, "-o", str(tmp_lib), "-lm", *_openmp_link_flags(arch)])
+            _run([compiler, "-shared", *objs, "-o", str(tmp_lib), "-lm", *_openmp_link_flags(arch, compiler)])
+            if arch == machine():
+                _check_loads(tmp_lib, compiler)
             os.replace(tmp_lib, out / library_name(isa))     # atomic: a running process never sees half a file
             built.append(out / library_name(isa))
     if not quiet:

@@ -25,7 +25,6 @@ class CpuKernelOps(ReferenceOps):
         self.max_rows = kernels.limits["TM_QMATMUL_MAX_ROWS"]
         self._qweights: dict[int, tuple[PackedWeight, ctypes.Structure]] = {}   # id(packed) -> its tm_qweight
         self._layers: dict[int, tuple[object, ctypes.Structure]] = {}          # id(layer) -> its tm_layer
-        self._reference = ReferenceOps()
         # the norm, rotary and SiLU kernels are float32: for another dtype those ops are the reference's
         self.float_ops = dtype == torch.float32
         if not self.float_ops:
