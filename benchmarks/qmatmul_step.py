@@ -23,8 +23,8 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]   # qkv, o, gate_up,
 def q4_1(n: int, k: int, rng: np.random.Generator):
     """Random Q4_1 blocks of [n, k]: fp16 d and m, then 16 bytes of nibbles, per 32 weights."""
     blocks = np.empty((n, k // 32, 20), np.uint8)
-    blocks[..., 0:2] = np.float16(0.01).view(np.uint8)[None, None]
-    blocks[..., 2:4] = np.float16(-0.08).view(np.uint8)[None, None]
+    blocks[..., 0:2] = np.array([0.01], np.float16).view(np.uint8)
+    blocks[..., 2:4] = np.array([-0.08], np.float16).view(np.uint8)
     blocks[..., 4:] = rng.integers(0, 256, (n, k // 32, 16), np.uint8)
     return pack_ggml("Q4_1", blocks.reshape(n, -1), (n, k))
 

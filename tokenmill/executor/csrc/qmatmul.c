@@ -26,8 +26,13 @@
 #define MAX_B 4
 #endif
 #define PREFETCH_ROWS 16
-/* Above this many inputs, qgemm() (BENCHMARKS.md has the crossover). */
+/* Above this many inputs, qgemm() (BENCHMARKS.md has the crossover); its 16-input vectors are AVX-512's, and
+ * narrower variants keep to the row kernel */
+#if defined(__AVX512F__)
 #define GEMM_MIN_ROWS 20
+#else
+#define GEMM_MIN_ROWS TM_QMATMUL_MAX_ROWS
+#endif
 #define KC 128            /* positions of weights dequantised at a time by qgemm() */
 
 /* qgemm's vectors: 16 inputs, whatever the variant's register width (two AVX2 registers, four NEON ones) */
