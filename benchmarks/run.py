@@ -121,10 +121,13 @@ def main() -> None:
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-llamacpp", action="store_true")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                    help="tokenmill's dtype (default: the engine's default for this CPU)")
     ap.add_argument("--llamacpp-venv", type=Path, default=PEERS / "llamacpp",
                     help="a venv with llama-cpp-python (made with the PyPI build on first use)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / f"{time.strftime('%Y-%m-%d')}.json"))
     a = ap.parse_args()
+    ours_args = ["--dtype", a.dtype] if a.dtype else []
     work = Path(os.environ.get("TMPDIR", "/tmp")) / "tokenmill-bench"
     work.mkdir(parents=True, exist_ok=True)
     hf_dir = work / "smollm2-hf-bf16"
@@ -145,15 +148,15 @@ def main() -> None:
                  "cpu_flags": sorted(f for f in cpu.flags if f.startswith(("avx", "fma", "f16c", "asimd", "sve",
                                                                           "amx"))),
                  "cores": os.cpu_count(), "torch": torch.__version__,
-                 "tokenmill_dtype": str(default_dtype(torch.device("cpu"))), "tokenmill_kernels": choose("auto")}
+                 "tokenmill_dtype": a.dtype or str(default_dtype(torch.device("cpu"))), "tokenmill_kernels": choose("auto")}
     if not a.skip_llamacpp:
         res["llamacpp_venv"] = str(a.llamacpp_venv)
     # 1. offline throughput, offline-64
-    ours = last_json(sh(TM + ["bench", "throughput", "--workload", wl, "--json", "--no-progress"]))
+    ours = last_json(sh(TM + ["bench", "throughput", "--workload", wl, "--json", "--no-progress", *ours_args]))
     res["offline64"] = {"tokenmill": {k: ours[k] for k in ("generated_tok_s", "total_tok_s", "elapsed_s")}}
     # the same with K/V stored in bfloat16, as the peers store them (an option: not token-exact with float32)
     ours16 = last_json(sh(TM + ["bench", "throughput", "--workload", wl, "--json", "--no-progress",
-                                "--kv-cache-dtype", "bfloat16"]))
+                                "--kv-cache-dtype", "bfloat16", *ours_args]))
     res["offline64"]["tokenmill_kv_bf16"] = {k: ours16[k] for k in ("generated_tok_s", "total_tok_s", "elapsed_s")}
     if not a.skip_hf:
         hf = last_json(sh([PY, SHARED / "run_hf.py", hf_dir, wl, "16"]))
@@ -162,7 +165,7 @@ def main() -> None:
         v = last_json(sh([SHARED / "vllm-cpu", hf_dir, wl]))
         res["offline64"]["vllm"] = {"generated_tok_s": v["gen_tok_s"], "total_tok_s": v["total_tok_s"]}
     # 2. single stream: 256-token prompt, 256 decode steps
-    lat = last_json(sh(TM + ["bench", "latency", "--input-len", "256", "--output-len", "256", "--json"]))
+    lat = last_json(sh(TM + ["bench", "latency", "--input-len", "256", "--output-len", "256", "--json", *ours_args]))
     bw = read_bandwidth_gbs()
     n_params = weight_bytes(1)
     res["single"] = {"tokenmill": {"ttft_ms": lat["ttft_ms"], "decode_tok_s": lat["decode_tok_s"]},
@@ -185,9 +188,10 @@ def main() -> None:
     # off alternate PREFIX_PAIRS times and the speed-up is the median of the pairs' ratios; every pair is kept.
     pairs = []
     for _ in range(PREFIX_PAIRS):
-        on = last_json(sh(TM + ["bench", "throughput", "--workload", wl_prefix, "--json", "--no-progress"]))
+        on = last_json(sh(TM + ["bench", "throughput", "--workload", wl_prefix, "--json", "--no-progress",
+                                *ours_args]))
         off = last_json(sh(TM + ["bench", "throughput", "--workload", wl_prefix, "--json", "--no-progress",
-                                 "--no-prefix-caching"]))
+                                 "--no-prefix-caching", *ours_args]))
         pairs.append({"on_s": on["elapsed_s"], "off_s": off["elapsed_s"], "speedup": off["elapsed_s"] / on["elapsed_s"]})
     res["prefix_caching"] = {**median_pair(pairs), "pairs": pairs}
     # 4. start-up

@@ -13,10 +13,6 @@
 #include <string.h>
 
 #include "qmatmul.h"
-#include "simd.h"
-#if defined(__AVX512F__)
-#include "arch/avx512/transpose.h"
-#endif
 
 /* inputs per pass over a row group (accumulators in registers): R rows x MAX_B inputs of vf, with 32 vector
  * registers (AVX-512, NEON) or 16 (AVX2, SSE) */
@@ -26,28 +22,8 @@
 #define MAX_B 4
 #endif
 #define PREFETCH_ROWS 16
-/* Above this many inputs, qgemm() (BENCHMARKS.md has the crossover); its 16-input vectors are AVX-512's, and
- * narrower variants keep to the row kernel */
-#if defined(__AVX512F__)
+/* Above this many inputs, the many-row kernel (qgemm); AVX-512's and AVX2's cross over there (BENCHMARKS.md) */
 #define GEMM_MIN_ROWS 20
-#else
-#define GEMM_MIN_ROWS TM_QMATMUL_MAX_ROWS
-#endif
-#define KC 128            /* positions of weights dequantised at a time by qgemm() */
-
-/* qgemm's vectors: 16 inputs, whatever the variant's register width (two AVX2 registers, four NEON ones) */
-typedef float v16f __attribute__((vector_size(64)));
-
-static inline v16f load16(const float *p) {
-    v16f v;
-    memcpy(&v, p, 64);
-    return v;
-}
-#if defined(__AVX512F__)
-static inline v16f fma16(v16f a, v16f b, v16f acc) { return (v16f)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc); }
-#else
-static inline v16f fma16(v16f a, v16f b, v16f acc) { return a * b + acc; }
-#endif
 
 /* R rows against B inputs: R * B independent accumulators, so a single input still keeps several FMA chains
  * in flight. R and B are compile-time constants at each call site (the switch below). */
@@ -133,167 +109,97 @@ static inline __attribute__((always_inline)) void row_range(int q4, const float 
 }
 #undef GROUP
 
-/* ---- many rows: dequantise a few weight rows into L1, then a register-blocked GEMM over all inputs ---------
- * Above ~20 inputs the dot-product scheme above runs out of registers (it re-dequantises every row for each 8
- * inputs and reloads x from L2 per FMA pair). Here NR weight rows are dequantised KC positions at a time into
- * a float32 scratch ws [NR][KC] (L1), x is turned round (by each thread) to xT [K][16 * MV] (zero-padded), and
- * the inner loop keeps NR x MV accumulators of 16 inputs each: per k it loads MV vectors of x and broadcasts NR
- * weights, NR * MV FMAs for NR + MV loads. Sums run over k in order, so results differ from
- * x @ dequantised(w)^T only in summation order, as above. */
-/* Weight rows n0 .. n0+NR-1, positions k0 .. k0+KC-1, dequantised into ws [NR][KC]; rows past N are zeros,
- * computed and never stored. */
-static inline __attribute__((always_inline)) void dequant_rows(int q4, int K, const uint8_t *codes,
-                                                               const float *d, const float *m, int n0, int count,
-                                                               int NR, int k0, int kc, float *ws) {
-    const int nb = K / QK;
-    const size_t row_bytes = q4 ? (size_t)K / 2 : (size_t)K;
-    for (int r = 0; r < NR; r++) {
-        float *w = ws + (size_t)r * KC;
-        if (r >= count) {
-            memset(w, 0, sizeof(float) * KC);
-            continue;
-        }
-        const size_t n = (size_t)n0 + r;
-        for (int i = k0 / QK; i < (k0 + kc) / QK; i++) {
-            vf q[QV];
-            if (q4) q4_block(codes + n * row_bytes + (size_t)i * 16, d[n * nb + i], m[n * nb + i], q);
-            else q8_block((const int8_t *)codes + n * row_bytes + (size_t)i * 32, d[n * nb + i], q);
-            for (int v = 0; v < QV; v++) vstore(w + (size_t)i * QK - k0 + v * VL, q[v]);
-        }
-    }
-}
 
-/* Outputs n0 .. n0+count-1 for all inputs, into rows 0 .. count-1 of yT: the accumulators stay in registers
- * over all of K while the weights arrive KC positions at a time (ws stays in L1 next to the slice of xT being
- * read). */
-static inline __attribute__((always_inline)) void gemm_tile(int q4, const uint8_t *codes, const float *d,
-                                                            const float *m, const float *xT, int K, float *ws,
-                                                            int NR, int MV, float *yT, int n0, int count) {
-    v16f acc[12][4];
-#pragma GCC unroll 12
-    for (int r = 0; r < NR; r++)
-#pragma GCC unroll 4
-        for (int j = 0; j < MV; j++) acc[r][j] = (v16f){0};
-    const int BP = 16 * MV;
-    for (int k0 = 0; k0 < K; k0 += KC) {
-        const int kc = K - k0 < KC ? K - k0 : KC;
-        dequant_rows(q4, K, codes, d, m, n0, count, NR, k0, kc, ws);
-        for (int k = 0; k < kc; k++) {
-            v16f xv[4];
-#pragma GCC unroll 4
-            for (int j = 0; j < MV; j++) xv[j] = load16(xT + (size_t)(k0 + k) * BP + 16 * j);
-#pragma GCC unroll 12
-            for (int r = 0; r < NR; r++) {
-                const v16f wb = (v16f){0} + ws[(size_t)r * KC + k];    /* broadcast */
-#pragma GCC unroll 4
-                for (int j = 0; j < MV; j++) acc[r][j] = fma16(wb, xv[j], acc[r][j]);
-            }
-        }
-    }
-    /* acc[r][j] holds y[16j .. 16j+15][n0 + r]: kept transposed, and turned round by transpose_out() */
-#pragma GCC unroll 12
-    for (int r = 0; r < NR; r++)
-#pragma GCC unroll 4
-        for (int j = 0; j < MV; j++)
-            if (r < count) memcpy(yT + (size_t)r * BP + 16 * j, &acc[r][j], 64);
-}
-
-/* y [B][N], outputs n0 .. n0+count-1, from their rows of yT [count][BP]: 16 x 16 squares turned round in L1,
- * so each row of y gets whole 64-byte stores (scattered single floats into y cost more than the FMAs at
- * K = 128) */
-
-static void transpose_out(const float *yT, int BP, float *y, int B, int N, int n0, int count) {
-    for (int i0 = 0; i0 < count; i0 += 16) {
-        const int nn = count - i0 < 16 ? count - i0 : 16;
-        for (int b0 = 0; b0 < B; b0 += 16) {
-#if defined(__AVX512F__)
-            __m512 r[16];
-            for (int i = 0; i < 16; i++)
-                r[i] = i < nn ? _mm512_loadu_ps(yT + (size_t)(i0 + i) * BP + b0) : _mm512_setzero_ps();
-            transpose16(r);
-            const __mmask16 mask = (__mmask16)((1u << nn) - 1);
-            for (int l = 0; l < 16 && b0 + l < B; l++)
-                _mm512_mask_storeu_ps(y + (size_t)(b0 + l) * N + n0 + i0, mask, r[l]);
+/* ---- many rows, at the variant's own vector width (AVX-512 has its own: arch/avx512/qmatmul_gemm.c) ---------
+ * Above GEMM_MIN_ROWS inputs the row kernel re-dequantises every weight row for each MAX_B inputs. Here NR weight
+ * rows are dequantised KC positions at a time into ws [NR][KC] (L1), the inputs are turned round into xT [K][BP]
+ * (BP: B rounded up to whole vectors, zero-padded), and a tile keeps NR x MC vectors of accumulators: per k, MC
+ * loads of x and NR broadcasts of weights feed NR * MC FMAs. The inputs go MC vectors at a time, their partial
+ * sums kept in yT between chunks of k; each output's sum still runs over k in order. */
+#if !defined(__AVX512F__)
+#if defined(__ARM_NEON)
+#define G_NR 6            /* 24 accumulators + 4 inputs + a broadcast of NEON's 32 registers */
+#define G_MC 4
 #else
-            float t[16][16];
-            for (int i = 0; i < nn; i++)
-                for (int l = 0; l < 16; l++) t[l][i] = yT[(size_t)(i0 + i) * BP + b0 + l];
-            for (int l = 0; l < 16 && b0 + l < B; l++)
-                memcpy(y + (size_t)(b0 + l) * N + n0 + i0, t[l], sizeof(float) * nn);
+#define G_NR 4            /* 8 accumulators + 2 inputs + a broadcast of AVX2's 16 registers */
+#define G_MC 2
 #endif
+#define G_GROUP 48        /* outputs a thread takes at a time */
+
+TM_INLINE void tile(const float *ws, const float *xT, int BP, int k0, int kc, float *yT, int c0, int MC) {
+    vf acc[G_NR][G_MC];     /* fully unrolled (MC a constant at each call), so these live in registers */
+#pragma GCC unroll 8
+    for (int r = 0; r < G_NR; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < MC; j++)
+            acc[r][j] = k0 == 0 ? (vf){0} : vload(yT + (size_t)r * BP + (size_t)(c0 + j) * VL);
+    for (int k = 0; k < kc; k++) {
+        vf xv[G_MC];
+#pragma GCC unroll 4
+        for (int j = 0; j < MC; j++) xv[j] = vload(xT + (size_t)(k0 + k) * BP + (size_t)(c0 + j) * VL);
+#pragma GCC unroll 8
+        for (int r = 0; r < G_NR; r++) {
+            const vf wb = vset1(ws[(size_t)r * KC + k]);
+#pragma GCC unroll 4
+            for (int j = 0; j < MC; j++) acc[r][j] = vfma(wb, xv[j], acc[r][j]);
         }
     }
+#pragma GCC unroll 8
+    for (int r = 0; r < G_NR; r++)
+#pragma GCC unroll 4
+        for (int j = 0; j < MC; j++) vstore(yT + (size_t)r * BP + (size_t)(c0 + j) * VL, acc[r][j]);
 }
-
-/* xT [K][BP] = x [B][K] turned round, rows past B zero (K a multiple of 16). Each thread of qgemm() turns its own
- * copy: 16 x 16 squares through registers cost less than sharing one copy would (a second parallel region, a
- * barrier, and half of every thread's xT written by the other core). A batch-64 step's 120 matrices, cold
- * weights, two threads: ~3-10% faster than the shared scalar copy it replaced. */
-static void turn_inputs(const float *x, int B, int K, int BP, float *xT) {
-    for (int k0 = 0; k0 < K; k0 += 16)
-        for (int b0 = 0; b0 < BP; b0 += 16) {
-#if defined(__AVX512F__)
-            __m512 r[16];
-            for (int i = 0; i < 16; i++)
-                r[i] = b0 + i < B ? _mm512_loadu_ps(x + (size_t)(b0 + i) * K + k0) : _mm512_setzero_ps();
-            transpose16(r);
-            for (int j = 0; j < 16; j++) _mm512_store_ps(xT + (size_t)(k0 + j) * BP + b0, r[j]);
-#else
-            for (int i = 0; i < 16; i++)
-                for (int j = 0; j < 16; j++)
-                    xT[(size_t)(k0 + j) * BP + b0 + i] = b0 + i < B ? x[(size_t)(b0 + i) * K + k0 + j] : 0.f;
-#endif
-        }
-}
-
-/* Outputs go in groups of GROUP_N (a multiple of every NR below): a thread computes a group's tiles into its
- * own yT [GROUP_N][BP] (12 KB at 64 inputs, in L1) and turns it round into y at once. NR = rows per tile
- * for MV vectors of inputs (MV = 2..4 above GEMM_MIN_ROWS): NR * MV = 24 accumulators, with MV x vectors and
- * a broadcast, fit the 32 vector registers. A macro, not an inline function: GCC outlines an omp parallel
- * body into its own function, where NR and MV would no longer be constants, and that ran 2x slower. */
-#define GROUP_N 48
-#define GEMM_CASE(MV_, NR_)                                                                             \
-    case MV_: {                                                                                         \
-        _Pragma("omp parallel num_threads(num_threads)") {                                              \
-            float *ws = aligned_alloc(64, sizeof(float) * NR_ * KC);                                    \
-            float *yT = aligned_alloc(64, sizeof(float) * GROUP_N * BP);                                \
-            float *xT = aligned_alloc(64, sizeof(float) * (size_t)K * BP);                              \
-            const int ok = ws && yT && xT;                                                              \
-            if (ok) turn_inputs(x, B, K, BP, xT);                                                       \
-            else failed = 1;                                                                            \
-            /* every thread meets the loop, even without its buffers: one that skipped it would leave the \
-             * others waiting at its barrier */                                                         \
-            _Pragma("omp for schedule(dynamic, 1)")                                                         \
-            for (int g = 0; g < groups; g++) {                                                          \
-                if (!ok) continue;                                                                      \
-                const int g0 = g * GROUP_N, size = N - g0 < GROUP_N ? N - g0 : GROUP_N;                 \
-                for (int n0 = g0; n0 < g0 + size; n0 += NR_) {                                          \
-                    const int count = g0 + size - n0 < NR_ ? g0 + size - n0 : NR_;                      \
-                    float *rows_out = yT + (size_t)(n0 - g0) * BP;                                      \
-                    gemm_tile(q4, codes, d, m, xT, K, ws, NR_, MV_, rows_out, n0, count);               \
-                }                                                                                       \
-                transpose_out(yT, BP, y, B, N, g0, size);                                               \
-            }                                                                                           \
-            free(ws);                                                                                   \
-            free(yT);                                                                                   \
-            free(xT);                                                                                   \
-        }                                                                                               \
-        break;                                                                                          \
-    }
 
 static int qgemm(int q4, const float *x, int B, int K, int N, const uint8_t *codes, const float *d,
                  const float *m, float *y, int num_threads) {
-    const int MV = (B + 15) / 16, BP = 16 * MV;
-    const int groups = (N + GROUP_N - 1) / GROUP_N;
+    const int nv = (B + VL - 1) / VL, BP = nv * VL;
+    const int groups = (N + G_GROUP - 1) / G_GROUP;
     int failed = 0;
-    switch (MV) {
-        GEMM_CASE(2, 12)
-        GEMM_CASE(3, 8)
-        GEMM_CASE(4, 6)
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *ws = malloc(sizeof(float) * G_NR * KC);
+        float *yT = malloc(sizeof(float) * (G_GROUP + G_NR) * (size_t)BP);
+        float *xT = malloc(sizeof(float) * (size_t)K * BP);
+        const int ok = ws && yT && xT;
+        if (!ok) failed = 1;
+        else   /* each thread its own copy: cheaper than sharing one (a barrier, half of it written remotely) */
+            for (int k = 0; k < K; k++)
+                for (int b = 0; b < BP; b++) xT[(size_t)k * BP + b] = b < B ? x[(size_t)b * K + k] : 0.f;
+        /* every thread meets the loop, even without its buffers: one that skipped it would leave the others
+         * waiting at its barrier */
+#pragma omp for schedule(dynamic, 1)
+        for (int g = 0; g < groups; g++) {
+            if (!ok) continue;
+            const int g0 = g * G_GROUP, size = N - g0 < G_GROUP ? N - g0 : G_GROUP;
+            for (int n0 = g0; n0 < g0 + size; n0 += G_NR) {
+                const int count = g0 + size - n0 < G_NR ? g0 + size - n0 : G_NR;
+                float *rows_out = yT + (size_t)(n0 - g0) * BP;
+                for (int k0 = 0; k0 < K; k0 += KC) {
+                    const int kc = K - k0 < KC ? K - k0 : KC;
+                    dequant_rows(q4, K, codes, d, m, n0, count, G_NR, k0, kc, ws);
+                    for (int c0 = 0; c0 < nv; c0 += G_MC)
+                        switch (nv - c0 < G_MC ? nv - c0 : G_MC) {
+                            case 1: tile(ws, xT, BP, k0, kc, rows_out, c0, 1); break;
+#if G_MC > 2
+                            case 2: tile(ws, xT, BP, k0, kc, rows_out, c0, 2); break;
+                            case 3: tile(ws, xT, BP, k0, kc, rows_out, c0, 3); break;
+#endif
+                            default: tile(ws, xT, BP, k0, kc, rows_out, c0, G_MC); break;
+                        }
+                }
+            }
+            for (int b = 0; b < B; b++)
+                for (int i = 0; i < size; i++) y[(size_t)b * N + g0 + i] = yT[(size_t)i * BP + b];
+        }
+        free(ws);
+        free(yT);
+        free(xT);
     }
     return failed ? -2 : 0;
 }
-#undef GEMM_CASE
+#else
+#define qgemm qgemm16
+#endif
 
 #if !HAVE_LANES
 TM_API int tm_pack_lanes(const tm_qweight *w) {
