@@ -123,7 +123,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def info_lines(cpu_kernels: str = "auto", dtype: Optional[str] = None) -> list[str]:
-    """The CPU, the kernel variant chosen for it and what serves each op (`tokenmill info`, the server's log)."""
+    """The CPU, the kernel variant chosen for it and what serves each op (`tokenmill info`)."""
     import torch
 
     from tokenmill.config import resolve_dtype

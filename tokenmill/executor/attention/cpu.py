@@ -41,7 +41,6 @@ def _int32_tables(tables: list[list[int]]) -> torch.Tensor:
 
 @dataclass
 class CpuAttentionMetadata(AttentionMetadata):
-    prefill_reqs: list[int] = field(default_factory=list)
     decode_rows: Optional[torch.Tensor] = None    # [Bd] row of each decoding request's token
     all_decode: bool = False                      # every request has one query token (rows are 0..B-1)
     decode_step: Optional[ctypes.Structure] = None   # tm_decode_step of the decoding requests
@@ -72,7 +71,7 @@ class CpuKernelBackend(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata) -> CpuAttentionMetadata:
         decode, prefill = meta.split()
-        out = extend(meta, CpuAttentionMetadata, prefill_reqs=prefill, all_decode=not prefill, kv=self.kv)
+        out = extend(meta, CpuAttentionMetadata, all_decode=not prefill, kv=self.kv)
         threads = torch.get_num_threads()
         if decode:
             tables = _int32_tables([meta.block_tables[i] for i in decode])

@@ -13,7 +13,7 @@
 
 /* ---- the library ------------------------------------------------------------------------------------------ */
 TM_API const char *tm_isa(void);          /* the variant this build is: avx512, avx2, neon or generic */
-TM_API const char *tm_build_hash(void);   /* hash of the sources and flags it was built from (build.py) */
+TM_API const char *tm_build_hash(void);   /* hash of the sources it was built from (build.py) */
 
 /* ---- matmul over llama.cpp's 32-wide quantised blocks (qmatmul.c; lanes layout: arch/avx512/) -------------- */
 #define TM_QMATMUL_BLOCK 32       /* weights per block along k */

@@ -22,7 +22,7 @@ class KernelLibrary:
     def __init__(self, path: Path, isa: str):
         if not path.exists():
             raise KernelLibraryError(f"tokenmill's CPU kernels are not built ({path} is missing): run `make setup`, or "
-                               f"`pip install -e .`, which build them; TOKENMILL_CPU_ISA=reference runs without")
+                               f"`pip install --no-build-isolation -e .`, which build them; TOKENMILL_CPU_ISA=reference runs without")
         header = abi.parse(abi.HEADER.read_text())
         self.isa, self.path, self.limits = isa, path, header.limits
         self.structs = abi.Structs(header)

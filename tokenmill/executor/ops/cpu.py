@@ -24,7 +24,8 @@ class CpuKernelOps(ReferenceOps):
         self.name = f"cpu-{kernels.isa}"
         self.max_rows = kernels.limits["TM_QMATMUL_MAX_ROWS"]
         self._qweights: dict[int, tuple[PackedWeight, ctypes.Structure]] = {}   # id(packed) -> its tm_qweight
-        self._layers: dict[int, tuple[object, ctypes.Structure]] = {}          # id(layer) -> its tm_layer
+        # id(layer) -> (layer, its tm_layer, the tm_decode_layer_args its calls reuse)
+        self._layers: dict[int, tuple[object, ctypes.Structure, ctypes.Structure]] = {}
         # the norm, rotary and SiLU kernels are float32: for another dtype those ops are the reference's
         self.float_ops = dtype == torch.float32
         if not self.float_ops:
@@ -34,7 +35,7 @@ class CpuKernelOps(ReferenceOps):
     # ---- load time -------------------------------------------------------------------------------------------
     def prepare(self, model) -> None:
         """Kernel layouts of the model's quantised weights (the lanes copy where this variant has that kernel)
-        and the one-call decode layers."""
+        and the one-call decode layers. Last at load: the structs point into the model's tensors as they are."""
         from tokenmill.executor.layers.linear import Linear
         for m in model.modules():
             if isinstance(m, Linear) and m.packed is not None:
@@ -42,14 +43,17 @@ class CpuKernelOps(ReferenceOps):
         for layer in model.layers:
             desc = self._layer_desc(layer)
             if desc is not None:
-                self._layers[id(layer)] = (layer, desc)
+                call = self.kernels.struct("decode_layer_args", layer=desc, step=None, kv=None, x=None,
+                                           residual=None, add=0, out=None)
+                self._layers[id(layer)] = (layer, desc, call)
 
     def _register(self, p: PackedWeight) -> PackedWeight:
         lanes = replace(p, lanes=(torch.empty_like(p.codes), torch.empty_like(p.scale),
                                   None if p.offset is None else torch.empty_like(p.offset)))
-        if self.kernels.call("pack_lanes", self._qweight(lanes)) != 0:
-            lanes = p            # no lanes kernel in this variant, or rows not a multiple of 16
-        self._qweights[id(lanes)] = (lanes, self._qweight(lanes))
+        qw = self._qweight(lanes)
+        if self.kernels.call("pack_lanes", qw) != 0:
+            lanes, qw = p, self._qweight(p)     # no lanes kernel in this variant, or rows not a multiple of 16
+        self._qweights[id(lanes)] = (lanes, qw)
         return lanes
 
     def _qweight(self, p: PackedWeight) -> ctypes.Structure:
@@ -143,12 +147,15 @@ class CpuKernelOps(ReferenceOps):
                 or (residual is not None and not residual.is_contiguous()) \
                 or cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
             return layer(x, residual, rope, backend, meta)
-        step.cos, step.sin = cos.data_ptr(), sin.data_ptr()    # the same tables for every layer of the step
+        if step.cos != cos.data_ptr():      # the same tables for every layer of the step: set on the first
+            step.cos, step.sin = cos.data_ptr(), sin.data_ptr()
         res = x if residual is None else residual
         out = torch.empty_like(x)
-        check(self.kernels.call("decode_layer", self.kernels.struct(
-            "decode_layer_args", layer=entry[1], step=step, kv=meta.kv[layer.layer_idx], x=x, residual=res,
-            add=int(residual is not None), out=out)), "decode_layer")
+        # the struct made at load, its pointers set here: the checks of a new one cost more than the call
+        call = entry[2]
+        call.step, call.kv = ctypes.addressof(step), ctypes.addressof(meta.kv[layer.layer_idx])
+        call.x, call.residual, call.out, call.add = x.data_ptr(), res.data_ptr(), out.data_ptr(), int(residual is not None)
+        check(self.kernels.call("decode_layer", call), "decode_layer")
         return out, res
 
     def describe(self) -> dict[str, str]:
@@ -157,7 +164,9 @@ class CpuKernelOps(ReferenceOps):
         return {"linear": f"{k} for GGUF blocks up to {self.max_rows} rows, torch otherwise",
                 "rms_norm": k if self.float_ops else ref, "rotary": k if self.float_ops else ref,
                 "silu_mul": k if self.float_ops else ref, "argmax": k,
-                "decoder_layer": f"{k}, one call a layer, for GGUF models in blocks" if self.float_ops else "torch",
+                "decoder_layer": f"{k}, one call a layer, for layers whose four matrices are GGUF blocks (no biases, "
+                                 f"no q/k norm) under the cpu attention backend; torch otherwise"
+                                 if self.float_ops else "torch",
                 "attention": f"{k}, paged, for head_dim a multiple of {lim['TM_ATTN_HEAD_DIM_MULTIPLE']} up to "
                              f"{lim['TM_ATTN_MAX_HEAD_DIM']} and up to {lim['TM_ATTN_MAX_GROUP']} query heads per "
                              f"kv head; torch otherwise"}

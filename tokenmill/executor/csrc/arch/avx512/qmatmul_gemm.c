@@ -19,7 +19,7 @@ static inline v16f load16(const float *p) {
 static inline v16f fma16(v16f a, v16f b, v16f acc) { return (v16f)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc); }
 
 /* ---- many rows: dequantise a few weight rows into L1, then a register-blocked GEMM over all inputs ---------
- * Above ~20 inputs the dot-product scheme above runs out of registers (it re-dequantises every row for each 8
+ * Above ~20 inputs the row kernel (qmatmul.c's rows()) runs out of registers (it re-dequantises every row for each 8
  * inputs and reloads x from L2 per FMA pair). Here NR weight rows are dequantised KC positions at a time into
  * a float32 scratch ws [NR][KC] (L1), x is turned round (by each thread) to xT [K][16 * MV] (zero-padded), and
  * the inner loop keeps NR x MV accumulators of 16 inputs each: per k it loads MV vectors of x and broadcasts NR
@@ -79,7 +79,7 @@ static void transpose_out(const float *yT, int BP, float *y, int B, int N, int n
     }
 }
 
-/* xT [K][BP] = x [B][K] turned round, rows past B zero (K a multiple of 16). Each thread of qgemm() turns its own
+/* xT [K][BP] = x [B][K] turned round, rows past B zero (K a multiple of 16). Each thread of qgemm16() turns its own
  * copy: 16 x 16 squares through registers cost less than sharing one copy would (a second parallel region, a
  * barrier, and half of every thread's xT written by the other core). A batch-64 step's 120 matrices, cold
  * weights, two threads: ~3-10% faster than the shared scalar copy it replaced. */
@@ -129,8 +129,8 @@ static void turn_inputs(const float *x, int B, int K, int BP, float *xT) {
         break;                                                                                          \
     }
 
-int qgemm16(int q4, const float *x, int B, int K, int N, const uint8_t *codes, const float *d,
-                 const float *m, float *y, int num_threads) {
+int qgemm16(int q4, const float *x, int B, int K, int N, const uint8_t *codes, const float *d, const float *m,
+            float *y, int num_threads) {
     const int MV = (B + 15) / 16, BP = 16 * MV;
     const int groups = (N + GROUP_N - 1) / GROUP_N;
     int failed = 0;
@@ -138,6 +138,7 @@ int qgemm16(int q4, const float *x, int B, int K, int N, const uint8_t *codes, c
         GEMM_CASE(2, 12)
         GEMM_CASE(3, 8)
         GEMM_CASE(4, 6)
+        default: return -1;   /* 16 inputs or fewer: the row kernel's (qmatmul.c) */
     }
     return failed ? -2 : 0;
 }

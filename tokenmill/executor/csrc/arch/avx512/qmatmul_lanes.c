@@ -1,13 +1,13 @@
 /* The lanes layout: output rows along the vector lanes, so no input is padded (AVX-512).
- * qgemm() in qmatmul.c keeps 16 inputs in a vector and computes whole vectors: 33 inputs cost 48, 49 cost 64.
+ * qgemm16() (qmatmul_gemm.c) keeps 16 inputs in a vector and computes whole vectors: 33 inputs cost 48, 49 cost 64.
  * Here the 16 lanes hold 16 outputs and each input is a broadcast, so B inputs cost B. The blocks are re-laid
  * out once at load time (tm_pack_lanes) so that one 16-byte load holds a position's codes for 16 rows:
  *   q4: row tile t (rows 16t .. 16t+15), block i: 16 x 16 bytes, byte [j][r] = c_j | c_{j+16} << 4 of row 16t+r
  *   q8: 32 x 16 bytes, byte [j][r] = c_j of row 16t + r
  *   scale and offset [N/16][K/32][16]
  * A thread dequantises a panel of LANES_NP rows over all of K into ws [K][LANES_NP] and runs every input over
- * it, LANES_RB at a time; sums run over k in order as in qgemm, from the same dequantised values (equal bits).
- * Above 40 inputs qgemm wins: its padding is small there, and it dequantises into L1 alongside its FMAs where
+ * it, LANES_RB at a time; sums run over k in order as in qgemm16, from the same dequantised values (equal bits).
+ * Above 40 inputs qgemm16 wins: its padding is small there, and it dequantises into L1 alongside its FMAs where
  * this kernel dequantises a whole panel first (BENCHMARKS.md). */
 #include <immintrin.h>
 #include <stdlib.h>

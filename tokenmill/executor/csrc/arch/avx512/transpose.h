@@ -1,6 +1,6 @@
-/* transpose16 for the AVX-512 kernels (qmatmul.c, attention.c, arch/avx512/). */
-#ifndef TOKENMILL_SIMD16_H
-#define TOKENMILL_SIMD16_H
+/* transpose16 for the AVX-512 kernels of arch/avx512/. */
+#ifndef TOKENMILL_TRANSPOSE_H
+#define TOKENMILL_TRANSPOSE_H
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
