@@ -153,8 +153,7 @@ def main() -> None:
     from tokenmill.executor.kernels import choose, this_cpu
     cpu = this_cpu()
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": cpu.model, "arch": cpu.arch,
-                 "cpu_flags": sorted(f for f in cpu.flags if f.startswith(("avx", "fma", "f16c", "asimd", "sve",
-                                                                          "amx"))),
+                 "cpu_flags": cpu.simd_flags(),
                  "cores": os.cpu_count(), "torch": torch.__version__,
                  "tokenmill_dtype": a.dtype or str(default_dtype(torch.device("cpu"))), "tokenmill_kernels": choose("auto"),
                  "emulated_avx2": a.emulate_avx2}

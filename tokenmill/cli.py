@@ -134,7 +134,7 @@ def info_lines(cpu_kernels: str = "auto", dtype: Optional[str] = None) -> list[s
     torch_dtype = resolve_dtype(dtype, dev)
     ops = make_ops(dev, torch_dtype, cpu_kernels)
     chosen = choose(cpu_kernels)
-    simd = sorted(f for f in cpu.flags if f.startswith(("avx", "fma", "f16c", "asimd", "sve", "amx")))
+    simd = cpu.simd_flags()
     return [f"cpu:       {cpu.model} ({cpu.arch}, {torch.get_num_threads()} threads)",
             f"features:  {' '.join(simd) or '(none of note)'}",
             f"kernels:   {chosen}{'' if chosen == REFERENCE else f' ({ops.kernels.path.name})'}; this CPU runs "

@@ -41,7 +41,7 @@ def _int32_tables(tables: list[list[int]]) -> torch.Tensor:
 
 @dataclass
 class CpuAttentionMetadata(AttentionMetadata):
-    decode_rows: Optional[torch.Tensor] = None    # [Bd] row of each decoding request's token
+    decode_rows: Optional[torch.Tensor] = None    # [Bd] row of each decoding request's token (mixed steps)
     all_decode: bool = False                      # every request has one query token (rows are 0..B-1)
     decode_step: Optional[ctypes.Structure] = None   # tm_decode_step of the decoding requests
     prefill: Optional[dict] = None                # tm_paged_prefill_args' per-step fields
@@ -78,7 +78,8 @@ class CpuKernelBackend(AttentionBackend):
             starts = torch.tensor([_window_start(meta, i) for i in decode], dtype=torch.int32)
             lens = torch.tensor([meta.seq_lens[i] for i in decode], dtype=torch.int32)
             slots = meta.slot_mapping if out.all_decode and meta.slot_mapping.dtype == torch.int64 else None
-            out.decode_rows = torch.tensor([meta.query_start_loc[i] for i in decode])
+            if prefill:           # a mixed step gathers and scatters the decoding rows; a pure one needs none
+                out.decode_rows = torch.tensor([meta.query_start_loc[i] for i in decode])
             out.decode_step = self.kernels.struct(
                 "decode_step", tables=tables, max_blocks=tables.shape[1], starts=starts, lens=lens,
                 shared_len=self._shared_len(meta, decode, tables), batch=len(decode), block_size=meta.block_size,

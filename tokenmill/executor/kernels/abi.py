@@ -68,6 +68,9 @@ class Structs:
         for name, fields in abi.structs.items():
             spec = [(f.name, ctypes.c_void_p if f.pointer else self._scalar(name, f)) for f in fields]
             self.types[name] = type(name, (ctypes.Structure,), {"_fields_": spec})
+        # per struct, once: each field with the dtypes a tensor for it may have, and the set of names
+        self._plans = {name: (tuple((f, _DTYPES.get(f.ctype, ())) for f in fields), frozenset(f.name for f in fields))
+                       for name, fields in abi.structs.items()}
 
     def _scalar(self, struct: str, f: Field) -> Any:
         if f.ctype not in _SCALARS:
@@ -76,13 +79,20 @@ class Structs:
 
     def make(self, name: str, **values: Any) -> ctypes.Structure:
         """A `name` struct from every field by name: tensors, tm_ structs or ctypes arrays (or None) for pointers."""
-        fields = self.abi.structs[name]
-        given = set(values)
-        want = {f.name for f in fields}
-        if given != want:
-            raise TypeError(f"{name}: missing fields {sorted(want - given)}, unknown fields {sorted(given - want)}")
-        return self.types[name](*[_address(name, f, values[f.name]) if f.pointer else values[f.name]
-                                  for f in fields])
+        fields, names = self._plans[name]
+        if values.keys() != names:
+            given = set(values)
+            raise TypeError(f"{name}: missing fields {sorted(names - given)}, unknown fields {sorted(given - names)}")
+        args = []
+        for f, allowed in fields:          # a plain loop: this runs for every kernel call a step makes
+            v = values[f.name]
+            if not f.pointer:
+                args.append(v)
+            elif isinstance(v, torch.Tensor) and v.is_cpu and (allowed is None or v.dtype in allowed):
+                args.append(v.data_ptr())
+            else:
+                args.append(_address(name, f, v))
+        return self.types[name](*args)
 
 
 def _address(struct: str, f: Field, v: Any) -> Optional[int]:

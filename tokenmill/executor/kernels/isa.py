@@ -35,6 +35,10 @@ class Cpu:
             return [f"an {next(a for a, v in VARIANTS.items() if isa in v)} CPU"]
         return sorted(REQUIRES[isa] - self.flags)
 
+    def simd_flags(self) -> list[str]:
+        """The flags that say which vector instructions it has (for reports)."""
+        return sorted(f for f in self.flags if f.startswith(("avx", "fma", "f16c", "asimd", "sve", "amx")))
+
     def best(self) -> str:
         """The first variant of its architecture (fastest first) that it runs; 'reference' on others."""
         return next((isa for isa in VARIANTS.get(self.arch, {}) if not self.missing(isa)), REFERENCE)

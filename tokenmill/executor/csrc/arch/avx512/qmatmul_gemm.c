@@ -1,5 +1,5 @@
 /* The many-row quantised matmul for AVX-512 (qmatmul.c serves up to GEMM_MIN_ROWS inputs with its row kernel):
- * 16 inputs a vector, all of a call's inputs (up to 4 vectors) in one tile of accumulators. */
+ * simd.h's 16-float vectors, all of a call's inputs (up to 4 vectors) in one tile of accumulators. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -7,16 +7,6 @@
 
 #include "../../qmatmul.h"
 #include "transpose.h"
-
-typedef float v16f __attribute__((vector_size(64)));
-
-static inline v16f load16(const float *p) {
-    v16f v;
-    memcpy(&v, p, 64);
-    return v;
-}
-/* acc + a * b as one fused op: -ffast-math would otherwise regroup two FMAs into mul + fma + add */
-static inline v16f fma16(v16f a, v16f b, v16f acc) { return (v16f)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc); }
 
 /* ---- many rows: dequantise a few weight rows into L1, then a register-blocked GEMM over all inputs ---------
  * Above ~20 inputs the row kernel (qmatmul.c's rows()) runs out of registers (it re-dequantises every row for each 8
@@ -31,24 +21,24 @@ static inline v16f fma16(v16f a, v16f b, v16f acc) { return (v16f)_mm512_fmadd_p
 static inline __attribute__((always_inline)) void gemm_tile(int q4, const uint8_t *codes, const float *d,
                                                             const float *m, const float *xT, int K, float *ws,
                                                             int NR, int MV, float *yT, int n0, int count) {
-    v16f acc[12][4];
+    vf acc[12][4];
 #pragma GCC unroll 12
     for (int r = 0; r < NR; r++)
 #pragma GCC unroll 4
-        for (int j = 0; j < MV; j++) acc[r][j] = (v16f){0};
+        for (int j = 0; j < MV; j++) acc[r][j] = (vf){0};
     const int BP = 16 * MV;
     for (int k0 = 0; k0 < K; k0 += KC) {
         const int kc = K - k0 < KC ? K - k0 : KC;
         dequant_rows(q4, K, codes, d, m, n0, count, NR, k0, kc, ws);
         for (int k = 0; k < kc; k++) {
-            v16f xv[4];
+            vf xv[4];
 #pragma GCC unroll 4
-            for (int j = 0; j < MV; j++) xv[j] = load16(xT + (size_t)(k0 + k) * BP + 16 * j);
+            for (int j = 0; j < MV; j++) xv[j] = vload(xT + (size_t)(k0 + k) * BP + 16 * j);
 #pragma GCC unroll 12
             for (int r = 0; r < NR; r++) {
-                const v16f wb = (v16f){0} + ws[(size_t)r * KC + k];    /* broadcast */
+                const vf wb = vset1(ws[(size_t)r * KC + k]);
 #pragma GCC unroll 4
-                for (int j = 0; j < MV; j++) acc[r][j] = fma16(wb, xv[j], acc[r][j]);
+                for (int j = 0; j < MV; j++) acc[r][j] = vfma(wb, xv[j], acc[r][j]);
             }
         }
     }
