@@ -4,9 +4,11 @@
  *   x [B, K] float32      y [B, N] float32      y[b][n] = sum_k x[b][k] * w[n][k]
  *   block i of row n:     w[n][32i + j] = d[n][i] * c_j + m[n][i]      (tokenmill.h: tm_qweight)
  *
- * Each block is dequantised in registers (simd.h's q4_block / q8_block, d * c + m as llama.cpp's reference
- * dequantiser does) and multiplied into float32 x, so the result differs from x @ dequantised(w)^T only in
- * summation order. Written once over simd.h's vectors; AVX-512 adds the lanes kernel (arch/avx512/).
+ * With several inputs each block is dequantised in registers (simd.h's q4_block / q8_block, d * c + m as
+ * llama.cpp's reference dequantiser does) and multiplied into every input; with one (gemv) a block's codes meet
+ * x and its scale and offset come in once, d * sum(c x) + m * sum(x). Either way the activations stay float32,
+ * and the result differs from x @ dequantised(w)^T only by float32 rounding. Written once over simd.h's vectors;
+ * AVX-512 adds the lanes kernel (arch/avx512/).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -109,6 +111,71 @@ static inline __attribute__((always_inline)) void row_range(int q4, const float 
 }
 #undef GROUP
 
+
+/* One input (a single sequence's decode step). With no other input to share a dequantised block, a block's codes
+ * meet x as they are and its scale and offset come in once, d * sum(c x) + m * sum(x), with sum(x) per block
+ * precomputed (xs): half the vector work of dequantising first. The two terms partly cancel (m is near -8d), so
+ * the rounding error is a few ulps of sum(|x| (d c + |m|)) rather than of the result; centring the codes would
+ * cost 15% of the matmul (BENCHMARKS.md). GR weight rows at a time share each block's input vectors, with two
+ * accumulators a row over alternate blocks: few live registers and one short loop (the row-group kernel's
+ * pointers spill at B = 1, and its long body ran up to 1.7x slower with nothing but its code alignment changed). */
+static inline __attribute__((always_inline)) void dot_rows(int q4, int GR, const float *x, const float *xs,
+                                                           int nb, size_t row_bytes, const uint8_t *c,
+                                                           const float *d, const float *m, float *y) {
+    vf acc[2][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < GR; r++) acc[r][0] = acc[r][1] = (vf){0};
+#pragma GCC unroll 2
+    for (int i = 0; i < nb; i++) {
+        const float *xb = x + (size_t)i * QK;
+        vf xv[QV];
+#pragma GCC unroll 8
+        for (int v = 0; v < QV; v++) xv[v] = vload(xb + v * VL);
+#pragma GCC unroll 4
+        for (int r = 0; r < GR; r++) {
+            vf w[QV];
+            if (q4) q4_codes(c + r * row_bytes + (size_t)i * 16, w);
+            else q8_codes((const int8_t *)c + r * row_bytes + (size_t)i * 32, w);
+            vf t = w[0] * xv[0];
+#pragma GCC unroll 8
+            for (int v = 1; v < QV; v++) t = vfma(w[v], xv[v], t);
+            acc[r][i & 1] = vfma(vset1(d[(size_t)r * nb + i]), t, acc[r][i & 1]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < GR; r++) {
+        float off = 0.f;
+        if (q4)
+            for (int i = 0; i < nb; i++) off += m[(size_t)r * nb + i] * xs[i];
+        y[r] = vhsum(acc[r][0] + acc[r][1]) + off;
+    }
+}
+
+static void gemv(int q4, const float *x, const float *xs, int K, int N, const uint8_t *codes, const float *d,
+                 const float *m, float *y, int num_threads) {
+    const int nb = K / QK;
+    const size_t row_bytes = q4 ? (size_t)K / 2 : (size_t)K;
+    const int GR = q4 ? 2 : 1;   /* Q4: two rows share the input loads; Q8's wider codes fill the registers alone */
+    const int groups = N / GR;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int g = 0; g < groups; g++) {
+            const size_t n = (size_t)g * GR, a = n + PREFETCH_ROWS;
+            if (a + GR <= (size_t)N) {
+                for (size_t off = 0; off < GR * row_bytes; off += 64)
+                    __builtin_prefetch((const char *)codes + a * row_bytes + off, 0, 3);
+                __builtin_prefetch(d + a * nb, 0, 3);
+                if (q4) __builtin_prefetch(m + a * nb, 0, 3);
+            }
+            if (q4) dot_rows(1, 2, x, xs, nb, row_bytes, codes + n * row_bytes, d + n * nb, m + n * nb, y + n);
+            else dot_rows(0, 1, x, xs, nb, row_bytes, codes + n * row_bytes, d + n * nb, NULL, y + n);
+        }
+#pragma omp single
+        for (int n = groups * GR; n < N; n++)   /* the last rows, fewer than GR */
+            row_range(q4, x, 1, K, N, codes, d, m, y, n, 1);
+    }
+}
 
 /* ---- many rows, at the variant's own vector width (AVX-512 has its own: arch/avx512/qmatmul_gemm.c) ---------
  * Above GEMM_MIN_ROWS inputs the row kernel re-dequantises every weight row for each MAX_B inputs. Here NR weight
@@ -223,6 +290,18 @@ TM_API int tm_qmatmul(const tm_qmatmul_args *a) {
         return qgemm_lanes(w, x, B, y, num_threads);
 #endif
     if (B > GEMM_MIN_ROWS) return qgemm(q4, x, B, K, N, codes, d, m, y, num_threads);
+    if (B == 1) {
+        float *xs = (float *)malloc(sizeof(float) * (K / QK));
+        if (!xs) return -2;
+        for (int i = 0; i < K / QK; i++) {
+            float s = 0.f;
+            for (int j = 0; j < QK; j++) s += x[i * QK + j];
+            xs[i] = s;
+        }
+        gemv(q4, x, xs, K, N, codes, d, m, y, num_threads);
+        free(xs);
+        return 0;
+    }
     /* x as [K/32][B][32]: the B slices a block multiplies sit together instead of K floats apart (at K = 1536
      * those strides alias in L1 and B = 8 ran 3x slower) */
     float *xt = (float *)malloc(sizeof(float) * (size_t)B * K);

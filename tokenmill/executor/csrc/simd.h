@@ -63,62 +63,74 @@ TM_INLINE float vhsum(vf v) {
 #endif
 }
 
-/* ---- dequantising one 32-weight block (llama.cpp's Q4_0/Q4_1/Q8_0 layout) into 32 / VL vectors, in position
- * order. q4: byte j holds code j (low nibble) and code j + 16 (high); weight = d * code + m. q8: d * code. The
- * one spelling of this arithmetic for the row kernels of every variant. */
+/* ---- one 32-weight block (llama.cpp's Q4_0/Q4_1/Q8_0 layout) as 32 / VL vectors in position order. q4: byte j
+ * holds code j (low nibble) and code j + 16 (high); weight = d * code + m. q8: weight = d * code. The codes
+ * alone (q4_codes, q8_codes) serve kernels that apply d and m once per block; q4_block and q8_block
+ * dequantise, as llama.cpp's reference dequantiser does. The one spelling of this arithmetic for every variant. */
 #define QK 32
 #define QV (QK / VL)
 
-TM_INLINE void q4_block(const uint8_t *codes, float d, float m, vf *w) {
+TM_INLINE void q4_codes(const uint8_t *codes, vf *c) {
 #if defined(__AVX512F__)
-    const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
-    w[0] = (vf)_mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(15))) * d + m;
-    w[1] = (vf)_mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)) * d + m;
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes));
+    c[0] = (vf)_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+    c[1] = (vf)_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
 #elif VL == 8 && defined(__AVX2__)
-    const __m128i raw = _mm_loadu_si128((const __m128i *)codes);
-    const __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(15)), hi = _mm_and_si128(_mm_srli_epi16(raw, 4),
-                                                                                _mm_set1_epi8(15));
-    w[0] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)) * d + m;
-    w[1] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(lo, lo))) * d + m;
-    w[2] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)) * d + m;
-    w[3] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(hi, hi))) * d + m;
+    /* bytes widened first, nibbles split in 32-bit lanes: fewer shuffles than splitting bytes then widening */
+    const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)codes));
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 8)));
+    const __m256i f = _mm256_set1_epi32(15);
+    c[0] = (vf)_mm256_cvtepi32_ps(_mm256_and_si256(a, f));
+    c[1] = (vf)_mm256_cvtepi32_ps(_mm256_and_si256(b, f));
+    c[2] = (vf)_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+    c[3] = (vf)_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
 #elif defined(__ARM_NEON)
     const uint8x16_t raw = vld1q_u8(codes);
     const uint8x16_t half[2] = {vandq_u8(raw, vdupq_n_u8(15)), vshrq_n_u8(raw, 4)};
     for (int h = 0; h < 2; h++) {
         const uint16x8_t a = vmovl_u8(vget_low_u8(half[h])), b = vmovl_u8(vget_high_u8(half[h]));
-        w[4 * h + 0] = (vf)vcvtq_f32_u32(vmovl_u16(vget_low_u16(a))) * d + m;
-        w[4 * h + 1] = (vf)vcvtq_f32_u32(vmovl_u16(vget_high_u16(a))) * d + m;
-        w[4 * h + 2] = (vf)vcvtq_f32_u32(vmovl_u16(vget_low_u16(b))) * d + m;
-        w[4 * h + 3] = (vf)vcvtq_f32_u32(vmovl_u16(vget_high_u16(b))) * d + m;
+        c[4 * h + 0] = (vf)vcvtq_f32_u32(vmovl_u16(vget_low_u16(a)));
+        c[4 * h + 1] = (vf)vcvtq_f32_u32(vmovl_u16(vget_high_u16(a)));
+        c[4 * h + 2] = (vf)vcvtq_f32_u32(vmovl_u16(vget_low_u16(b)));
+        c[4 * h + 3] = (vf)vcvtq_f32_u32(vmovl_u16(vget_high_u16(b)));
     }
 #else
     for (int j = 0; j < 16; j++) {
-        w[j / VL][j % VL] = (float)(codes[j] & 15) * d + m;
-        w[(j + 16) / VL][j % VL] = (float)(codes[j] >> 4) * d + m;
+        c[j / VL][j % VL] = (float)(codes[j] & 15);
+        c[(j + 16) / VL][j % VL] = (float)(codes[j] >> 4);
     }
 #endif
 }
 
-TM_INLINE void q8_block(const int8_t *codes, float d, vf *w) {
+TM_INLINE void q8_codes(const int8_t *codes, vf *c) {
 #if defined(__AVX512F__)
-    w[0] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes))) * d;
-    w[1] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16)))) * d;
+    c[0] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes)));
+    c[1] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + 16))));
 #elif VL == 8 && defined(__AVX2__)
     for (int i = 0; i < 4; i++)
-        w[i] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 8 * i)))) * d;
+        c[i] = (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(codes + 8 * i))));
 #elif defined(__ARM_NEON)
     for (int h = 0; h < 2; h++) {
         const int8x16_t raw = vld1q_s8(codes + 16 * h);
         const int16x8_t a = vmovl_s8(vget_low_s8(raw)), b = vmovl_s8(vget_high_s8(raw));
-        w[4 * h + 0] = (vf)vcvtq_f32_s32(vmovl_s16(vget_low_s16(a))) * d;
-        w[4 * h + 1] = (vf)vcvtq_f32_s32(vmovl_s16(vget_high_s16(a))) * d;
-        w[4 * h + 2] = (vf)vcvtq_f32_s32(vmovl_s16(vget_low_s16(b))) * d;
-        w[4 * h + 3] = (vf)vcvtq_f32_s32(vmovl_s16(vget_high_s16(b))) * d;
+        c[4 * h + 0] = (vf)vcvtq_f32_s32(vmovl_s16(vget_low_s16(a)));
+        c[4 * h + 1] = (vf)vcvtq_f32_s32(vmovl_s16(vget_high_s16(a)));
+        c[4 * h + 2] = (vf)vcvtq_f32_s32(vmovl_s16(vget_low_s16(b)));
+        c[4 * h + 3] = (vf)vcvtq_f32_s32(vmovl_s16(vget_high_s16(b)));
     }
 #else
-    for (int j = 0; j < QK; j++) w[j / VL][j % VL] = (float)codes[j] * d;
+    for (int j = 0; j < QK; j++) c[j / VL][j % VL] = (float)codes[j];
 #endif
+}
+
+TM_INLINE void q4_block(const uint8_t *codes, float d, float m, vf *w) {
+    q4_codes(codes, w);
+    for (int v = 0; v < QV; v++) w[v] = vfma(w[v], vset1(d), vset1(m));
+}
+
+TM_INLINE void q8_block(const int8_t *codes, float d, vf *w) {
+    q8_codes(codes, w);
+    for (int v = 0; v < QV; v++) w[v] = w[v] * d;
 }
 
 #endif
