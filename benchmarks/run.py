@@ -76,7 +76,7 @@ def packed_bytes_per_step() -> int:
             "def size(p): return sum(t.numel() * t.element_size() for t in (p.codes, p.scale, p.offset) if t is not None)\n"
             "for mod in m.modules():\n"
             "    if isinstance(mod, Linear):\n"
-            "        n += size(mod.packed) if mod.packed is not None else mod.weight_t.numel() * 4\n"
+            "        n += size(mod.quant) if mod.quant is not None else mod.weight_t.numel() * 4\n"
             "print(n)")
     return int(sh([PY, "-c", code]).strip().splitlines()[-1])
 

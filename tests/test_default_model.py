@@ -28,8 +28,8 @@ def llm():
 
 
 def test_greedy_equals_transformers_gguf(llm, hf_model):
-    if llm.llm_engine.model.ops.kernels is not None:   # decode runs on the Q4_1/Q8_0 blocks, prefill dense
-        assert llm.llm_engine.model.lm_head.packed is not None
+    # every matrix stays in its Q4_1/Q8_0 blocks: decode reads them, prefill dequantises tiles
+    assert llm.llm_engine.model.lm_head.quant is not None and llm.llm_engine.model.lm_head.weight is None
     tok = llm.get_tokenizer()
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, logprobs=0),
                         use_tqdm=False)

@@ -27,9 +27,9 @@ class LLM:
     Engine options keep vLLM's names: dtype, block_size, max_num_seqs, max_num_batched_tokens, max_model_len,
     enable_prefix_caching, kv_cache_dtype ("auto" or "bfloat16": half the KV bytes, K/V rounded), device, seed;
     kv_cache_memory_gb sizes the paged KV cache (default: a share of free memory); attention_backend picks the
-    attention kernels; quantized_kernels=False keeps a GGUF's decode matmuls on the dequantised weights instead of
-    its Q4/Q8 blocks; cpu_kernels picks the CPU kernel variant (auto, avx512, avx2, neon, generic) or "reference"
-    (plain torch)."""
+    attention kernels; a GGUF's matrices stay in their quantised blocks (quantized_kernels=False dequantises them
+    to float at load, the plain path); quantization="int8" or "int4" quantises a float checkpoint at load;
+    cpu_kernels picks the CPU kernel variant (auto, avx512, avx2, neon, generic) or "reference" (plain torch)."""
 
     def __init__(self, model: Optional[str] = None, **engine_args: Any):
         self.llm_engine = LLMEngine(model, **engine_args)

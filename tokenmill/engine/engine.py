@@ -19,7 +19,7 @@ from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler, SchedulerStats
-from tokenmill.executor.loader import Checkpoint, open_checkpoint, resolve_model_path
+from tokenmill.executor.loader import Checkpoint, open_checkpoint, quantized_at_load, resolve_model_path
 from tokenmill.executor.models.decoder import DecoderForCausalLM
 from tokenmill.executor.ops import make_ops
 from tokenmill.executor.runner import ModelRunner, RunnerOutput
@@ -72,16 +72,16 @@ def load_model(path: str, mc: ModelConfig, dtype: torch.dtype, device: torch.dev
     ops = make_ops(device, dtype, cpu_kernels)     # the execution plan: what serves each op, chosen once
     with torch.device("meta"):
         model = DecoderForCausalLM(mc, max_len, ops)
-    model = model.to_empty(device=device).to(dtype)
     # rotary tables stay float32 (transformers computes them in float32 too)
     from tokenmill.executor.layers.rotary import RotaryEmbedding
     model.rotary = RotaryEmbedding(mc.head_dim, mc.rope_theta, mc.rope_scaling, mc.max_position_embeddings,
                                    max_len).to(device)
-    model.load_weights(ckpt.tensors())
+    # quantised matrices stay in their blocks on CPU; quantized_kernels=False (or a GPU) dequantises them
+    keep_blocks = quantized_kernels and device.type == "cpu"
+    model.load_weights(ckpt.tensors(keep_blocks=keep_blocks), dtype, device)
     model.finalize()
-    if quantized_kernels and ckpt.packed is not None and ops.kernels is not None:
-        model.load_packed(ckpt.packed())
     ops.prepare(model)
+    ckpt.release()
     return model.eval()
 
 
@@ -104,11 +104,15 @@ class LLMEngine:
                  max_model_len: Optional[int] = None, kv_cache_memory_gb: Optional[float] = None,
                  enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto", use_kv_cache: bool = True,
                  attention_backend: str = "auto", quantized_kernels: bool = True, cpu_kernels: str = "auto",
-                 seed: int = 0, tokenizer: Any = "auto"):
+                 quantization: Optional[str] = None, seed: int = 0, tokenizer: Any = "auto"):
         path = resolve_model_path(model)
         dev = pick_device(device)
         torch_dtype = resolve_dtype(dtype, dev)
         ckpt = open_checkpoint(path)
+        if quantization is not None:
+            if dev.type != "cpu":
+                raise ValueError("quantization= quantises for the CPU kernels; on a GPU load the float checkpoint")
+            ckpt = quantized_at_load(ckpt, quantization)
         mc = ModelConfig.from_hf_dict(ckpt.config)
         if max_model_len is None:
             max_model_len = mc.max_position_embeddings

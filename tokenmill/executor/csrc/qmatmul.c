@@ -319,3 +319,26 @@ TM_API int tm_qmatmul(const tm_qmatmul_args *a) {
     free(xt);
     return 0;
 }
+
+TM_API int tm_qdequant(const tm_qdequant_args *a) {
+    const tm_qweight *w = a->w;
+    const int K = w->k, q4 = w->bits == 4;
+    if (K % QK != 0 || (w->bits != 4 && w->bits != 8) || (q4 && !w->offset) || a->row0 < 0 || a->rows < 0
+        || (int64_t)a->row0 + a->rows > w->n)
+        return -1;
+    const int nb = K / QK;
+    const size_t row_bytes = q4 ? (size_t)K / 2 : (size_t)K;
+    const uint8_t *codes = w->codes;
+#pragma omp parallel for schedule(static) num_threads(a->rows > 8 ? a->num_threads : 1)
+    for (int r = 0; r < a->rows; r++) {
+        const size_t n = (size_t)a->row0 + r;
+        float *out = a->out + (size_t)r * K;
+        for (int i = 0; i < nb; i++) {
+            vf q[QV];
+            if (q4) q4_block(codes + n * row_bytes + (size_t)i * 16, w->scale[n * nb + i], w->offset[n * nb + i], q);
+            else q8_block((const int8_t *)codes + n * row_bytes + (size_t)i * 32, w->scale[n * nb + i], q);
+            for (int v = 0; v < QV; v++) vstore(out + (size_t)i * QK + v * VL, q[v]);
+        }
+    }
+    return 0;
+}

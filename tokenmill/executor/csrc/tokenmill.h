@@ -45,6 +45,51 @@ TM_API int tm_qmatmul(const tm_qmatmul_args *a);
  * has no lanes kernel or n is not a multiple of 16. */
 TM_API int tm_pack_lanes(const tm_qweight *w);
 
+/* Dequantises w's rows row0 .. row0+rows-1 into out [rows, k] (a prefill tile for a float GEMM). */
+typedef struct {
+    const tm_qweight *w;
+    int row0;
+    int rows;
+    float *out;
+    int num_threads;
+} tm_qdequant_args;
+TM_API int tm_qdequant(const tm_qdequant_args *a);
+
+/* ---- a GGUF matrix in its file's own blocks (gblocks.c) --------------------------------------------------- */
+#define TM_GMATMUL_MAX_ROWS 16    /* rows of x per tm_gmatmul call; more dequantise tiles for a float GEMM */
+
+/* W [n, k] as the file stores it: each row row_bytes bytes of blocks of ggml type `type` (1 F16, 30 BF16,
+ * 2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 10 Q2_K, 11 Q3_K, 12 Q4_K, 13 Q5_K, 14 Q6_K); k a multiple of the
+ * type's block (32; 256 for the K-quants) */
+typedef struct {
+    int type;
+    const uint8_t *data;
+    int64_t row_bytes;
+    int n;
+    int k;
+} tm_gweight;
+
+typedef struct {
+    const tm_gweight *w;
+    const float *x;               /* [rows, k] */
+    float *y;                     /* [rows, n] */
+    int rows;
+    int num_threads;
+} tm_gmatmul_args;
+TM_API int tm_gmatmul(const tm_gmatmul_args *a);
+
+/* Dequantises rows ids[0 .. rows-1] (an embedding lookup), or row0 .. row0+rows-1 when ids is NULL, into
+ * out [rows, k]; -3 for an id outside w. */
+typedef struct {
+    const tm_gweight *w;
+    const int64_t *ids;
+    int row0;
+    int rows;
+    float *out;
+    int num_threads;
+} tm_gdequant_args;
+TM_API int tm_gdequant(const tm_gdequant_args *a);
+
 /* ---- small per-layer ops, float32 (ops.c) ----------------------------------------------------------------- */
 typedef struct {
     const float *x;               /* [rows, dim] */

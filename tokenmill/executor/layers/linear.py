@@ -1,5 +1,5 @@
-"""Linear layer whose weight is re-laid out after loading for the device's fast GEMM path; the plan's linear op
-computes it (dense, or over the GGUF blocks it may also hold)."""
+"""Linear and embedding layers whose weight is either float, laid out after loading for the device's fast GEMM
+path, or quantised (layers/quant.py) with no float copy; the plan's ops compute them."""
 from __future__ import annotations
 
 from typing import Optional
@@ -7,13 +7,13 @@ from typing import Optional
 import torch
 from torch import nn
 
-from tokenmill.executor.layers.quant import PackedWeight
+from tokenmill.executor.layers.quant import QuantWeight
 
 
 class Linear(nn.Module):
     """y = x W^T + b. Loaded as W [out, in] (the checkpoint layout); `finalize()` on CPU keeps W^T [in, out]
     contiguous instead: small-row GEMMs (decode batches) run several times faster from that layout with torch's
-    CPU BLAS (BENCHMARKS.md)."""
+    CPU BLAS (BENCHMARKS.md). A quantised W lives in `quant` and the float weight is dropped."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, ops):
         super().__init__()
@@ -21,18 +21,21 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.register_buffer("weight_t", None)
-        self.packed: Optional[PackedWeight] = None   # GGUF blocks for decode-sized matmuls (layers/quant.py)
+        self.quant: Optional[QuantWeight] = None
 
     @classmethod
-    def tied(cls, weight: nn.Parameter, ops) -> "Linear":
-        """An LM head sharing the embeddings' weight [vocab, hidden]."""
+    def tied(cls, embed: "Embedding", ops) -> "Linear":
+        """An LM head sharing the embeddings' weight [vocab, hidden], quantised or not."""
         with torch.device("meta"):
-            lin = cls(weight.shape[1], weight.shape[0], False, ops)
-        lin.weight = weight
+            lin = cls(embed.dim, embed.num, False, ops)
+        if embed.quant is not None:
+            lin.quant, lin.weight = embed.quant, None
+        else:
+            lin.weight = embed.weight
         return lin
 
     def finalize(self) -> None:
-        if self.weight.device.type != "cpu":
+        if self.quant is not None or self.weight.device.type != "cpu":
             return
         w = self.weight.data
         del self.weight
@@ -41,3 +44,17 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(x, self)
+
+
+class Embedding(nn.Module):
+    """Token embeddings [num, dim]: a float table, or quantised rows dequantised as they are looked up."""
+
+    def __init__(self, num: int, dim: int, ops):
+        super().__init__()
+        self.ops, self.num, self.dim = ops, num, dim
+        self.weight = nn.Parameter(torch.empty(num, dim))
+        self.quant: Optional[QuantWeight] = None
+        self.dtype = torch.float32      # of the rows a quantised table gives (the model's; set at load)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.ops.embedding(ids, self)

@@ -1,17 +1,18 @@
-"""Weights kept in llama.cpp's quantised blocks (Q4_0, Q4_1, Q8_0) for decode-sized matmuls.
+"""Weights kept quantised: no float copy of a quantised matrix is ever made.
 
-A GGUF checkpoint's weights are dequantised to float for the dense path (prefill); the blocks are also kept,
-repacked for the kernel library's qmatmul (csrc/qmatmul.c, ops/cpu.py), and a decode step of up to
-TM_QMATMUL_MAX_ROWS rows reads those instead: 5 bits a weight for Q4_1 rather than 32, and the step is bound by
-reading weights. The kernel computes with exactly the dequantised values (d * code + m), so the two paths
-differ only in float32 summation order."""
+Two forms. PackedWeight: Q4_0, Q4_1 and Q8_0 repacked for the kernel library's tuned qmatmul (csrc/qmatmul.c).
+GGMLWeight: every other GGUF matrix type (F16, BF16, Q5_0, Q5_1, the K-quants) in the file's own blocks, read
+where the file is mapped (csrc/gblocks.c). A matmul over a few rows (decode) reads the blocks directly;
+prefill-sized batches dequantise tiles of rows into a scratch buffer for a float GEMM (ops). Both compute with
+exactly the dequantised values, so quantised and dequantised paths differ only in float32 summation order."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 
 BLOCK = 32
@@ -30,17 +31,19 @@ class PackedWeight:
     # offset. None where that kernel cannot run (no AVX-512, N not a multiple of 16): the others serve every B
     lanes: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = None
 
-    def dequantize(self) -> torch.Tensor:
-        """float32 [N, K]; the reference the kernel is tested against."""
-        n, k = self.shape
+    def dequantize(self, row0: int = 0, rows: Optional[int] = None) -> torch.Tensor:
+        """float32 [rows, K] of rows row0 ..; the reference the kernel is tested against."""
+        k = self.shape[1]
+        end = self.shape[0] if rows is None else row0 + rows
+        n = end - row0
         if self.bits == 4:
-            c = self.codes.view(n, k // BLOCK, 16)
+            c = self.codes[row0:end].reshape(n, k // BLOCK, 16)
             codes = torch.cat([c & 15, c >> 4], dim=-1).float()          # [N, K/32, 32]
         else:
-            codes = self.codes.view(n, k // BLOCK, BLOCK).float()
-        w = codes * self.scale.unsqueeze(-1)
+            codes = self.codes[row0:end].reshape(n, k // BLOCK, BLOCK).float()
+        w = codes * self.scale[row0:end].unsqueeze(-1)
         if self.offset is not None:
-            w = w + self.offset.unsqueeze(-1)
+            w = w + self.offset[row0:end].unsqueeze(-1)
         return w.reshape(n, k)
 
 
@@ -80,3 +83,87 @@ def permute_rows(p: PackedWeight, fn) -> PackedWeight:
     """Apply a row permutation `fn` (a function of a [N, ...] tensor) to every per-row array."""
     return PackedWeight(p.bits, fn(p.codes).contiguous(), fn(p.scale).contiguous(),
                         None if p.offset is None else fn(p.offset).contiguous(), p.shape)
+
+
+# the GGUF matrix types kept in their own blocks (csrc/gblocks.c); the one list of what the kernels read
+GGML_TYPES = ("F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+
+def ggml_block(type_name: str) -> tuple[int, int]:
+    """(weights per block, bytes per block) of a GGUF type."""
+    return GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+
+
+@dataclass(frozen=True)
+class GGMLWeight:
+    """W [N, K] in a GGUF file's own blocks: data uint8 [N, row bytes], usually a view of the mapped file."""
+    type_name: str
+    data: torch.Tensor
+    shape: tuple[int, int]
+
+    @property
+    def type_id(self) -> int:
+        return int(GGMLQuantizationType[self.type_name])
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def dequantize(self, row0: int = 0, rows: Optional[int] = None) -> torch.Tensor:
+        """float32 [rows, K] of rows row0 ..: gguf-py's dequantiser, the reference the kernels are tested against."""
+        from gguf.quants import dequantize
+        rows = self.shape[0] - row0 if rows is None else rows
+        raw = self.data[row0:row0 + rows].numpy()
+        out = dequantize(raw, GGMLQuantizationType[self.type_name]).astype(np.float32, copy=False)
+        return torch.from_numpy(np.ascontiguousarray(out).reshape(rows, self.shape[1]))
+
+
+def ggml_weight(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> Optional[GGMLWeight]:
+    """A GGUF tensor's bytes ([N, row bytes], not copied) as a GGMLWeight; None if K is not whole blocks."""
+    n, k = shape
+    block, size = ggml_block(type_name)
+    if type_name not in GGML_TYPES or k % block:
+        return None
+    data = torch.from_numpy(raw.reshape(n, k // block * size))
+    return GGMLWeight(type_name, data, shape)
+
+
+@dataclass(frozen=True)
+class RowParts:
+    """W as quantised pieces stacked along N (a fused qkv or gate_up whose shards differ in type)."""
+    parts: tuple[Union[PackedWeight, GGMLWeight], ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    def dequantize(self, row0: int = 0, rows: Optional[int] = None) -> torch.Tensor:
+        return torch.cat([dequantize_rows(p) for p in self.parts])[row0:None if rows is None else row0 + rows]
+
+
+QuantWeight = Union[PackedWeight, GGMLWeight, RowParts]
+
+
+def dequantize_rows(w: QuantWeight, row0: int = 0, rows: Optional[int] = None) -> torch.Tensor:
+    """float32 rows of any quantised weight, in plain torch / numpy (the reference path)."""
+    return w.dequantize(row0, rows)
+
+
+def select_rows(w: QuantWeight, ids: torch.Tensor) -> QuantWeight:
+    """The rows ids of W as a weight of the same form (an embedding lookup's rows)."""
+    if isinstance(w, PackedWeight):
+        return PackedWeight(w.bits, w.codes[ids], w.scale[ids], None if w.offset is None else w.offset[ids],
+                            (len(ids), w.shape[1]))
+    if isinstance(w, GGMLWeight):
+        return GGMLWeight(w.type_name, w.data[ids], (len(ids), w.shape[1]))
+    raise ValueError("rows of a weight stacked from parts are not looked up (an embedding table is one matrix)")
+
+
+def quant_nbytes(w: QuantWeight) -> int:
+    """Bytes a quantised weight holds (the tests' proof that no float copy exists)."""
+    if isinstance(w, RowParts):
+        return sum(quant_nbytes(p) for p in w.parts)
+    if isinstance(w, GGMLWeight):
+        return w.nbytes
+    ts = [w.codes, w.scale, w.offset, *(w.lanes or ())]
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)

@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 
-from tokenmill.executor.layers.quant import PackedWeight
+log = logging.getLogger("tokenmill")
+
+from tokenmill.executor.layers.quant import QuantWeight
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -42,15 +45,50 @@ def resolve_model_path(model: str | None) -> str:
 @dataclass
 class Checkpoint:
     config: dict                                            # HF config.json form
-    tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]  # HF names, lazily
-    packed: Optional[Callable[[], Iterator[tuple[str, PackedWeight]]]] = None  # GGUF: matrices still in blocks
+    # HF names, lazily; tensors(keep_blocks=True) gives a GGUF's quantised matrices in their blocks
+    tensors: Callable[..., Iterator[tuple[str, Union[torch.Tensor, QuantWeight]]]]
+    quantized: bool = False                                 # some matrix in the file is already quantised
+    release: Callable[[], None] = lambda: None              # drop the mapped file's pages after loading
+
+
+QUANTIZATION_METHODS = ("int8", "int4", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+
+
+def quantized_at_load(ckpt: Checkpoint, method: str) -> Checkpoint:
+    """The checkpoint with every float matrix quantised group-wise as it streams in (vLLM's quantization option):
+    int8 is Q8_0, int4 Q4_1, or a block type by llama.cpp's name; the blocks the kernels read, one matrix at a time."""
+    from tokenmill.executor.layers.quant import ggml_weight, pack_ggml
+    from tokenmill.executor.loader.quantize import QUANTIZATION, quantize
+
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or None); got {method!r}")
+    if ckpt.quantized:
+        raise ValueError(f"quantization={method!r} was asked for, but this GGUF is already quantised; load it as it "
+                         f"is (its blocks are kept), or give the float checkpoint")
+    type_name = QUANTIZATION.get(method, method.upper())
+
+    def tensors(keep_blocks: bool = False) -> Iterator[tuple[str, Union[torch.Tensor, QuantWeight]]]:
+        in_float = []
+        for name, w in ckpt.tensors(keep_blocks=keep_blocks):
+            if not isinstance(w, torch.Tensor) or w.dim() != 2 or not name.endswith(".weight"):
+                yield name, w
+            elif w.shape[1] % 32:
+                in_float.append(f"{name} (rows of {w.shape[1]})")
+                yield name, w
+            else:
+                raw = quantize(w.float(), type_name)
+                yield name, pack_ggml(type_name, raw, tuple(w.shape)) or ggml_weight(type_name, raw, tuple(w.shape))
+        if in_float:
+            log.warning("kept in float (rows are not whole groups of 32): %s", "; ".join(in_float))
+
+    return Checkpoint(ckpt.config, tensors, True, ckpt.release)
 
 
 def open_checkpoint(path: str) -> Checkpoint:
     if path.endswith(".gguf"):
         from tokenmill.executor.loader.gguf import read_gguf
         ck = read_gguf(path)
-        return Checkpoint(ck.config, ck.tensors, ck.packed)
+        return Checkpoint(ck.config, ck.tensors, ck.quantized, ck.release)
     try:
         with open(os.path.join(path, "config.json")) as f:
             config = json.load(f)
@@ -58,7 +96,7 @@ def open_checkpoint(path: str) -> Checkpoint:
         raise ValueError(f"cannot read {path}/config.json: {e}") from e
     files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
 
-    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         from safetensors import safe_open
         for file in files:
             with safe_open(file, framework="pt") as f:

@@ -1,8 +1,9 @@
 """Read a GGUF file (llama.cpp's format) into a Hugging Face-style config and state dict.
 
-We parse the header ourselves, mmap the tensor data (nothing is loaded until asked) and
-dequantize one tensor at a time with gguf.quants, so a caller that copies each tensor into a
-model never holds two full copies of the weights.
+We parse the header ourselves and mmap the tensor data. Matrices stay in their file's blocks
+(layers/quant.py): a view of the mapped file where the layout allows, repacked for the tuned kernels for
+Q4_0/Q4_1/Q8_0. Asked for float (keep_blocks=False, the plain path the kernels are tested against), each
+tensor is dequantised one at a time, so a caller never holds two full copies of the weights.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import logging
 import struct
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -19,7 +21,10 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quant_shape_to_byte_shape
 
-from tokenmill.executor.layers.quant import PackedWeight, pack_ggml, permute_rows
+from tokenmill.executor.layers.quant import (GGMLWeight, QuantWeight, ggml_block, ggml_weight, pack_ggml,
+                                             permute_rows)
+
+log = logging.getLogger("tokenmill")
 
 # GGUF architecture name -> (HF model_type, HF architecture class).
 # Mistral GGUFs say "llama", and Llama's decoder is the same, so they load as Llama.
@@ -67,8 +72,10 @@ _SUPPORTED_TYPES = {
 @dataclass(frozen=True)
 class GGUFCheckpoint:
     config: dict[str, Any]  # Hugging Face config.json form
-    tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]  # lazy: (HF name, float32 tensor)
-    packed: Callable[[], Iterator[tuple[str, PackedWeight]]]  # lazy: the Q4_0/Q4_1/Q8_0 matrices, still in blocks
+    # lazy: (HF name, tensor); keep_blocks=True gives quantised matrices as QuantWeight, the rest float32
+    tensors: Callable[..., Iterator[tuple[str, torch.Tensor | QuantWeight]]]
+    release: Callable[[], None]  # drop the mapped file's pages from this process (they fault back in when read)
+    quantized: bool = False      # some matrix is stored quantised (F16/BF16 count as not)
 
 
 @dataclass(frozen=True)
@@ -92,7 +99,8 @@ class GGUFFile:
         self.path = path
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+            # a private mapping: writable, so tensors can view it without a copy; nothing ever writes to it
+            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else b""
         self._off = 0
         if self._read("4s") != b"GGUF":
             raise ValueError("bad magic")  # open_gguf checks this first, with a friendlier message
@@ -128,6 +136,10 @@ class GGUFFile:
             if info.offset + n_bytes > len(self._mm):
                 raise ValueError(f"tensor {name!r} runs past the end of the file (truncated download?)")
             self.tensors[name] = info
+
+    def release(self) -> None:
+        if isinstance(self._mm, mmap.mmap):
+            self._mm.madvise(mmap.MADV_DONTNEED)
 
     def raw(self, info: TensorInfo) -> np.ndarray:
         """The tensor's bytes as a uint8 view shaped for gguf.quants.dequantize (rows, row bytes)."""
@@ -324,15 +336,28 @@ def _dequantize(f: GGUFFile, info: TensorInfo) -> torch.Tensor:
     return torch.from_numpy(arr.reshape(info.shape))
 
 
+def _kept(f: GGUFFile, info: TensorInfo, heads: int) -> QuantWeight | None:
+    """A matrix in its blocks (rows unpermuted for llama's q/k), or None where it must become float."""
+    if len(info.shape) != 2 or info.type_name == "F32":
+        return None
+    raw = f.raw(info)
+    w = pack_ggml(info.type_name, raw, info.shape) or ggml_weight(info.type_name, raw, info.shape)
+    if w is None or not heads:
+        return w
+    if isinstance(w, GGMLWeight):
+        return GGMLWeight(w.type_name, unpermute_qk(w.data, heads).contiguous(), w.shape)
+    return permute_rows(w, lambda t: unpermute_qk(t, heads))
+
+
 def read_gguf(path: str) -> GGUFCheckpoint:
-    """Read metadata now; dequantize tensors (to float32, HF names and shapes) when iterated."""
+    """Read metadata now; give tensors (HF names and shapes) when iterated."""
     f = open_gguf(path)
     config = _config(f)
     for info in f.tensors.values():  # fail at load time, not halfway through iterating
         if info.type_name not in _SUPPORTED_TYPES:
             raise ValueError(
-                f"GGUF tensor {info.name!r} has type {info.type_name}, which tokenmill cannot "
-                f"dequantize; supported: {sorted(_SUPPORTED_TYPES)}")
+                f"GGUF tensor {info.name!r} has type {info.type_name}, which tokenmill cannot read; "
+                f"supported: {', '.join(sorted(_SUPPORTED_TYPES))}")
         hf_name(info.name)
     permuted = f.metadata["general.architecture"] in _PERMUTED_ARCHS
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
@@ -342,26 +367,26 @@ def read_gguf(path: str) -> GGUFCheckpoint:
         proj = name.split(".")[-2]
         return heads[proj] if permuted and proj in heads else 0
 
-    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+        in_float: list[str] = []
         for info in f.tensors.values():
             name = hf_name(info.name)
             if name is None:
                 continue
+            if keep_blocks:
+                kept = _kept(f, info, permuted_heads(name))
+                if kept is not None:
+                    yield name, kept
+                    continue
+                if len(info.shape) == 2 and info.type_name != "F32":
+                    in_float.append(f"{info.name} ({info.type_name}, rows of {info.shape[1]}: not whole blocks "
+                                    f"of {ggml_block(info.type_name)[0]})")
             w = _dequantize(f, info)
             if n := permuted_heads(name):
                 w = unpermute_qk(w, n)
             yield name, w
+        if in_float:
+            log.warning("kept in float32: %s", "; ".join(in_float))
 
-    def packed() -> Iterator[tuple[str, PackedWeight]]:
-        for info in f.tensors.values():
-            name = hf_name(info.name)
-            if name is None or len(info.shape) != 2:
-                continue
-            p = pack_ggml(info.type_name, f.raw(info), info.shape)
-            if p is None:
-                continue
-            if n := permuted_heads(name):
-                p = permute_rows(p, lambda t: unpermute_qk(t, n))
-            yield name, p
-
-    return GGUFCheckpoint(config=config, tensors=tensors, packed=packed)
+    quantized = any(i.type_name not in ("F32", "F16", "BF16") for i in f.tensors.values() if len(i.shape) == 2)
+    return GGUFCheckpoint(config=config, tensors=tensors, release=f.release, quantized=quantized)

@@ -13,8 +13,8 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.executor.attention import AttentionBackend, AttentionMetadata
-from tokenmill.executor.layers.linear import Linear
-from tokenmill.executor.layers.quant import PackedWeight, concat_rows
+from tokenmill.executor.layers.linear import Embedding, Linear
+from tokenmill.executor.layers.quant import PackedWeight, QuantWeight, RowParts, concat_rows, dequantize_rows
 from tokenmill.executor.layers.norm import RMSNorm
 from tokenmill.executor.layers.rotary import RotaryEmbedding
 from tokenmill.executor.ops import ReferenceOps
@@ -105,9 +105,7 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_len: int, ops: ReferenceOps):
         super().__init__()
         self.config, self.ops = cfg, ops
-        # given storage, not a random init: normal_ on the meta device imports torch._dynamo (~1.7 s of start-up)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, ops)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         # a tied head is made by finalize(), from the loaded embeddings
@@ -136,39 +134,24 @@ class DecoderForCausalLM(nn.Module):
         """After loading: lay weights out for the device's fast paths (see Linear.finalize); a tied head gets its
         own [hidden, vocab] copy on CPU beside the embeddings' [vocab, hidden] (lookup and GEMM each want theirs)."""
         if self.config.tie_word_embeddings:
-            self.lm_head = Linear.tied(self.embed_tokens.weight, self.ops)
+            self.lm_head = Linear.tied(self.embed_tokens, self.ops)
         for m in self.modules():
             if isinstance(m, Linear):
                 m.finalize()
 
-    def load_packed(self, weights: Iterable[tuple[str, PackedWeight]]) -> None:
-        """Give Linear layers (and a tied head) their GGUF blocks for decode-sized matmuls, after finalize().
-        A fused layer gets them only if every shard came in the same block format."""
-        modules = dict(self.named_modules())
-        shards: dict[str, dict[int, PackedWeight]] = {}
-        for name, p in weights:
-            pname, shard = _our_name(name)
-            if pname == "embed_tokens.weight":
-                if self.config.tie_word_embeddings:
-                    self.lm_head.packed = p
-                continue
-            mname, kind = pname.rsplit(".", 1)
-            if kind == "weight":
-                shards.setdefault(mname, {})[shard or 0] = p
-        for mname, got in shards.items():
-            module = modules.get(mname)
-            if not isinstance(module, Linear) or len(got) != _NUM_SHARDS.get(mname.split(".")[-1], 1):
-                continue
-            module.packed = concat_rows([got[i] for i in sorted(got)])
-
     # ---- loading -------------------------------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into our (partly fused) parameters; strict about names and shapes."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantWeight]], dtype: torch.dtype,
+                     device: torch.device) -> None:
+        """Copy HF-named tensors into our (partly fused) parameters, allocating each (the model is built on the
+        meta device) as it arrives; a quantised matrix becomes its layer's `quant` and no float copy is made.
+        Strict about names and shapes."""
+        modules = dict(self.named_modules())
         params = dict(self.named_parameters())
         cfg = self.config
         q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
         shard_rows = {"qkv_proj": [q, kv, kv], "gate_up_proj": [cfg.intermediate_size] * 2}
         loaded: set[str] = set()
+        quant: dict[str, dict[int, QuantWeight]] = {}     # parameter -> its quantised shards
         for name, tensor in weights:
             pname, shard = _our_name(name)
             name = name[len("model."):] if name.startswith("model.") else name
@@ -178,23 +161,58 @@ class DecoderForCausalLM(nn.Module):
                 continue  # some tied checkpoints store a copy anyway
             if pname not in params:
                 raise ValueError(f"unexpected tensor {name!r} in checkpoint")
-            if shard is not None:
-                rows = shard_rows[pname.split(".")[-2]]
-                dst = params[pname].data.narrow(0, sum(rows[:shard]), rows[shard])
-                key = f"{pname}#{shard}"
-            else:
-                dst = params[pname].data
-                key = pname
+            rows = shard_rows[pname.split(".")[-2]] if shard is not None else None
+            dst = params[pname] if rows is None else params[pname].narrow(0, sum(rows[:shard]), rows[shard])
+            key = pname if rows is None else f"{pname}#{shard}"
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-            dst.copy_(tensor.to(dst.dtype))
             loaded.add(key)
+            if not isinstance(tensor, torch.Tensor):
+                quant.setdefault(pname, {})[shard or 0] = tensor
+                continue
+            p = self._allocated(modules, params, pname, dtype, device)
+            dst = p.data if rows is None else p.data.narrow(0, sum(rows[:shard]), rows[shard])
+            dst.copy_(tensor.to(dst.dtype))
+        for pname, shards in quant.items():
+            self._set_quant(modules, params, pname, shards, shard_rows, dtype, device)
         for pname, p in params.items():
             base = pname.split(".")[-2] if "." in pname else pname
             if base in shard_rows:
-                n_shards = len(shard_rows[base]) if p.dim() >= 1 else 1
-                missing = [s for s in range(n_shards) if f"{pname}#{s}" not in loaded]
+                missing = [s for s in range(len(shard_rows[base])) if f"{pname}#{s}" not in loaded]
                 if missing:
                     raise ValueError(f"checkpoint is missing {len(missing)} shard(s) of {pname}")
             elif pname not in loaded:
                 raise ValueError(f"checkpoint is missing tensor {pname!r}")
+
+    @staticmethod
+    def _allocated(modules: dict, params: dict, pname: str, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+        """The parameter, given storage on the device if it is still on the meta device."""
+        p = params[pname]
+        if p.device.type == "meta":
+            mname, attr = pname.rsplit(".", 1) if "." in pname else ("", pname)
+            p = nn.Parameter(torch.empty(p.shape, dtype=dtype, device=device), requires_grad=False)
+            setattr(modules[mname], attr, p)
+            params[pname] = p
+        return p
+
+    def _set_quant(self, modules: dict, params: dict, pname: str, shards: dict[int, QuantWeight],
+                   shard_rows: dict, dtype: torch.dtype, device: torch.device) -> None:
+        """A layer's quantised shards become its `quant` (its float weight dropped); where another shard of the same
+        fused layer came in float, they are dequantised into that float weight instead."""
+        mname = pname.rsplit(".", 1)[0]
+        module = modules[mname]
+        if params[pname].device.type != "meta" or not hasattr(module, "quant"):
+            p = self._allocated(modules, params, pname, dtype, device)
+            rows = shard_rows.get(mname.split(".")[-1])
+            for shard, w in shards.items():
+                dst = p.data if rows is None else p.data.narrow(0, sum(rows[:shard]), rows[shard])
+                dst.copy_(dequantize_rows(w).to(dtype))
+            return
+        parts = [shards[i] for i in sorted(shards)]
+        whole = parts[0] if len(parts) == 1 else None
+        if whole is None and all(isinstance(p, PackedWeight) for p in parts):
+            whole = concat_rows(parts)
+        module.quant = whole if whole is not None else RowParts(tuple(parts))
+        module.weight = None
+        module.dtype = dtype
+        params[pname] = None

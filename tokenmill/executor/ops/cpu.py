@@ -1,5 +1,6 @@
-"""The ops served by the CPU kernel library (one variant, chosen at load): quantised-block matmul for decode-sized
-batches, RMSNorm(+residual), rotary, SiLU-mul, argmax, and a decode step's whole layer in one call. What a
+"""The ops served by the CPU kernel library (one variant, chosen at load): matmul over quantised blocks (directly for
+decode-sized batches, a dequantised tile at a time for prefill), embedding lookups from blocks, RMSNorm(+residual),
+rotary, SiLU-mul, argmax, and a decode step's whole layer in one call. What a
 kernel does not take (another dtype, more rows than it was made for) runs on the reference, and the ops that
 never can for this model are named once at load."""
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Optional
 import torch
 
 from tokenmill.executor.kernels import KernelLibrary, check
-from tokenmill.executor.layers.quant import PackedWeight
+from tokenmill.executor.layers.quant import GGMLWeight, PackedWeight, QuantWeight, RowParts
 from tokenmill.executor.ops.reference import ReferenceOps
 
 log = logging.getLogger("tokenmill")
@@ -23,6 +24,8 @@ class CpuKernelOps(ReferenceOps):
         self.kernels = kernels
         self.name = f"cpu-{kernels.isa}"
         self.max_rows = kernels.limits["TM_QMATMUL_MAX_ROWS"]
+        self.gmax_rows = kernels.limits["TM_GMATMUL_MAX_ROWS"]
+        self._gweights: dict[int, tuple[GGMLWeight, ctypes.Structure]] = {}    # id(weight) -> its tm_gweight
         self._qweights: dict[int, tuple[PackedWeight, ctypes.Structure]] = {}   # id(packed) -> its tm_qweight
         # id(layer) -> (layer, its tm_layer, the tm_decode_layer_args its calls reuse)
         self._layers: dict[int, tuple[object, ctypes.Structure, ctypes.Structure]] = {}
@@ -37,15 +40,31 @@ class CpuKernelOps(ReferenceOps):
         """Kernel layouts of the model's quantised weights (the lanes copy where this variant has that kernel)
         and the one-call decode layers. Last at load: the structs point into the model's tensors as they are."""
         from tokenmill.executor.layers.linear import Linear
+        from tokenmill.executor.layers.linear import Embedding
         for m in model.modules():
-            if isinstance(m, Linear) and m.packed is not None:
-                m.packed = self._register(m.packed)
+            if isinstance(m, (Linear, Embedding)) and m.quant is not None:
+                m.quant = self._register_any(m.quant)
         for layer in model.layers:
             desc = self._layer_desc(layer)
             if desc is not None:
                 call = self.kernels.struct("decode_layer_args", layer=desc, step=None, kv=None, x=None,
                                            residual=None, add=0, out=None)
                 self._layers[id(layer)] = (layer, desc, call)
+
+    def _register_any(self, w: QuantWeight) -> QuantWeight:
+        """The kernel structs of a quantised weight, made once (a tied head shares its table's)."""
+        if isinstance(w, RowParts):
+            return RowParts(tuple(self._register_any(p) for p in w.parts))
+        if id(w) in self._qweights or id(w) in self._gweights:
+            return w
+        if isinstance(w, PackedWeight):
+            return self._register(w)
+        self._gweights[id(w)] = (w, self._gweight(w))
+        return w
+
+    def _gweight(self, w: GGMLWeight) -> ctypes.Structure:
+        return self.kernels.struct("gweight", type=w.type_id, data=w.data, row_bytes=w.data.shape[1], n=w.shape[0],
+                                   k=w.shape[1])
 
     def _register(self, p: PackedWeight) -> PackedWeight:
         lanes = replace(p, lanes=(torch.empty_like(p.codes), torch.empty_like(p.scale),
@@ -69,21 +88,68 @@ class CpuKernelOps(ReferenceOps):
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if not self.float_ops or attn.q_norm is not None or norms[0].eps != norms[1].eps:
             return None
-        if any(id(lin.packed) not in self._qweights or lin.bias is not None for lin in linears):
+        if any(id(lin.quant) not in self._qweights or lin.bias is not None for lin in linears):
             return None
-        qw = [self._qweights[id(lin.packed)][1] for lin in linears]
+        qw = [self._qweights[id(lin.quant)][1] for lin in linears]
         return self.kernels.struct("layer", input_norm=norms[0].weight, post_norm=norms[1].weight, eps=norms[0].eps,
-                                   hidden=attn.qkv_proj.packed.shape[1], heads=attn.num_heads,
+                                   hidden=attn.qkv_proj.quant.shape[1], heads=attn.num_heads,
                                    kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, inter=mlp.inter,
                                    scale=attn.scale, qkv=qw[0], o=qw[1], gate_up=qw[2], down=qw[3])
 
     # ---- the ops -----------------------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, layer) -> torch.Tensor:
-        p = layer.packed
-        if p is None or x.shape[0] > self.max_rows:    # prefill chunks: the dense GEMM
+        w = layer.quant
+        if w is None or x.shape[0] > self._direct_rows(w):    # dense, or a prefill chunk: tiles and a GEMM
             return super().linear(x, layer)
-        y = self.qmatmul(x if x.dtype == torch.float32 else x.float(), p).to(x.dtype)
+        y = self._matmul(x if x.dtype == torch.float32 else x.float(), w).to(x.dtype)
         return y if layer.bias is None else y + layer.bias
+
+    def _direct_rows(self, w: QuantWeight) -> int:
+        """The most rows of x a kernel multiplies straight from w's blocks."""
+        if isinstance(w, RowParts):
+            return min(self._direct_rows(p) for p in w.parts)
+        return self.max_rows if isinstance(w, PackedWeight) else self.gmax_rows
+
+    def _matmul(self, x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+        if isinstance(w, PackedWeight):
+            return self.qmatmul(x, w)
+        if isinstance(w, RowParts):
+            return torch.cat([self._matmul(x, p) for p in w.parts], dim=1)
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+        self.kernels.run("gmatmul", w=self._gstruct(w), x=x, y=y, rows=x.shape[0], num_threads=torch.get_num_threads())
+        return y
+
+    def _gstruct(self, w: GGMLWeight) -> ctypes.Structure:
+        entry = self._gweights.get(id(w))
+        return entry[1] if entry is not None and entry[0] is w else self._gweight(w)
+
+    def dequantize(self, w: QuantWeight, row0: int, rows: int, out: torch.Tensor) -> torch.Tensor:
+        if isinstance(w, RowParts):
+            return super().dequantize(w, row0, rows, out)
+        threads = torch.get_num_threads()
+        if isinstance(w, PackedWeight):
+            entry = self._qweights.get(id(w))
+            qw = entry[1] if entry is not None and entry[0] is w else self._qweight(w)
+            self.kernels.run("qdequant", w=qw, row0=row0, rows=rows, out=out, num_threads=threads)
+        else:
+            self.kernels.run("gdequant", w=self._gstruct(w), ids=None, row0=row0, rows=rows, out=out,
+                             num_threads=threads)
+        return out
+
+    def tiled_matmul(self, x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+        if isinstance(w, RowParts):     # each part tiled on its own, with its own kernel
+            return torch.cat([self.tiled_matmul(x, p) for p in w.parts], dim=1)
+        return super().tiled_matmul(x, w)
+
+    def lookup(self, w: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
+        if not isinstance(w, GGMLWeight):
+            return super().lookup(w, ids)
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(ids.shape[0], w.shape[1])
+        self.kernels.run("gdequant", w=self._gstruct(w), ids=ids, row0=0, rows=ids.shape[0], out=out,
+                         num_threads=torch.get_num_threads())
+        return out
 
     def qmatmul(self, x: torch.Tensor, p: PackedWeight) -> torch.Tensor:
         """x [B, K] float32, B <= TM_QMATMUL_MAX_ROWS, times the blocks of W [N, K]: x @ W^T, float32 [B, N]."""
@@ -161,7 +227,9 @@ class CpuKernelOps(ReferenceOps):
     def describe(self) -> dict[str, str]:
         k, ref = f"kernels ({self.kernels.isa})", "torch (the kernels take float32)"
         lim = self.kernels.limits
-        return {"linear": f"{k} for GGUF blocks up to {self.max_rows} rows, torch otherwise",
+        return {"linear": f"{k} from quantised blocks (Q4_0/Q4_1/Q8_0 up to {self.max_rows} rows, other GGUF types up "
+                          f"to {self.gmax_rows}), dequantised tiles and a torch GEMM for more rows; torch for float",
+                "embedding": f"{k} for GGUF tables in blocks, torch otherwise",
                 "rms_norm": k if self.float_ops else ref, "rotary": k if self.float_ops else ref,
                 "silu_mul": k if self.float_ops else ref, "argmax": k,
                 "decoder_layer": f"{k}, one call a layer, for layers whose four matrices are GGUF blocks (no biases, "

@@ -7,7 +7,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from tokenmill.executor.layers.quant import QuantWeight, dequantize_rows, select_rows
 from tokenmill.executor.layers.rotary import apply_rotary
+
+TILE_BYTES = 1 << 20    # a prefill tile of dequantised rows: big enough for an efficient GEMM, small enough for L2
 
 
 class ReferenceOps:
@@ -19,11 +22,41 @@ class ReferenceOps:
 
     def linear(self, x: torch.Tensor, layer) -> torch.Tensor:
         """y = x W^T + b for a layers.linear.Linear."""
+        if layer.quant is not None:
+            y = self.tiled_matmul(x, layer.quant)
+            return y if layer.bias is None else y + layer.bias
         if layer.weight_t is None:
             return F.linear(x, layer.weight, layer.bias)
         if layer.bias is not None:
             return torch.addmm(layer.bias, x, layer.weight_t)
         return x @ layer.weight_t
+
+    def tiled_matmul(self, x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+        """x @ W^T for a quantised W, a tile of its rows dequantised at a time into one scratch buffer: no float
+        copy of W exists, and each tile is decoded once for all of x's rows."""
+        n, k = w.shape
+        tile = max(16, min(n, TILE_BYTES // (4 * k)))
+        scratch = torch.empty(tile, k)
+        xf = x.float()
+        y = torch.empty(x.shape[0], n, dtype=torch.float32)
+        for row0 in range(0, n, tile):
+            rows = min(tile, n - row0)
+            y[:, row0:row0 + rows] = xf @ self.dequantize(w, row0, rows, scratch[:rows]).t()
+        return y.to(x.dtype)
+
+    def dequantize(self, w: QuantWeight, row0: int, rows: int, out: torch.Tensor) -> torch.Tensor:
+        """Rows row0 .. row0+rows-1 of W in float32, into out [rows, K]."""
+        return out.copy_(dequantize_rows(w, row0, rows))
+
+    def embedding(self, ids: torch.Tensor, table) -> torch.Tensor:
+        """The rows of a layers.linear.Embedding for ids [T]."""
+        if table.quant is None:
+            return F.embedding(ids, table.weight)
+        return self.lookup(table.quant, ids).to(table.dtype)
+
+    def lookup(self, w: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
+        """float32 rows ids of a quantised table."""
+        return dequantize_rows(select_rows(w, ids))
 
     def rms_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,5 +88,5 @@ class ReferenceOps:
 
     def describe(self) -> dict[str, str]:
         """op -> what serves it, for `tokenmill info` and the server's start log."""
-        ops = ("linear", "rms_norm", "rotary", "silu_mul", "argmax", "decoder_layer")
+        ops = ("linear", "embedding", "rms_norm", "rotary", "silu_mul", "argmax", "decoder_layer")
         return {**{op: "torch" for op in ops}, "attention": "torch (batched SDPA)"}

@@ -1,0 +1,204 @@
+"""GGUF matrices in their file's own blocks (csrc/gblocks.c): every type's dequantisation and matmul, in every
+kernel variant this CPU runs, against gguf-py's dequantiser; and a tiny model whose matrices are in those types
+gives the same greedy tokens as the same model dequantised, holding no float copy of any quantised matrix."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tests.test_plans import assert_same
+from tokenmill import LLM, SamplingParams
+from tokenmill.executor.kernels import load, runnable_variants
+from tokenmill.executor.layers.linear import Embedding, Linear
+from tokenmill.executor.layers.quant import (GGML_TYPES, GGMLWeight, PackedWeight, RowParts, ggml_block,
+                                             quant_nbytes)
+from tokenmill.executor.loader.gguf import open_gguf
+from tokenmill.executor.ops import CpuKernelOps, ReferenceOps
+
+VARIANTS = runnable_variants()
+Q = gguf.GGMLQuantizationType
+# where each K-quant keeps its fp16 super-block scales (d, and dmin where it has one)
+_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(type_name: str, n: int, k: int, rng: np.random.Generator, scale: float = 1.0) -> np.ndarray:
+    """[n, row bytes] of valid blocks: gguf-py's quantiser where it has one, else random codes with modest fp16
+    scales (random bytes there could be NaN or huge)."""
+    block, size = ggml_block(type_name)
+    if type_name not in _SCALE_OFFSETS:
+        w = (rng.standard_normal((n, k)) * scale).astype(np.float32)
+        if type_name == "F16":
+            return w.astype(np.float16).view(np.uint8).reshape(n, -1)
+        return np.asarray(gguf.quants.quantize(w, Q[type_name])).reshape(n, -1)
+    raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+    for off in _SCALE_OFFSETS[type_name]:
+        d = rng.uniform(0.2, 1.0, (n, k // block, 1)) * scale / 64
+        raw[..., off:off + 2] = d.astype(np.float16).view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+def oracle(type_name: str, raw: np.ndarray, k: int) -> torch.Tensor:
+    out = np.asarray(gguf.quants.dequantize(raw, Q[type_name]), dtype=np.float32)
+    return torch.from_numpy(out.reshape(raw.shape[0], k).copy())
+
+
+def within_rounding(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """y = x @ w^T to float32 summation-order rounding: a few ulps of sum |x| |w|, against a float64 product."""
+    exact = x.double() @ w.double().t()
+    bound = 16 * torch.finfo(torch.float32).eps * (x.abs().double() @ w.abs().double().t()) + 1e-30
+    assert ((y.double() - exact).abs() <= bound).all(), ((y.double() - exact).abs() / bound).max()
+
+
+@pytest.fixture(params=VARIANTS, scope="module")
+def ops(request) -> CpuKernelOps:
+    return CpuKernelOps(load(request.param), torch.float32)
+
+
+@pytest.mark.parametrize("type_name", GGML_TYPES)
+def test_dequantise_and_matmul_equal_gguf_py(ops: CpuKernelOps, type_name: str) -> None:
+    rng = np.random.default_rng(1)
+    n, k = 37, 512                                      # rows not a multiple of any thread chunk
+    raw = random_blocks(type_name, n, k, rng)
+    w = GGMLWeight(type_name, torch.from_numpy(raw), (n, k))
+    want = oracle(type_name, raw, k)
+    got = torch.empty(n, k)
+    assert torch.equal(ops.dequantize(w, 0, n, got), want)           # bit for bit
+    assert torch.equal(ops.dequantize(w, 5, 9, torch.empty(9, k)), want[5:14])
+    ids = torch.tensor([3, 0, 36, 3])
+    assert torch.equal(ops.lookup(w, ids), want[ids])
+    lin = Linear(k, n, False, ops)
+    lin.quant, lin.weight = w, None
+    for rows in (1, 2, 7, ops.gmax_rows, ops.gmax_rows + 1, 70):     # the kernel, then dequantised tiles
+        x = torch.randn(rows, k)
+        within_rounding(lin(x), x, want)
+
+
+def test_reference_ops_read_blocks_too() -> None:
+    rng = np.random.default_rng(2)
+    raw = random_blocks("Q5_K", 8, 256, rng)
+    w = GGMLWeight("Q5_K", torch.from_numpy(raw), (8, 256))
+    lin = Linear(256, 8, False, ReferenceOps())
+    lin.quant, lin.weight = w, None
+    x = torch.randn(3, 256)
+    within_rounding(lin(x), x, oracle("Q5_K", raw, 256))
+
+
+def test_kernels_refuse_what_they_cannot_read() -> None:
+    lib = load(VARIANTS[0])
+    raw = torch.zeros(4, 144, dtype=torch.uint8)
+    bad = [dict(type=12, row_bytes=144, n=4, k=255),        # K not whole super-blocks
+           dict(type=12, row_bytes=100, n=4, k=256),        # row bytes that do not match
+           dict(type=15, row_bytes=144, n=4, k=256)]        # Q8_K: not a file type we read
+    for fields in bad:
+        gw = lib.struct("gweight", data=raw, **fields)
+        assert lib.call("gmatmul", lib.struct("gmatmul_args", w=gw, x=torch.zeros(1, 256), y=torch.zeros(1, 4),
+                                              rows=1, num_threads=1)) == -1
+    gw = lib.struct("gweight", type=12, data=raw, row_bytes=144, n=4, k=256)
+    assert lib.call("gdequant", lib.struct("gdequant_args", w=gw, ids=torch.tensor([4]), row0=0, rows=1,
+                                           out=torch.zeros(1, 256), num_threads=1)) == -3
+
+
+# ---------------------------------------------------------------- a tiny model in the K-quants and the rest
+
+DIMS = dict(vocab=64, hidden=256, heads=4, kv_heads=2, ffn=512, layers=2)
+
+
+def write_model(path: Path, types: dict[str, str], seed: int = 0) -> None:
+    """A llama-arch GGUF with each kind of matrix in the type `types` gives it (1-D tensors stay F32)."""
+    d, rng = DIMS, np.random.default_rng(seed)
+    head_dim = d["hidden"] // d["heads"]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(d["layers"])
+    w.add_context_length(256)
+    w.add_embedding_length(d["hidden"])
+    w.add_feed_forward_length(d["ffn"])
+    w.add_head_count(d["heads"])
+    w.add_head_count_kv(d["kv_heads"])
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+    def put(name: str, kind: str, n: int, k: int) -> None:
+        t = types[kind]
+        scale = 1.0 if kind == "embd" else k ** -0.5
+        raw = random_blocks(t, n, k, rng, scale)
+        w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=Q[t])
+
+    put("token_embd.weight", "embd", d["vocab"], d["hidden"])
+    for i in range(d["layers"]):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", np.ones(d["hidden"], np.float32))
+        w.add_tensor(p + "ffn_norm.weight", np.ones(d["hidden"], np.float32))
+        put(p + "attn_q.weight", "q", d["heads"] * head_dim, d["hidden"])
+        put(p + "attn_k.weight", "k", d["kv_heads"] * head_dim, d["hidden"])
+        put(p + "attn_v.weight", "v", d["kv_heads"] * head_dim, d["hidden"])
+        put(p + "attn_output.weight", "o", d["hidden"], d["heads"] * head_dim)
+        put(p + "ffn_gate.weight", "gate", d["ffn"], d["hidden"])
+        put(p + "ffn_up.weight", "up", d["ffn"], d["hidden"])
+        put(p + "ffn_down.weight", "down", d["hidden"], d["ffn"])
+    w.add_tensor("output_norm.weight", np.ones(d["hidden"], np.float32))
+    put("output.weight", "out", d["vocab"], d["hidden"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+MIXES = {
+    # Q4_K_M's pattern: Q4_K with Q6_K for v, down and the head; qkv and gate_up fused from different types
+    "q4_k_m": dict(embd="Q4_K", q="Q4_K", k="Q4_K", v="Q6_K", o="Q4_K", gate="Q4_K", up="Q4_K", down="Q6_K",
+                   out="Q6_K"),
+    "k_quants": dict(embd="Q3_K", q="Q2_K", k="Q3_K", v="Q5_K", o="Q5_K", gate="Q2_K", up="Q3_K", down="Q4_K",
+                     out="Q5_K"),
+    "legacy": dict(embd="F16", q="Q5_0", k="Q5_0", v="Q5_1", o="BF16", gate="Q8_0", up="Q4_0", down="Q4_1",
+                   out="Q8_0"),
+}
+
+
+def _generate(path: Path, **kw):
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.01, max_model_len=256, tokenizer=None, **kw)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (1, 9, 40, 23, 5)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0] for o in outs], llm
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_model_in_blocks_equals_the_model_dequantised(tmp_path: Path, mix: str) -> None:
+    path = tmp_path / f"{mix}.gguf"
+    write_model(path, MIXES[mix])
+    want, _ = _generate(path, quantized_kernels=False, cpu_kernels="reference")
+    for isa in VARIANTS:
+        got, llm = _generate(path, cpu_kernels=isa)
+        assert_same(got, want)
+    assert_no_float_copy(llm, path)
+
+
+def assert_no_float_copy(llm, path: Path) -> None:
+    """Every matrix is held in its blocks and nothing else: the bytes the model holds are the file's tensors' bytes
+    (plus the kernels' own layout of Q4_0/Q4_1/Q8_0, and the 1-D tensors in the model's dtype)."""
+    model = llm.llm_engine.model
+    held = 0
+    seen: set[int] = set()
+    for m in model.modules():
+        if isinstance(m, (Linear, Embedding)):
+            assert m.quant is not None and m.weight is None and getattr(m, "weight_t", None) is None, m
+            if id(m.quant) not in seen:
+                seen.add(id(m.quant))
+                held += quant_nbytes(m.quant)
+    held += sum(p.numel() * p.element_size() for p in model.parameters())
+    f = open_gguf(str(path))
+    in_file = sum(i.n_bytes for i in f.tensors.values())
+    repacked = [p for m in model.modules() if isinstance(m, Linear) and m.quant is not None
+                for p in (m.quant.parts if isinstance(m.quant, RowParts) else (m.quant,)) if isinstance(p, PackedWeight)]
+    if not repacked:
+        assert held == in_file
+    else:    # the tuned kernels' layout: float32 scales (and a lanes copy on AVX-512) instead of fp16
+        assert held <= 3 * in_file

@@ -1,0 +1,293 @@
+/* Matmul and dequantisation over a GGUF matrix in its file's own blocks (tokenmill.h: tm_gweight), read where
+ * the file is mapped: F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q2_K .. Q6_K.
+ *
+ * Each type is one function that dequantises one block into floats, with the arithmetic and order of llama.cpp's
+ * reference dequantiser (ggml-quants.c, and gguf-py's numpy port, the tests' oracle). The matmul dequantises a
+ * row's blocks one at a time into L1 and multiplies each into every input; prefill-sized batches instead
+ * dequantise tiles of rows (tm_gdequant) for a float GEMM, so a block is decoded once for all the batch's rows.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "simd.h"
+#include "tokenmill.h"
+
+#define QK_K 256
+
+TM_INLINE float f32_bits(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+TM_INLINE uint32_t bits_f32(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+/* IEEE half to float, exact for every input (normals by rescaling the exponent, subnormals through a float add) */
+TM_INLINE float fp16(const uint8_t *p) {
+    const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+    const uint32_t w = (uint32_t)h << 16, sign = w & 0x80000000u, two_w = w + w;
+    const float normal = f32_bits((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+    const float subnormal = f32_bits((two_w >> 17) | (126u << 23)) - 0.5f;
+    return f32_bits(sign | (two_w < (1u << 27) ? bits_f32(subnormal) : bits_f32(normal)));
+}
+
+/* ---- one block of each type -------------------------------------------------------------------------------- */
+static void dq_f16(const uint8_t *b, float *y) {
+    for (int j = 0; j < 32; j++) y[j] = fp16(b + 2 * j);
+}
+
+static void dq_bf16(const uint8_t *b, float *y) {
+    for (int j = 0; j < 32; j++) y[j] = f32_bits((uint32_t)(b[2 * j] | (b[2 * j + 1] << 8)) << 16);
+}
+
+static void dq_q4_0(const uint8_t *b, float *y) {   /* d, then 16 bytes: code j low, code j + 16 high */
+    const float d = fp16(b);
+    for (int j = 0; j < 16; j++) {
+        y[j] = ((b[2 + j] & 15) - 8) * d;
+        y[j + 16] = ((b[2 + j] >> 4) - 8) * d;
+    }
+}
+
+static void dq_q4_1(const uint8_t *b, float *y) {   /* d, m, 16 bytes */
+    const float d = fp16(b), m = fp16(b + 2);
+    for (int j = 0; j < 16; j++) {
+        y[j] = (b[4 + j] & 15) * d + m;
+        y[j + 16] = (b[4 + j] >> 4) * d + m;
+    }
+}
+
+static void dq_q5_0(const uint8_t *b, float *y) {   /* d, 32 high bits, 16 bytes of low nibbles */
+    const float d = fp16(b);
+    uint32_t qh;
+    memcpy(&qh, b + 2, 4);
+    for (int j = 0; j < 16; j++) {
+        const int hi0 = ((qh >> j) << 4) & 0x10, hi1 = (qh >> (j + 12)) & 0x10;
+        y[j] = (((b[6 + j] & 15) | hi0) - 16) * d;
+        y[j + 16] = (((b[6 + j] >> 4) | hi1) - 16) * d;
+    }
+}
+
+static void dq_q5_1(const uint8_t *b, float *y) {   /* d, m, 32 high bits, 16 bytes */
+    const float d = fp16(b), m = fp16(b + 2);
+    uint32_t qh;
+    memcpy(&qh, b + 4, 4);
+    for (int j = 0; j < 16; j++) {
+        const int hi0 = ((qh >> j) << 4) & 0x10, hi1 = (qh >> (j + 12)) & 0x10;
+        y[j] = ((b[8 + j] & 15) | hi0) * d + m;
+        y[j + 16] = ((b[8 + j] >> 4) | hi1) * d + m;
+    }
+}
+
+static void dq_q8_0(const uint8_t *b, float *y) {   /* d, 32 signed bytes */
+    const float d = fp16(b);
+    for (int j = 0; j < 32; j++) y[j] = (int8_t)b[2 + j] * d;
+}
+
+/* Q4_K and Q5_K: 8 sub-blocks of 32, each a 6-bit scale and min packed into 12 bytes */
+TM_INLINE void scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+static void dq_q2_k(const uint8_t *b, float *y) {   /* scales[16], qs[64], d, dmin */
+    const uint8_t *scales = b, *q = b + 16;
+    const float d = fp16(b + 80), dmin = fp16(b + 82);
+    int is = 0;
+    for (int n = 0; n < QK_K; n += 128, q += 32)
+        for (int shift = 0; shift < 8; shift += 2)
+            for (int half = 0; half < 2; half++) {
+                const int sc = scales[is++];
+                const float dl = d * (sc & 15), ml = dmin * (sc >> 4);
+                for (int l = 0; l < 16; l++) *y++ = dl * ((q[l + 16 * half] >> shift) & 3) - ml;
+            }
+}
+
+static void dq_q3_k(const uint8_t *b, float *y) {   /* hmask[32], qs[64], scales[12], d */
+    const uint8_t *hm = b, *q = b + 32, *s = b + 96;
+    const float d = fp16(b + 108);
+    int8_t scales[16];
+    for (int j = 0; j < 16; j++) {   /* 6-bit scales: low 4 bits from s[0..7], high 2 from s[8..11] */
+        const int lo = j < 8 ? s[j] & 15 : s[j - 8] >> 4;
+        const int hi = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+        scales[j] = (int8_t)((lo | (hi << 4)) - 32);
+    }
+    int is = 0;
+    uint8_t m = 1;
+    for (int n = 0; n < QK_K; n += 128, q += 32)
+        for (int shift = 0; shift < 8; shift += 2, m <<= 1)
+            for (int half = 0; half < 2; half++) {
+                const float dl = d * scales[is++];
+                for (int l = 16 * half; l < 16 * half + 16; l++)
+                    *y++ = dl * ((int8_t)((q[l] >> shift) & 3) - ((hm[l] & m) ? 0 : 4));
+            }
+}
+
+static void dq_q4_k(const uint8_t *b, float *y) {   /* d, dmin, scales[12], qs[128] */
+    const float d = fp16(b), dmin = fp16(b + 2);
+    const uint8_t *scales = b + 4, *q = b + 16;
+    for (int j = 0; j < 4; j++, q += 32) {
+        int sc, m;
+        scale_min_k4(2 * j, scales, &sc, &m);
+        const float d1 = d * sc, m1 = dmin * m;
+        scale_min_k4(2 * j + 1, scales, &sc, &m);
+        const float d2 = d * sc, m2 = dmin * m;
+        for (int l = 0; l < 32; l++) y[64 * j + l] = d1 * (q[l] & 15) - m1;
+        for (int l = 0; l < 32; l++) y[64 * j + 32 + l] = d2 * (q[l] >> 4) - m2;
+    }
+}
+
+static void dq_q5_k(const uint8_t *b, float *y) {   /* d, dmin, scales[12], qh[32], qs[128] */
+    const float d = fp16(b), dmin = fp16(b + 2);
+    const uint8_t *scales = b + 4, *qh = b + 16, *q = b + 48;
+    for (int j = 0; j < 4; j++, q += 32) {
+        int sc, m;
+        scale_min_k4(2 * j, scales, &sc, &m);
+        const float d1 = d * sc, m1 = dmin * m;
+        scale_min_k4(2 * j + 1, scales, &sc, &m);
+        const float d2 = d * sc, m2 = dmin * m;
+        const uint8_t u1 = (uint8_t)(1 << (2 * j)), u2 = (uint8_t)(2 << (2 * j));
+        for (int l = 0; l < 32; l++) y[64 * j + l] = d1 * ((q[l] & 15) + (qh[l] & u1 ? 16 : 0)) - m1;
+        for (int l = 0; l < 32; l++) y[64 * j + 32 + l] = d2 * ((q[l] >> 4) + (qh[l] & u2 ? 16 : 0)) - m2;
+    }
+}
+
+static void dq_q6_k(const uint8_t *b, float *y) {   /* ql[128], qh[64], scales[16] (int8), d */
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const float d = fp16(b + 208);
+    for (int n = 0; n < QK_K; n += 128, y += 128, ql += 64, qh += 32, sc += 8)
+        for (int l = 0; l < 32; l++) {
+            const int is = l / 16;
+            const int q1 = ((ql[l] & 15) | ((qh[l] & 3) << 4)) - 32;
+            const int q2 = ((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32;
+            const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+            const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+            y[l] = d * sc[is] * q1;
+            y[l + 32] = d * sc[is + 2] * q2;
+            y[l + 64] = d * sc[is + 4] * q3;
+            y[l + 96] = d * sc[is + 6] * q4;
+        }
+}
+
+/* ---- the types: ggml's type ids, elements and bytes per block ---------------------------------------------- */
+typedef void (*dq_fn)(const uint8_t *, float *);
+typedef struct {
+    int id, block, bytes;
+    dq_fn dq;
+} gtype;
+
+static const gtype TYPES[] = {
+    {1, 32, 64, dq_f16},     {30, 32, 64, dq_bf16},   {2, 32, 18, dq_q4_0},    {3, 32, 20, dq_q4_1},
+    {6, 32, 22, dq_q5_0},    {7, 32, 24, dq_q5_1},    {8, 32, 34, dq_q8_0},    {10, QK_K, 84, dq_q2_k},
+    {11, QK_K, 110, dq_q3_k}, {12, QK_K, 144, dq_q4_k}, {13, QK_K, 176, dq_q5_k}, {14, QK_K, 210, dq_q6_k},
+};
+
+static const gtype *find_type(const tm_gweight *w) {
+    for (size_t i = 0; i < sizeof TYPES / sizeof TYPES[0]; i++)
+        if (TYPES[i].id == w->type) {
+            const gtype *t = &TYPES[i];
+            if (w->k < 1 || w->k % t->block || w->n < 1 || w->row_bytes != (int64_t)(w->k / t->block) * t->bytes)
+                return NULL;
+            return t;
+        }
+    return NULL;
+}
+
+/* ---- dequantise rows (prefill tiles, embedding lookups) ---------------------------------------------------- */
+TM_API int tm_gdequant(const tm_gdequant_args *a) {
+    const tm_gweight *w = a->w;
+    const gtype *t = find_type(w);
+    if (!t || a->rows < 0 || (!a->ids && (a->row0 < 0 || (int64_t)a->row0 + a->rows > w->n))) return -1;
+    if (a->ids)
+        for (int r = 0; r < a->rows; r++)
+            if (a->ids[r] < 0 || a->ids[r] >= w->n) return -3;
+    const int nb = w->k / t->block;
+#pragma omp parallel for schedule(static) num_threads(a->rows > 8 ? a->num_threads : 1)
+    for (int r = 0; r < a->rows; r++) {
+        const int64_t n = a->ids ? a->ids[r] : (int64_t)a->row0 + r;
+        const uint8_t *row = w->data + n * w->row_bytes;
+        float *out = a->out + (size_t)r * w->k;
+        for (int i = 0; i < nb; i++) t->dq(row + (size_t)i * t->bytes, out + (size_t)i * t->block);
+    }
+    return 0;
+}
+
+/* ---- matmul for a few rows of x -------------------------------------------------------------------------- */
+/* One weight row against B inputs: each block dequantised once into buf (L1), then multiplied into all B. Two
+ * accumulators an input keep two FMA chains in flight. BLOCK is a constant at each call (the switch below). */
+TM_INLINE void row_dot(dq_fn dq, int BLOCK, int BYTES, const uint8_t *row, int nb, const float *x, int K, int B,
+                       float *y, size_t ystride) {
+    float buf[QK_K] __attribute__((aligned(64)));
+    vf acc[TM_GMATMUL_MAX_ROWS][2];
+    for (int b = 0; b < B; b++) acc[b][0] = acc[b][1] = (vf){0};
+    for (int i = 0; i < nb; i++) {
+        dq(row + (size_t)i * BYTES, buf);
+        for (int b = 0; b < B; b++) {
+            const float *xb = x + (size_t)b * K + (size_t)i * BLOCK;
+            vf a0 = acc[b][0], a1 = acc[b][1];
+            for (int v = 0; v < BLOCK / VL; v += 2) {
+                a0 = vfma(vload(buf + v * VL), vload(xb + v * VL), a0);
+                a1 = vfma(vload(buf + (v + 1) * VL), vload(xb + (v + 1) * VL), a1);
+            }
+            acc[b][0] = a0;
+            acc[b][1] = a1;
+        }
+    }
+    for (int b = 0; b < B; b++) y[(size_t)b * ystride] = vhsum(acc[b][0] + acc[b][1]);
+}
+
+#define GMATMUL(FN, BLOCK, BYTES)                                                                             \
+    static void gmatmul_##FN(const tm_gweight *w, const float *x, int B, float *y, int num_threads) {         \
+        const int nb = w->k / BLOCK;                                                                          \
+        _Pragma("omp parallel for schedule(static, 8) num_threads(num_threads)")                             \
+        for (int n = 0; n < w->n; n++) {                                                                      \
+            const uint8_t *row = w->data + (size_t)n * w->row_bytes;                                          \
+            __builtin_prefetch(row + 8 * w->row_bytes, 0, 3);                                                 \
+            row_dot(dq_##FN, BLOCK, BYTES, row, nb, x, w->k, B, y + n, (size_t)w->n);                         \
+        }                                                                                                     \
+    }
+GMATMUL(f16, 32, 64)
+GMATMUL(bf16, 32, 64)
+GMATMUL(q4_0, 32, 18)
+GMATMUL(q4_1, 32, 20)
+GMATMUL(q5_0, 32, 22)
+GMATMUL(q5_1, 32, 24)
+GMATMUL(q8_0, 32, 34)
+GMATMUL(q2_k, QK_K, 84)
+GMATMUL(q3_k, QK_K, 110)
+GMATMUL(q4_k, QK_K, 144)
+GMATMUL(q5_k, QK_K, 176)
+GMATMUL(q6_k, QK_K, 210)
+#undef GMATMUL
+
+TM_API int tm_gmatmul(const tm_gmatmul_args *a) {
+    const tm_gweight *w = a->w;
+    const int B = a->rows;
+    if (!find_type(w) || B < 1 || B > TM_GMATMUL_MAX_ROWS) return -1;
+    switch (w->type) {
+        case 1: gmatmul_f16(w, a->x, B, a->y, a->num_threads); break;
+        case 30: gmatmul_bf16(w, a->x, B, a->y, a->num_threads); break;
+        case 2: gmatmul_q4_0(w, a->x, B, a->y, a->num_threads); break;
+        case 3: gmatmul_q4_1(w, a->x, B, a->y, a->num_threads); break;
+        case 6: gmatmul_q5_0(w, a->x, B, a->y, a->num_threads); break;
+        case 7: gmatmul_q5_1(w, a->x, B, a->y, a->num_threads); break;
+        case 8: gmatmul_q8_0(w, a->x, B, a->y, a->num_threads); break;
+        case 10: gmatmul_q2_k(w, a->x, B, a->y, a->num_threads); break;
+        case 11: gmatmul_q3_k(w, a->x, B, a->y, a->num_threads); break;
+        case 12: gmatmul_q4_k(w, a->x, B, a->y, a->num_threads); break;
+        case 13: gmatmul_q5_k(w, a->x, B, a->y, a->num_threads); break;
+        case 14: gmatmul_q6_k(w, a->x, B, a->y, a->num_threads); break;
+        default: return -1;
+    }
+    return 0;
+}
