@@ -1,4 +1,4 @@
-"""`tokenmill bench throughput|latency|serve|workload`, `tokenmill kv-calc`, `tokenmill diagnose`.
+"""`tokenmill bench throughput|latency|serve|workload|perplexity`, `tokenmill kv-calc`, `tokenmill diagnose`.
 
 register(subparsers) adds them to the main CLI; each handler takes the parsed namespace and returns an
 exit code (0 ok, 2 bad input or a missing engine, with the reason on stderr)."""
@@ -205,16 +205,49 @@ def cmd_workload(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- bench perplexity ----
+
+def _perplexity_engine_kw(args: argparse.Namespace) -> dict[str, Any]:
+    kw = _engine_kw(args)
+    # a prefix-cache hit skips its positions' logits, so a window's prompt logprobs would come back partial
+    kw["enable_prefix_caching"] = False
+    kw["cpu_kernels"] = args.cpu_kernels
+    kw["quantization"] = args.quantization
+    return kw
+
+
+@_user_errors
+def cmd_perplexity(args: argparse.Namespace) -> int:
+    from .offline import build_llm
+    from .perplexity import PerplexityConfig, format_report, load_text, run_perplexity
+
+    cfg = PerplexityConfig(args.context, args.stride, args.max_tokens_scored)
+    if args.max_model_len is None:   # a window and the one token generated after it: a small, quick KV cache
+        args.max_model_len = args.context + 1
+    text, label = load_text(args.text)
+    llm = build_llm(args.model, **_perplexity_engine_kw(args))
+    r = run_perplexity(llm, text, cfg, warmup=not args.no_warmup, progress=not args.no_progress and not args.json)
+    r.update(model=args.model or "default (SmolLM2-135M-Instruct)", text=label, quantization=args.quantization)
+    _emit(r, args, format_report(r))
+    return 0
+
+
 # ---- kv-calc ----
 
 @_user_errors
 def cmd_kv_calc(args: argparse.Namespace) -> int:
-    from .kvcalc import format_report, kv_calc, load_config
+    """`kv-calc` / `mem-plan`: the KV report for the chosen cache dtype, then the memory planner's tables."""
+    from .kvcalc import format_plan, format_report, kv_calc, load_model, memory_plan, plot_plan
 
-    cfg, label = load_config(args.model, args.config)
-    r = kv_calc(cfg, args.context, args.kv_dtype, args.memory_gb)
-    r["model"] = label
-    print(json.dumps(r) if args.json else format_report(r, label))
+    src = load_model(args.model, args.config)
+    r = kv_calc(src.config, args.context, args.kv_dtype, args.memory_gb)
+    plan = memory_plan(src.config, args.context, args.memory_gb, args.weights, args.kv_dtype, src.gguf, args.batch)
+    if args.plot:
+        plot_plan(plan, args.plot, Path(src.label).name)
+    r.update(model=src.label, **plan.to_dict())
+    print(json.dumps(json_safe(r)) if args.json else format_report(r, src.label) + "\n\n" + format_plan(plan))
+    if args.plot and not args.json:
+        print(f"plot: {args.plot}")
     return 0
 
 
@@ -232,9 +265,10 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: Any) -> None:
-    """Add `bench`, `kv-calc` and `diagnose` to an argparse subparsers object."""
+    """Add `bench`, `kv-calc` (alias `mem-plan`) and `diagnose` to an argparse subparsers object."""
     bench = subparsers.add_parser("bench", help="benchmarks: offline throughput, single-stream latency, serving load")
-    bsub = bench.add_subparsers(dest="bench_command", metavar="{throughput,latency,serve,workload}", required=True)
+    bsub = bench.add_subparsers(dest="bench_command", metavar="{throughput,latency,serve,workload,perplexity}",
+                                required=True)
 
     p = bsub.add_parser("throughput", help="replay a workload offline; prints tokens/s")
     src = p.add_mutually_exclusive_group()
@@ -290,13 +324,36 @@ def register(subparsers: Any) -> None:
     p.add_argument("--output", "-o", default=None, metavar="PATH", help="write here instead of stdout")
     p.set_defaults(func=cmd_workload)
 
-    p = subparsers.add_parser("kv-calc", help="KV-cache bytes per token / sequence, and sequences that fit")
+    p = bsub.add_parser("perplexity", help="perplexity of a text (default: a bundled one): quality cost of quantising")
+    p.add_argument("--text", default=None, metavar="FILE", help="UTF-8 text to score (default: the bundled text)")
+    p.add_argument("--context", type=int, default=512,
+                   help="tokens per window (--max-model-len defaults to this + 1, so below the model's positions)")
+    p.add_argument("--stride", type=int, default=None, help="window starts this far apart (default: --context, "
+                   "no overlap); with overlap only the new tokens are scored")
+    p.add_argument("--max-tokens-scored", type=int, default=None, metavar="N", help="stop after N scored tokens")
+    p.add_argument("--cpu-kernels", default=None, help="auto | avx512 | avx2 | neon | generic | reference")
+    p.add_argument("--quantization", default=None, help="quantise a float checkpoint's matrices at load: int8 | int4 | q4_0 | q5_0 | q5_1 | q8_0")
+    p.add_argument("--no-progress", action="store_true")
+    _add_engine_flags(p)
+    _add_output_flags(p)
+    p.set_defaults(func=cmd_perplexity)
+
+    p = subparsers.add_parser("kv-calc", aliases=["mem-plan"],
+                              help="memory planner: weight bytes by precision, KV bytes by dtype, sequences that fit")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default=None, help="HF folder or .gguf (default: bundled SmolLM2-135M-Instruct)")
     src.add_argument("--config", default=None, metavar="config.json")
     p.add_argument("--context", type=int, default=4096, help="tokens per sequence")
-    p.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp16", "fp32", "fp8", "int8"])
-    p.add_argument("--memory-gb", type=float, default=None, help="KV memory budget in GB (1e9 bytes)")
+    # validated by kvcalc (a ValueError naming the choices), which also takes aliases such as bfloat16
+    p.add_argument("--kv-dtype", default="bf16", help="fp32, bf16, fp16, fp8, int8 or int4 (default bf16)")
+    p.add_argument("--weights", default=None, metavar="PREC",
+                   help="weight precision to highlight: fp32, bf16, Q8_0, Q6_K, Q5_K, Q4_K, Q4_0, Q4_1, Q3_K, Q2_K, "
+                        "int8, int4, or gguf (default: the GGUF file's own bytes, else bf16)")
+    p.add_argument("--memory-gb", type=float, default=None,
+                   help="memory budget in GB (1e9 bytes): sequences that fit in it, KV only and after the weights")
+    p.add_argument("--batch", type=int, default=None,
+                   help="sequences drawn by --plot (default: as many as fit at the chosen weights and KV dtype)")
+    p.add_argument("--plot", metavar="OUT.png", help="stacked bars of weights + KV per precision, budget line")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_kv_calc)
 

@@ -55,3 +55,30 @@ def plot_latency_distributions(series: Mapping[str, Sequence[float]], path: str 
         fig.suptitle(title)
     fig.savefig(path, dpi=110)
     return Path(path)
+
+
+def plot_memory_plan(stacks: Mapping[str, tuple[float, float]], path: str | Path, memory_gb: float | None = None,
+                     highlight: str | None = None, kv_label: str = "KV cache", title: str = "") -> Path:
+    """One stacked bar per weight precision, weights under the KV cache (bytes in, drawn in GB), and the
+    memory budget as a horizontal line: a bar under the line fits."""
+    names = list(stacks)
+    weights = [stacks[n][0] / 1e9 for n in names]
+    kv = [stacks[n][1] / 1e9 for n in names]
+    fig = Figure(figsize=(max(6.0, 0.7 * len(names) + 2), 4.5), layout="constrained")
+    ax = fig.subplots()
+    x = range(len(names))
+    ax.bar(x, weights, color="tab:blue", label="weights")
+    ax.bar(x, kv, bottom=weights, color="tab:orange", label=kv_label)
+    if highlight in stacks:  # outline the chosen precision
+        i = names.index(highlight)
+        ax.bar([i], [weights[i] + kv[i]], fill=False, edgecolor="black", linewidth=2)
+    if memory_gb is not None:
+        ax.axhline(memory_gb, color="tab:red", linestyle="--", label=f"budget {memory_gb:g} GB")
+    ax.set_xticks(list(x), names, rotation=45, ha="right")
+    top = max([w + k for w, k in zip(weights, kv)] + [memory_gb or 0.0])
+    ax.set_ylim(0, top * 1.2)  # headroom so the legend sits above the bars
+    ax.set(ylabel="GB (1e9 B)", title=title or "weights + KV cache by weight precision")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper center", ncol=3)
+    fig.savefig(path, dpi=110)
+    return Path(path)
