@@ -246,6 +246,119 @@ TM_INLINE void row_dot(dq_fn dq, int BLOCK, int BYTES, const uint8_t *row, int n
     for (int b = 0; b < B; b++) y[(size_t)b * ystride] = vhsum(acc[b][0] + acc[b][1]);
 }
 
+/* ---- Q4_K and Q6_K, the types of the Q4_K_M files most people run: their own matmul -------------------------
+ * Decode reads each weight once for few inputs, so converting codes is most of the work: a sub-block's codes are
+ * turned to floats once and meet every input, and its scale (and Q4_K's min) come in once a sub-block,
+ * d1 * sum(q x) - m1 * sum(x), with the inputs' sums per 32 (xs) computed once a call. */
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
+
+TM_INLINE vi load_u8(const uint8_t *p) {   /* VL bytes widened to VL int32 (GCC's own conversion goes byte by byte) */
+#if defined(__AVX512F__)
+    return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif VL == 8 && defined(__AVX2__)
+    return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#elif defined(__ARM_NEON)
+    uint8x8_t b = vdup_n_u8(0);
+    memcpy(&b, p, 4);
+    return (vi)vmovl_u16(vget_low_u16(vmovl_u8(b)));
+#else
+    vi v;
+    for (int j = 0; j < VL; j++) v[j] = p[j];
+    return v;
+#endif
+}
+TM_INLINE vf to_f(vi v) { return __builtin_convertvector(v, vf); }
+
+#define SUB (32 / VL)    /* vectors in 32 weights */
+
+static void q4k_row(const uint8_t *row, int nsb, const float *x, const float *xs, int K, int B, float *y,
+                    size_t ystride) {
+    vf acc[TM_GMATMUL_MAX_ROWS];
+    float off[TM_GMATMUL_MAX_ROWS];
+    for (int b = 0; b < B; b++) acc[b] = (vf){0}, off[b] = 0.f;
+    for (int i = 0; i < nsb; i++) {
+        const uint8_t *blk = row + (size_t)i * 144, *q = blk + 16;
+        const float d = fp16(blk), dmin = fp16(blk + 2);
+        for (int j = 0; j < 4; j++, q += 32) {
+            int sc1, m1, sc2, m2;
+            scale_min_k4(2 * j, blk + 4, &sc1, &m1);
+            scale_min_k4(2 * j + 1, blk + 4, &sc2, &m2);
+            vf lo[SUB], hi[SUB];
+            for (int v = 0; v < SUB; v++) {
+                const vi c = load_u8(q + v * VL);
+                lo[v] = to_f(c & 15);
+                hi[v] = to_f(c >> 4);
+            }
+            const vf d1 = vset1(d * sc1), d2 = vset1(d * sc2);
+            const int sb = i * 8 + 2 * j;
+            for (int b = 0; b < B; b++) {
+                const float *xb = x + (size_t)b * K + (size_t)sb * 32;
+                vf t1 = lo[0] * vload(xb), t2 = hi[0] * vload(xb + 32);
+                for (int v = 1; v < SUB; v++) {
+                    t1 = vfma(lo[v], vload(xb + v * VL), t1);
+                    t2 = vfma(hi[v], vload(xb + 32 + v * VL), t2);
+                }
+                acc[b] = vfma(d2, t2, vfma(d1, t1, acc[b]));
+                const float *s = xs + (size_t)b * (K / 32) + sb;
+                off[b] += dmin * m1 * s[0] + dmin * m2 * s[1];
+            }
+        }
+    }
+    for (int b = 0; b < B; b++) y[(size_t)b * ystride] = vhsum(acc[b]) - off[b];
+}
+
+static void q6k_row(const uint8_t *row, int nsb, const float *x, int K, int B, float *y, size_t ystride) {
+    vf acc[TM_GMATMUL_MAX_ROWS];
+    for (int b = 0; b < B; b++) acc[b] = (vf){0};
+    for (int i = 0; i < nsb; i++) {
+        const uint8_t *blk = row + (size_t)i * 210;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const float d = fp16(blk + 208);
+        for (int n = 0; n < 2; n++) {
+            const uint8_t *ql = blk + 64 * n, *qh = blk + 128 + 32 * n;
+            for (int v = 0; v < SUB; v++) {    /* positions l = v*VL .. : one scale each quarter (16 | VL) */
+                const vi a = load_u8(ql + v * VL), c = load_u8(ql + 32 + v * VL), h = load_u8(qh + v * VL);
+                const int is = 8 * n + v * VL / 16;
+                const vf w[4] = {to_f(((a & 15) | ((h & 3) << 4)) - 32) * (d * sc[is]),
+                                 to_f(((c & 15) | (((h >> 2) & 3) << 4)) - 32) * (d * sc[is + 2]),
+                                 to_f(((a >> 4) | (((h >> 4) & 3) << 4)) - 32) * (d * sc[is + 4]),
+                                 to_f(((c >> 4) | (((h >> 6) & 3) << 4)) - 32) * (d * sc[is + 6])};
+                for (int b = 0; b < B; b++) {
+                    const float *xb = x + (size_t)b * K + (size_t)i * QK_K + 128 * n + v * VL;
+                    vf t = acc[b];
+                    for (int r = 0; r < 4; r++) t = vfma(w[r], vload(xb + 32 * r), t);
+                    acc[b] = t;
+                }
+            }
+        }
+    }
+    for (int b = 0; b < B; b++) y[(size_t)b * ystride] = vhsum(acc[b]);
+}
+
+static int gmatmul_kquant(const tm_gweight *w, const float *x, int B, float *y, int num_threads) {
+    const int K = w->k, nsb = K / QK_K, q4 = w->type == 12;
+    float *xs = NULL;
+    if (q4) {   /* the inputs' sums per 32, for Q4_K's mins */
+        xs = (float *)malloc(sizeof(float) * (size_t)B * (K / 32));
+        if (!xs) return -2;
+        for (int b = 0; b < B; b++)
+            for (int s = 0; s < K / 32; s++) {
+                float t = 0.f;
+                for (int l = 0; l < 32; l++) t += x[(size_t)b * K + s * 32 + l];
+                xs[(size_t)b * (K / 32) + s] = t;
+            }
+    }
+#pragma omp parallel for schedule(static, 8) num_threads(num_threads)
+    for (int n = 0; n < w->n; n++) {
+        const uint8_t *row = w->data + (size_t)n * w->row_bytes;
+        __builtin_prefetch(row + 8 * w->row_bytes, 0, 3);
+        if (q4) q4k_row(row, nsb, x, xs, K, B, y + n, (size_t)w->n);
+        else q6k_row(row, nsb, x, K, B, y + n, (size_t)w->n);
+    }
+    free(xs);
+    return 0;
+}
+
 #define GMATMUL(FN, BLOCK, BYTES)                                                                             \
     static void gmatmul_##FN(const tm_gweight *w, const float *x, int B, float *y, int num_threads) {         \
         const int nb = w->k / BLOCK;                                                                          \
@@ -265,9 +378,7 @@ GMATMUL(q5_1, 32, 24)
 GMATMUL(q8_0, 32, 34)
 GMATMUL(q2_k, QK_K, 84)
 GMATMUL(q3_k, QK_K, 110)
-GMATMUL(q4_k, QK_K, 144)
 GMATMUL(q5_k, QK_K, 176)
-GMATMUL(q6_k, QK_K, 210)
 #undef GMATMUL
 
 TM_API int tm_gmatmul(const tm_gmatmul_args *a) {
@@ -284,9 +395,9 @@ TM_API int tm_gmatmul(const tm_gmatmul_args *a) {
         case 8: gmatmul_q8_0(w, a->x, B, a->y, a->num_threads); break;
         case 10: gmatmul_q2_k(w, a->x, B, a->y, a->num_threads); break;
         case 11: gmatmul_q3_k(w, a->x, B, a->y, a->num_threads); break;
-        case 12: gmatmul_q4_k(w, a->x, B, a->y, a->num_threads); break;
+        case 12: return gmatmul_kquant(w, a->x, B, a->y, a->num_threads);
         case 13: gmatmul_q5_k(w, a->x, B, a->y, a->num_threads); break;
-        case 14: gmatmul_q6_k(w, a->x, B, a->y, a->num_threads); break;
+        case 14: return gmatmul_kquant(w, a->x, B, a->y, a->num_threads);
         default: return -1;
     }
     return 0;
