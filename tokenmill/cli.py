@@ -1,7 +1,8 @@
-"""`tokenmill serve | generate | info | convert | bench | kv-calc | diagnose`."""
+"""`tokenmill serve | generate | info | convert | quantize | bench | kv-calc | diagnose`."""
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -24,6 +25,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-kernels", default="auto",
                    help="auto (TOKENMILL_CPU_ISA, else the best for this CPU) | avx512 | avx2 | neon | generic | "
                         "reference (plain torch)")
+    p.add_argument("--quantization", "-q", default=None,
+                   help="quantise a float checkpoint's matrices at load: int8 (Q8_0) | int4 (Q4_1) | q4_0 | q5_0 | "
+                        "q5_1 | q8_0")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -31,7 +35,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_memory_gb,
                 enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
-                cpu_kernels=args.cpu_kernels)
+                cpu_kernels=args.cpu_kernels, quantization=args.quantization)
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -122,6 +126,15 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from tokenmill.executor.loader.gguf_writer import quantize_model
+    t0 = time.perf_counter()
+    quantize_model(args.input, args.output, args.type, force=args.force)
+    size = os.path.getsize(args.output) / 2**20
+    print(f"wrote {args.output} ({args.type.lower()}, {size:.1f} MiB) in {time.perf_counter() - t0:.1f}s")
+    return 0
+
+
 def info_lines(cpu_kernels: str = "auto", dtype: Optional[str] = None) -> list[str]:
     """The CPU, the kernel variant chosen for it and what serves each op (`tokenmill info`)."""
     import torch
@@ -174,6 +187,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--model", default=None)
     c.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     c.set_defaults(func=cmd_convert)
+
+    q = sub.add_parser("quantize", help="write a GGUF that llama.cpp loads, quantised to --type "
+                                        "(from a GGUF file or a Hugging Face folder)")
+    q.add_argument("input", help="a .gguf file or a Hugging Face folder (llama, qwen2, qwen3)")
+    q.add_argument("output", help="the .gguf file to write")
+    q.add_argument("--type", required=True,
+                   help="q8_0 | q4_0 | q4_1 | q5_0 | q5_1 | f16 | bf16 | f32 (written by tokenmill); q2_k, q3_k_m, "
+                        "q4_k_m, q5_k_m, q6_k, ... (llama.cpp's mixes, made by llama-cpp-python)")
+    q.add_argument("--force", action="store_true", help="overwrite the output if it exists")
+    q.set_defaults(func=cmd_quantize)
 
     for mod in ("tokenmill.server.cli", "tokenmill.bench.cli"):
         try:
