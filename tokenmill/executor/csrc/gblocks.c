@@ -271,40 +271,50 @@ TM_INLINE vf to_f(vi v) { return __builtin_convertvector(v, vf); }
 
 #define SUB (32 / VL)    /* vectors in 32 weights */
 
-static void q4k_row(const uint8_t *row, int nsb, const float *x, const float *xs, int K, int B, float *y,
-                    size_t ystride) {
-    vf acc[TM_GMATMUL_MAX_ROWS];
+/* One Q4_K row against B inputs; B a constant at each call site (gmatmul_kquant), so one input keeps its
+ * accumulators in registers, two of them to halve the chain of dependent FMAs. */
+TM_INLINE void q4k_row(const uint8_t *row, int nsb, const float *x, const float *xs, int K, int B, float *y,
+                       size_t ystride) {
+    vf acc[TM_GMATMUL_MAX_ROWS][2];
     float off[TM_GMATMUL_MAX_ROWS];
-    for (int b = 0; b < B; b++) acc[b] = (vf){0}, off[b] = 0.f;
+    for (int b = 0; b < B; b++) acc[b][0] = acc[b][1] = (vf){0}, off[b] = 0.f;
     for (int i = 0; i < nsb; i++) {
         const uint8_t *blk = row + (size_t)i * 144, *q = blk + 16;
         const float d = fp16(blk), dmin = fp16(blk + 2);
+        float ds[8], ms[8];
+        for (int j = 0; j < 8; j++) {
+            int sc, m;
+            scale_min_k4(j, blk + 4, &sc, &m);
+            ds[j] = d * sc;
+            ms[j] = dmin * m;
+        }
+        for (int b = 0; b < B; b++) {
+            const float *s = xs + (size_t)b * (K / 32) + (size_t)i * 8;
+            float o = 0.f;
+            for (int j = 0; j < 8; j++) o += ms[j] * s[j];
+            off[b] += o;
+        }
         for (int j = 0; j < 4; j++, q += 32) {
-            int sc1, m1, sc2, m2;
-            scale_min_k4(2 * j, blk + 4, &sc1, &m1);
-            scale_min_k4(2 * j + 1, blk + 4, &sc2, &m2);
             vf lo[SUB], hi[SUB];
             for (int v = 0; v < SUB; v++) {
                 const vi c = load_u8(q + v * VL);
                 lo[v] = to_f(c & 15);
                 hi[v] = to_f(c >> 4);
             }
-            const vf d1 = vset1(d * sc1), d2 = vset1(d * sc2);
-            const int sb = i * 8 + 2 * j;
+            const vf d1 = vset1(ds[2 * j]), d2 = vset1(ds[2 * j + 1]);
             for (int b = 0; b < B; b++) {
-                const float *xb = x + (size_t)b * K + (size_t)sb * 32;
+                const float *xb = x + (size_t)b * K + (size_t)i * QK_K + 64 * j;
                 vf t1 = lo[0] * vload(xb), t2 = hi[0] * vload(xb + 32);
                 for (int v = 1; v < SUB; v++) {
                     t1 = vfma(lo[v], vload(xb + v * VL), t1);
                     t2 = vfma(hi[v], vload(xb + 32 + v * VL), t2);
                 }
-                acc[b] = vfma(d2, t2, vfma(d1, t1, acc[b]));
-                const float *s = xs + (size_t)b * (K / 32) + sb;
-                off[b] += dmin * m1 * s[0] + dmin * m2 * s[1];
+                acc[b][0] = vfma(d1, t1, acc[b][0]);
+                acc[b][1] = vfma(d2, t2, acc[b][1]);
             }
         }
     }
-    for (int b = 0; b < B; b++) y[(size_t)b * ystride] = vhsum(acc[b]) - off[b];
+    for (int b = 0; b < B; b++) y[(size_t)b * ystride] = vhsum(acc[b][0] + acc[b][1]) - off[b];
 }
 
 static void q6k_row(const uint8_t *row, int nsb, const float *x, int K, int B, float *y, size_t ystride) {
@@ -352,7 +362,8 @@ static int gmatmul_kquant(const tm_gweight *w, const float *x, int B, float *y, 
     for (int n = 0; n < w->n; n++) {
         const uint8_t *row = w->data + (size_t)n * w->row_bytes;
         __builtin_prefetch(row + 8 * w->row_bytes, 0, 3);
-        if (q4) q4k_row(row, nsb, x, xs, K, B, y + n, (size_t)w->n);
+        if (q4 && B == 1) q4k_row(row, nsb, x, xs, K, 1, y + n, (size_t)w->n);
+        else if (q4) q4k_row(row, nsb, x, xs, K, B, y + n, (size_t)w->n);
         else q6k_row(row, nsb, x, K, B, y + n, (size_t)w->n);
     }
     free(xs);
