@@ -202,3 +202,15 @@ def assert_no_float_copy(llm, path: Path) -> None:
         assert held == in_file
     else:    # the tuned kernels' layout: float32 scales (and a lanes copy on AVX-512) instead of fp16
         assert held <= 3 * in_file
+
+
+def test_bfloat16_prefill_multiplies_bfloat16_tiles(ops: CpuKernelOps) -> None:
+    """A bfloat16 model's prefill: tiles rounded to bfloat16 (as its own weights would be) and a bfloat16 GEMM."""
+    rng = np.random.default_rng(3)
+    raw = random_blocks("Q4_K", 40, 256, rng)
+    w = GGMLWeight("Q4_K", torch.from_numpy(raw), (40, 256))
+    x = torch.randn(50, 256).to(torch.bfloat16)
+    y = ops.tiled_matmul(x, w)
+    want = x.float() @ oracle("Q4_K", raw, 256).to(torch.bfloat16).float().t()
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=2e-2)
