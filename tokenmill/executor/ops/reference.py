@@ -10,7 +10,10 @@ import torch.nn.functional as F
 from tokenmill.executor.layers.quant import QuantWeight, dequantize_rows, select_rows
 from tokenmill.executor.layers.rotary import apply_rotary
 
-TILE_BYTES = 1 << 20    # a prefill tile of dequantised rows: big enough for an efficient GEMM, small enough for L2
+# a prefill tile of dequantised rows: 4 MB, and at least 128 rows however long they are, so each GEMM is big enough
+# to run near the machine's peak (BENCHMARKS.md: 1 MB tiles halved an 8B model's prefill)
+TILE_BYTES = 4 << 20
+MIN_TILE_ROWS = 128
 
 
 class ReferenceOps:
@@ -35,7 +38,7 @@ class ReferenceOps:
         """x @ W^T for a quantised W, a tile of its rows dequantised at a time into one scratch buffer: no float
         copy of W exists, and each tile is decoded once for all of x's rows."""
         n, k = w.shape
-        tile = max(16, min(n, TILE_BYTES // (4 * k)))
+        tile = min(n, max(MIN_TILE_ROWS, TILE_BYTES // (4 * k)))
         scratch = torch.empty(tile, k)
         # a bfloat16 model multiplies in bfloat16, its tiles rounded as its own weights would be (twice fp32's
         # GEMM speed where the CPU has AVX512-BF16); any other dtype in float32
