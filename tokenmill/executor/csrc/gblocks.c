@@ -99,6 +99,17 @@ TM_INLINE void scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
     }
 }
 
+/* the eight sub-blocks' d * scale and dmin * min of a Q4_K or Q5_K super-block (d, dmin, scales[12] first) */
+TM_INLINE void k4_scales(const uint8_t *blk, float *ds, float *ms) {
+    const float d = fp16(blk), dmin = fp16(blk + 2);
+    for (int j = 0; j < 8; j++) {
+        int sc, m;
+        scale_min_k4(j, blk + 4, &sc, &m);
+        ds[j] = d * sc;
+        ms[j] = dmin * m;
+    }
+}
+
 static void dq_q2_k(const uint8_t *b, float *y) {   /* scales[16], qs[64], d, dmin */
     const uint8_t *scales = b, *q = b + 16;
     const float d = fp16(b + 80), dmin = fp16(b + 82);
@@ -133,31 +144,24 @@ static void dq_q3_k(const uint8_t *b, float *y) {   /* hmask[32], qs[64], scales
 }
 
 static void dq_q4_k(const uint8_t *b, float *y) {   /* d, dmin, scales[12], qs[128] */
-    const float d = fp16(b), dmin = fp16(b + 2);
-    const uint8_t *scales = b + 4, *q = b + 16;
+    float ds[8], ms[8];
+    k4_scales(b, ds, ms);
+    const uint8_t *q = b + 16;
     for (int j = 0; j < 4; j++, q += 32) {
-        int sc, m;
-        scale_min_k4(2 * j, scales, &sc, &m);
-        const float d1 = d * sc, m1 = dmin * m;
-        scale_min_k4(2 * j + 1, scales, &sc, &m);
-        const float d2 = d * sc, m2 = dmin * m;
-        for (int l = 0; l < 32; l++) y[64 * j + l] = d1 * (q[l] & 15) - m1;
-        for (int l = 0; l < 32; l++) y[64 * j + 32 + l] = d2 * (q[l] >> 4) - m2;
+        for (int l = 0; l < 32; l++) y[64 * j + l] = ds[2 * j] * (q[l] & 15) - ms[2 * j];
+        for (int l = 0; l < 32; l++) y[64 * j + 32 + l] = ds[2 * j + 1] * (q[l] >> 4) - ms[2 * j + 1];
     }
 }
 
 static void dq_q5_k(const uint8_t *b, float *y) {   /* d, dmin, scales[12], qh[32], qs[128] */
-    const float d = fp16(b), dmin = fp16(b + 2);
-    const uint8_t *scales = b + 4, *qh = b + 16, *q = b + 48;
+    float ds[8], ms[8];
+    k4_scales(b, ds, ms);
+    const uint8_t *qh = b + 16, *q = b + 48;
     for (int j = 0; j < 4; j++, q += 32) {
-        int sc, m;
-        scale_min_k4(2 * j, scales, &sc, &m);
-        const float d1 = d * sc, m1 = dmin * m;
-        scale_min_k4(2 * j + 1, scales, &sc, &m);
-        const float d2 = d * sc, m2 = dmin * m;
         const uint8_t u1 = (uint8_t)(1 << (2 * j)), u2 = (uint8_t)(2 << (2 * j));
-        for (int l = 0; l < 32; l++) y[64 * j + l] = d1 * ((q[l] & 15) + (qh[l] & u1 ? 16 : 0)) - m1;
-        for (int l = 0; l < 32; l++) y[64 * j + 32 + l] = d2 * ((q[l] >> 4) + (qh[l] & u2 ? 16 : 0)) - m2;
+        for (int l = 0; l < 32; l++) y[64 * j + l] = ds[2 * j] * ((q[l] & 15) + (qh[l] & u1 ? 16 : 0)) - ms[2 * j];
+        for (int l = 0; l < 32; l++)
+            y[64 * j + 32 + l] = ds[2 * j + 1] * ((q[l] >> 4) + (qh[l] & u2 ? 16 : 0)) - ms[2 * j + 1];
     }
 }
 
@@ -280,14 +284,8 @@ TM_INLINE void q4k_row(const uint8_t *row, int nsb, const float *x, const float 
     for (int b = 0; b < B; b++) acc[b][0] = acc[b][1] = (vf){0}, off[b] = 0.f;
     for (int i = 0; i < nsb; i++) {
         const uint8_t *blk = row + (size_t)i * 144, *q = blk + 16;
-        const float d = fp16(blk), dmin = fp16(blk + 2);
         float ds[8], ms[8];
-        for (int j = 0; j < 8; j++) {
-            int sc, m;
-            scale_min_k4(j, blk + 4, &sc, &m);
-            ds[j] = d * sc;
-            ms[j] = dmin * m;
-        }
+        k4_scales(blk, ds, ms);
         for (int b = 0; b < B; b++) {
             const float *s = xs + (size_t)b * (K / 32) + (size_t)i * 8;
             float o = 0.f;

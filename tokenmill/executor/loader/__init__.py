@@ -52,6 +52,7 @@ class Checkpoint:
 
 
 QUANTIZATION_METHODS = ("int8", "int4", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+_HEAD_NAMES = ("embed_tokens", "lm_head")
 
 
 def quantized_at_load(ckpt: Checkpoint, method: str) -> Checkpoint:
@@ -76,8 +77,10 @@ def quantized_at_load(ckpt: Checkpoint, method: str) -> Checkpoint:
                 in_float.append(f"{name} (rows of {w.shape[1]})")
                 yield name, w
             else:
-                raw = quantize(w.float(), type_name)
-                yield name, pack_ggml(type_name, raw, tuple(w.shape)) or ggml_weight(type_name, raw, tuple(w.shape))
+                # the embeddings and head stay 8-bit under a 4/5-bit type, as llama.cpp's mixes and GPTQ/AWQ keep them
+                t = "Q8_0" if name.split(".")[-2] in _HEAD_NAMES and type_name != "Q8_0" else type_name
+                raw = quantize(w.float(), t)
+                yield name, pack_ggml(t, raw, tuple(w.shape)) or ggml_weight(t, raw, tuple(w.shape))
         if in_float:
             log.warning("kept in float (rows are not whole groups of 32): %s", "; ".join(in_float))
 
