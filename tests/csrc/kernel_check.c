@@ -29,6 +29,9 @@ typedef struct {
     __typeof__(tm_build_hash) *build_hash;
     __typeof__(tm_qmatmul) *qmatmul;
     __typeof__(tm_pack_lanes) *pack_lanes;
+    __typeof__(tm_qdequant) *qdequant;
+    __typeof__(tm_gmatmul) *gmatmul;
+    __typeof__(tm_gdequant) *gdequant;
     __typeof__(tm_rms_norm) *rms_norm;
     __typeof__(tm_rotary) *rotary;
     __typeof__(tm_silu_mul) *silu_mul;
@@ -67,6 +70,9 @@ static void open_library(library *l, const char *path) {
     SYM(build_hash);
     SYM(qmatmul);
     SYM(pack_lanes);
+    SYM(qdequant);
+    SYM(gmatmul);
+    SYM(gdequant);
     SYM(rms_norm);
     SYM(rotary);
     SYM(silu_mul);
@@ -1039,6 +1045,93 @@ static const char *isa_from_name(const char *path, char *buf, size_t size) {
     return buf;
 }
 
+/* ---- tm_gmatmul, tm_gdequant (a GGUF matrix in its own blocks), tm_qdequant ---------------------------------- */
+
+/* ggml type id, weights and bytes per block, and where its fp16 scales sit in a block (-1: none further) */
+static const struct { int id, block, bytes, scales[2]; const char *name; } GTYPES[] = {
+    {2, 32, 18, {0, -1}, "Q4_0"}, {3, 32, 20, {0, 2}, "Q4_1"},   {6, 32, 22, {0, -1}, "Q5_0"},
+    {7, 32, 24, {0, 2}, "Q5_1"},  {8, 32, 34, {0, -1}, "Q8_0"},  {10, 256, 84, {80, 82}, "Q2_K"},
+    {11, 256, 110, {108, -1}, "Q3_K"}, {12, 256, 144, {0, 2}, "Q4_K"}, {13, 256, 176, {0, 2}, "Q5_K"},
+    {14, 256, 210, {208, -1}, "Q6_K"}, {1, 32, 64, {-1, -1}, "F16"}, {30, 32, 64, {-1, -1}, "BF16"},
+};
+
+static uint16_t to_fp16(float f) {   /* a normal, positive value: enough for scales */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)((((u >> 23) & 0xff) - 112) << 10 | ((u >> 13) & 0x3ff));
+}
+
+static void check_gmatmul(void) {
+    static const int row_counts[] = {1, 2, 3, 5, 8, 16};
+    int case_no = 0;
+    for (size_t t = 0; t < sizeof GTYPES / sizeof *GTYPES; t++) {
+        const int n = 37, k = 2 * GTYPES[t].block * (GTYPES[t].block == 32 ? 4 : 1);
+        const int64_t row_bytes = (int64_t)(k / GTYPES[t].block) * GTYPES[t].bytes;
+        seed(700 + case_no++);
+        uint8_t *data = NEW(uint8_t, (size_t)n * row_bytes);
+        for (size_t i = 0; i < (size_t)n * row_bytes; i++) data[i] = (uint8_t)below(256);
+        for (int64_t b = 0; b < (int64_t)n * row_bytes / GTYPES[t].bytes; b++)
+            for (int s = 0; s < 2 && GTYPES[t].scales[s] >= 0; s++) {
+                const uint16_t h = to_fp16(uni(0.002f, 0.01f));
+                memcpy(data + b * GTYPES[t].bytes + GTYPES[t].scales[s], &h, 2);
+            }
+        if (GTYPES[t].id == 1 || GTYPES[t].id == 30)
+            for (size_t i = 0; i < (size_t)n * k; i++) {
+                const float v = uni(-1.f, 1.f);
+                const uint16_t h = GTYPES[t].id == 1 ? (uint16_t)(to_fp16(fabsf(v) + 0.001f) | (v < 0 ? 0x8000 : 0))
+                                                     : to_bf16(v);
+                memcpy(data + 2 * i, &h, 2);
+            }
+        const tm_gweight w = {.type = GTYPES[t].id, .data = data, .row_bytes = row_bytes, .n = n, .k = k};
+        float *dense[2];
+        int st[2];
+        char name[64];
+        for (int v = 0; v < 2; v++) {
+            dense[v] = NEW(float, (size_t)n * k);
+            const tm_gdequant_args a = {.w = &w, .ids = NULL, .row0 = 0, .rows = n, .out = dense[v], .num_threads = 2};
+            st[v] = lib[v].gdequant(&a);
+        }
+        snprintf(name, sizeof name, "%s n%d k%d", GTYPES[t].name, n, k);
+        if (statuses("gdequant", name, st, 0))   /* the same arithmetic in every variant: bit for bit */
+            verdict("gdequant", name, memcmp(dense[0], dense[1], sizeof(float) * n * k) ? 1.0 : 0.0, 0.0);
+        const qmat q = {.w = {.n = n, .k = k}, .dense = dense[0]};
+        for (size_t r = 0; r < sizeof row_counts / sizeof *row_counts; r++) {
+            const int rows = row_counts[r];
+            float *x = NEW(float, (size_t)rows * k), *y[2];
+            fill(x, (size_t)rows * k, -1.f, 1.f);
+            for (int v = 0; v < 2; v++) {
+                y[v] = NEW(float, (size_t)rows * n);
+                const tm_gmatmul_args a = {.w = &w, .x = x, .y = y[v], .rows = rows, .num_threads = 1 + rows % 2};
+                st[v] = lib[v].gmatmul(&a);
+            }
+            snprintf(name, sizeof name, "%s n%d k%d rows%d", GTYPES[t].name, n, k, rows);
+            if (statuses("gmatmul", name, st, 0)) verdict("gmatmul", name, qmatmul_err(&q, x, rows, y), TOL_QMATMUL);
+        }
+        release();
+    }
+    /* tm_qdequant: the repacked blocks, bit for bit across variants */
+    for (int bits = 4; bits <= 8; bits += 4) {
+        seed(800 + bits);
+        const qmat q = random_qweight(bits, 21, 96, 0.1f);
+        float *out[2];
+        int st[2];
+        for (int v = 0; v < 2; v++) {
+            out[v] = NEW(float, 21 * 96);
+            const tm_qdequant_args a = {.w = &q.w, .row0 = 0, .rows = 21, .out = out[v], .num_threads = 2};
+            st[v] = lib[v].qdequant(&a);
+        }
+        char name[32];
+        snprintf(name, sizeof name, "q%d n21 k96", bits);
+        double err = 0, top = 1e-30;   /* d * c + m: one fused operation in some variants, two in others */
+        for (int i = 0; i < 21 * 96; i++) {
+            err = max2(err, fabs((double)out[0][i] - out[1][i]));
+            top = max2(top, fabs((double)out[0][i]));
+        }
+        if (statuses("qdequant", name, st, 0)) verdict("qdequant", name, err / top, 1e-6);
+        release();
+    }
+}
+
 int main(int argc, char **argv) {
     if (argc != 3) {
         fprintf(stderr, "usage: %s LIB_A LIB_B   (two variants of the kernel library, e.g. tokenmill-neon.so "
@@ -1066,6 +1159,7 @@ int main(int argc, char **argv) {
 
     check_qmatmul();
     check_pack_lanes();
+    check_gmatmul();
     check_rms_norm();
     check_rotary();
     check_silu_mul();
