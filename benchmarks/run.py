@@ -73,7 +73,7 @@ def packed_bytes_per_step() -> int:
     code = ("from tokenmill import LLM\n"
             "from tokenmill.executor.layers.linear import Linear\n"
             "m = LLM().llm_engine.model; n = 0\n"
-            "def size(p): return sum(t.numel() * t.element_size() for t in (p.codes, p.scale, p.offset) if t is not None)\n"
+            "def size(p): return p.nbytes if hasattr(p, 'nbytes') else sum(t.numel() * t.element_size() for t in (p.codes, p.scale, p.offset) if t is not None)\n"
             "for mod in m.modules():\n"
             "    if isinstance(mod, Linear):\n"
             "        n += size(mod.quant) if mod.quant is not None else mod.weight_t.numel() * 4\n"

@@ -133,8 +133,8 @@ class EngineConfig:
     dtype: torch.dtype
     device: torch.device
     attention_backend: str = "auto"   # "auto" | "torch" (reference) | "batched" | "cpu" (C kernel)
-    # GGUF Q4_0/Q4_1/Q8_0: matmuls of up to 64 rows (decode) read the quantised blocks with a C kernel (CPU only);
-    # False: always the dequantised float weights
+    # a GGUF's matrices stay in their quantised blocks on CPU, read by the kernels (layers/quant.py); False
+    # dequantises them to float at load (the plain path the kernels are tested against)
     quantized_kernels: bool = True
     # the CPU kernel library's variant: "auto" (TOKENMILL_CPU_ISA, else the best this CPU runs), "avx512", "avx2",
     # "neon", "generic", or "reference" (plain torch for every op)
