@@ -315,54 +315,99 @@ TM_INLINE void q4k_row(const uint8_t *row, int nsb, const float *x, const float 
     for (int b = 0; b < B; b++) y[(size_t)b * ystride] = vhsum(acc[b][0] + acc[b][1]) - off[b];
 }
 
-static void q6k_row(const uint8_t *row, int nsb, const float *x, int K, int B, float *y, size_t ystride) {
+/* Q6_K's 6-bit codes are put together a byte at a time, 32 positions in one vector op, then widened: the same
+ * work on 32-bit lanes took 4x the integer ops. A 16-position group's scale comes in once, d * sc * (sum(q x)
+ * - 32 sum(x)), with the inputs' sums per 16 (xs16) computed once a call. */
+typedef uint8_t vb32 __attribute__((vector_size(32)));
+
+TM_INLINE void widen16(const uint8_t *p, vf *out) {   /* 16 bytes -> 16 / VL float vectors */
+    for (int v = 0; v < 16 / VL; v++) out[v] = to_f(load_u8(p + v * VL));
+}
+
+TM_INLINE void q6k_row(const uint8_t *row, int nsb, const float *x, const float *xs16, int K, int B, float *y,
+                       size_t ystride) {
     vf acc[TM_GMATMUL_MAX_ROWS];
-    for (int b = 0; b < B; b++) acc[b] = (vf){0};
+    float off[TM_GMATMUL_MAX_ROWS];
+    for (int b = 0; b < B; b++) acc[b] = (vf){0}, off[b] = 0.f;
     for (int i = 0; i < nsb; i++) {
         const uint8_t *blk = row + (size_t)i * 210;
         const int8_t *sc = (const int8_t *)(blk + 192);
         const float d = fp16(blk + 208);
+        float ds[16];
+        for (int j = 0; j < 16; j++) ds[j] = d * sc[j];
+        if (B == 1) {
+            const float *s = xs16 + (size_t)i * 16;
+            float o = 0.f;
+            for (int j = 0; j < 16; j++) o += ds[j] * s[j];
+            off[0] += 32.f * o;
+        }
         for (int n = 0; n < 2; n++) {
-            const uint8_t *ql = blk + 64 * n, *qh = blk + 128 + 32 * n;
-            for (int v = 0; v < SUB; v++) {    /* positions l = v*VL .. : one scale each quarter (16 | VL) */
-                const vi a = load_u8(ql + v * VL), c = load_u8(ql + 32 + v * VL), h = load_u8(qh + v * VL);
-                const int is = 8 * n + v * VL / 16;
-                const vf w[4] = {to_f(((a & 15) | ((h & 3) << 4)) - 32) * (d * sc[is]),
-                                 to_f(((c & 15) | (((h >> 2) & 3) << 4)) - 32) * (d * sc[is + 2]),
-                                 to_f(((a >> 4) | (((h >> 4) & 3) << 4)) - 32) * (d * sc[is + 4]),
-                                 to_f(((c >> 4) | (((h >> 6) & 3) << 4)) - 32) * (d * sc[is + 6])};
-                for (int b = 0; b < B; b++) {
-                    const float *xb = x + (size_t)b * K + (size_t)i * QK_K + 128 * n + v * VL;
-                    vf t = acc[b];
-                    for (int r = 0; r < 4; r++) t = vfma(w[r], vload(xb + 32 * r), t);
-                    acc[b] = t;
+            vb32 a, c, h;
+            memcpy(&a, blk + 64 * n, 32);
+            memcpy(&c, blk + 64 * n + 32, 32);
+            memcpy(&h, blk + 128 + 32 * n, 32);
+            uint8_t q[4][32] __attribute__((aligned(32)));
+            const vb32 q0 = (a & 15) | ((h << 4) & 0x30), q1 = (c & 15) | ((h << 2) & 0x30);
+            const vb32 q2 = (a >> 4) | (h & 0x30), q3 = (c >> 4) | ((h >> 2) & 0x30);
+            memcpy(q[0], &q0, 32);
+            memcpy(q[1], &q1, 32);
+            memcpy(q[2], &q2, 32);
+            memcpy(q[3], &q3, 32);
+            if (B == 1) {
+                for (int r = 0; r < 4; r++)          /* positions 128n + 32r + l */
+                    for (int g = 0; g < 2; g++) {    /* l = 16g .. 16g + 15: one scale */
+                        vf w[16 / VL];
+                        widen16(q[r] + 16 * g, w);
+                        const float *xb = x + (size_t)i * QK_K + 128 * n + 32 * r + 16 * g;
+                        vf t = w[0] * vload(xb);
+                        for (int v = 1; v < 16 / VL; v++) t = vfma(w[v], vload(xb + v * VL), t);
+                        acc[0] = vfma(vset1(ds[8 * n + 2 * r + g]), t, acc[0]);
+                    }
+                continue;
+            }
+            /* several inputs: the half's 128 weights dequantised once into L1, (q - 32) * d * sc as the reference
+             * computes them, then each input's sum in registers */
+            float wf[128] __attribute__((aligned(64)));
+            for (int r = 0; r < 4; r++)
+                for (int g = 0; g < 2; g++) {
+                    vf w[16 / VL];
+                    widen16(q[r] + 16 * g, w);
+                    const float dsc = ds[8 * n + 2 * r + g];
+                    for (int v = 0; v < 16 / VL; v++) vstore(wf + 32 * r + 16 * g + v * VL, (w[v] - 32.f) * dsc);
                 }
+            for (int b = 0; b < B; b++) {
+                const float *xb = x + (size_t)b * K + (size_t)i * QK_K + 128 * n;
+                vf a0 = acc[b], a1 = (vf){0};
+                for (int v = 0; v < 128 / VL; v += 2) {
+                    a0 = vfma(vload(wf + v * VL), vload(xb + v * VL), a0);
+                    a1 = vfma(vload(wf + (v + 1) * VL), vload(xb + (v + 1) * VL), a1);
+                }
+                acc[b] = a0 + a1;
             }
         }
     }
-    for (int b = 0; b < B; b++) y[(size_t)b * ystride] = vhsum(acc[b]);
+    for (int b = 0; b < B; b++) y[(size_t)b * ystride] = vhsum(acc[b]) - off[b];
 }
 
 static int gmatmul_kquant(const tm_gweight *w, const float *x, int B, float *y, int num_threads) {
-    const int K = w->k, nsb = K / QK_K, q4 = w->type == 12;
-    float *xs = NULL;
-    if (q4) {   /* the inputs' sums per 32, for Q4_K's mins */
-        xs = (float *)malloc(sizeof(float) * (size_t)B * (K / 32));
-        if (!xs) return -2;
-        for (int b = 0; b < B; b++)
-            for (int s = 0; s < K / 32; s++) {
-                float t = 0.f;
-                for (int l = 0; l < 32; l++) t += x[(size_t)b * K + s * 32 + l];
-                xs[(size_t)b * (K / 32) + s] = t;
-            }
-    }
+    const int K = w->k, nsb = K / QK_K, q4 = w->type == 12, group = q4 ? 32 : 16;
+    /* the inputs' sums per group: Q4_K's mins and Q6_K's -32 come in once a group */
+    float *xs = (float *)malloc(sizeof(float) * (size_t)B * (K / group));
+    if (!xs) return -2;
+    for (int b = 0; b < B; b++)
+        for (int s = 0; s < K / group; s++) {
+            float t = 0.f;
+            for (int l = 0; l < group; l++) t += x[(size_t)b * K + s * group + l];
+            xs[(size_t)b * (K / group) + s] = t;
+        }
 #pragma omp parallel for schedule(static, 8) num_threads(num_threads)
     for (int n = 0; n < w->n; n++) {
         const uint8_t *row = w->data + (size_t)n * w->row_bytes;
         __builtin_prefetch(row + 8 * w->row_bytes, 0, 3);
         if (q4 && B == 1) q4k_row(row, nsb, x, xs, K, 1, y + n, (size_t)w->n);
         else if (q4) q4k_row(row, nsb, x, xs, K, B, y + n, (size_t)w->n);
-        else q6k_row(row, nsb, x, K, B, y + n, (size_t)w->n);
+        else if (B == 1) q6k_row(row, nsb, x, xs, K, 1, y + n, (size_t)w->n);
+        else q6k_row(row, nsb, x, xs, K, B, y + n, (size_t)w->n);
     }
     free(xs);
     return 0;
