@@ -99,9 +99,17 @@ class CpuKernelOps(ReferenceOps):
     # ---- the ops -----------------------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, layer) -> torch.Tensor:
         w = layer.quant
-        if w is None or x.shape[0] > self._direct_rows(w):    # dense, or a prefill chunk: tiles and a GEMM
+        if w is None:
             return super().linear(x, layer)
-        y = self._matmul(x if x.dtype == torch.float32 else x.float(), w).to(x.dtype)
+        if x.shape[0] <= self._direct_rows(w):
+            y = self._matmul(x if x.dtype == torch.float32 else x.float(), w).to(x.dtype)
+        elif isinstance(w, PackedWeight) and x.dtype == torch.float32:
+            # a float32 prefill over the tuned blocks: the many-row kernel, a chunk of rows at a time, dequantises
+            # into L1 and beat both the tiles and a dense float32 GEMM (BENCHMARKS.md, run v)
+            y = torch.cat([self.qmatmul(x[r:r + self.max_rows].contiguous(), w)
+                           for r in range(0, x.shape[0], self.max_rows)])
+        else:                                             # a prefill chunk: dequantised tiles and a GEMM
+            return super().linear(x, layer)
         return y if layer.bias is None else y + layer.bias
 
     def _direct_rows(self, w: QuantWeight) -> int:
