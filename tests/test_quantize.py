@@ -403,6 +403,21 @@ def test_k_quant_through_llama_cpp(tmp_path: Path) -> None:
     logits = np.asarray(_llama_cpp([out], ids)[str(out)]["logits"])
     assert np.isfinite(logits).all()
     assert np.abs(logits - _hf_logits(model, ids)).max() < 0.5 * max(1.0, np.abs(_hf_logits(model, ids)).max())
+    # llama.cpp's own Q4_K/Q6_K file: tokenmill reading its blocks gives the same greedy tokens as the same model
+    # dequantised at load, in every kernel variant
+    from tests.test_plans import assert_same
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.executor.kernels import runnable_variants
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
+    prompts = [{"prompt_token_ids": p} for p in ([3, 14, 15, 92, 65], [7], list(range(40, 80)))]
+
+    def run(**kw):
+        llm = LLM(str(out), dtype="float32", kv_cache_memory_gb=0.01, max_model_len=128, tokenizer=None, **kw)
+        return [o.outputs[0] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+
+    want = run(quantized_kernels=False, cpu_kernels="reference")
+    for isa in runnable_variants():
+        assert_same(run(cpu_kernels=isa), want)
 
 
 def test_llama_cpp_types_named_as_llama_cpp() -> None:
