@@ -96,7 +96,7 @@ def test_kernels_refuse_what_they_cannot_read() -> None:
     for fields in bad:
         gw = lib.struct("gweight", data=raw, **fields)
         assert lib.call("gmatmul", lib.struct("gmatmul_args", w=gw, x=torch.zeros(1, 256), y=torch.zeros(1, 4),
-                                              rows=1, num_threads=1)) == -1
+                                              rows=1, int8_x=0, num_threads=1)) == -1
     gw = lib.struct("gweight", type=12, data=raw, row_bytes=144, n=4, k=256)
     assert lib.call("gdequant", lib.struct("gdequant_args", w=gw, ids=torch.tensor([4]), row0=0, rows=1,
                                            out=torch.zeros(1, 256), num_threads=1)) == -3
@@ -214,3 +214,41 @@ def test_bfloat16_prefill_multiplies_bfloat16_tiles(ops: CpuKernelOps) -> None:
     want = x.float() @ oracle("Q4_K", raw, 256).to(torch.bfloat16).float().t()
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_int8_activations_equal_rounded_x_times_dequantised(rows: int, type_name: str) -> None:
+    """int8_activations: a Q4_K or Q6_K matmul equals the dequantised weights times x rounded to int8 per 32 (dx =
+    max|x| / 127, as llama.cpp's Q8_0), to float32 rounding; on x86 (AVX2 and up), the float kernel elsewhere."""
+    variants = [v for v in VARIANTS if v in ("avx512", "avx2")]
+    if not variants:
+        pytest.skip("the int8 route is written for x86's AVX2 and up")
+    rng = np.random.default_rng(5)
+    n, k = 37, 512
+    raw = random_blocks(type_name, n, k, rng)
+    w = GGMLWeight(type_name, torch.from_numpy(raw), (n, k))
+    want_w = oracle(type_name, raw, k)
+    x = torch.randn(rows, k)
+    blocks = x.view(rows, k // 32, 32)
+    dx = blocks.abs().amax(-1, keepdim=True) / 127
+    xq = torch.round(blocks * torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))) * dx   # half to even, as lrintf
+    xr = xq.view(rows, k)
+    for isa in variants:
+        ops = CpuKernelOps(load(isa), torch.float32, int8_activations=True)
+        y = ops._matmul(x, w)
+        within_rounding(y, xr, want_w)
+        assert not torch.allclose(y, x @ want_w.t(), rtol=0, atol=1e-6)    # x was really rounded
+
+
+@pytest.mark.slow
+def test_int8_activations_stay_close_to_float(tmp_path: Path) -> None:
+    """A Q4_K_M-pattern model with int8 activations: not exact by nature (x is rounded), so bounded: its greedy
+    tokens agree with the float-activation run at 90% of positions or more, and it runs through the engine."""
+    path = tmp_path / "q4_k_m.gguf"
+    write_model(path, MIXES["q4_k_m"])
+    want, _ = _generate(path)
+    got, llm = _generate(path, int8_activations=True)
+    assert llm.llm_engine.model.ops.int8_activations
+    pairs = [(a, b) for o, p in zip(got, want) for a, b in zip(o.token_ids, p.token_ids)]
+    assert len(pairs) == 50 and sum(a == b for a, b in pairs) / len(pairs) >= 0.9

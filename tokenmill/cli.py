@@ -25,6 +25,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-kernels", default="auto",
                    help="auto (TOKENMILL_CPU_ISA, else the best for this CPU) | avx512 | avx2 | neon | generic | "
                         "reference (plain torch)")
+    p.add_argument("--int8-activations", action="store_true",
+                   help="Q4_K/Q6_K decode multiplies activations rounded to int8 per 32, as llama.cpp does (faster; "
+                        "no longer float32-exact against the dequantised model)")
     p.add_argument("--quantization", "-q", default=None,
                    help="quantise a float checkpoint's matrices at load: int8 (Q8_0) | int4 (Q4_1) | q4_0 | q5_0 | "
                         "q5_1 | q8_0")
@@ -35,7 +38,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_memory_gb,
                 enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
-                cpu_kernels=args.cpu_kernels, quantization=args.quantization)
+                cpu_kernels=args.cpu_kernels, quantization=args.quantization, int8_activations=args.int8_activations)
 
 
 def _pct(xs: list[float], q: float) -> float:

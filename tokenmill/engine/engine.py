@@ -68,8 +68,9 @@ def pick_device(device: Optional[str]) -> torch.device:
 
 
 def load_model(path: str, mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int,
-               ckpt: Checkpoint, quantized_kernels: bool = True, cpu_kernels: str = "auto") -> DecoderForCausalLM:
-    ops = make_ops(device, dtype, cpu_kernels)     # the execution plan: what serves each op, chosen once
+               ckpt: Checkpoint, quantized_kernels: bool = True, cpu_kernels: str = "auto",
+               int8_activations: bool = False) -> DecoderForCausalLM:
+    ops = make_ops(device, dtype, cpu_kernels, int8_activations)     # the execution plan: what serves each op, chosen once
     with torch.device("meta"):
         model = DecoderForCausalLM(mc, max_len, ops)
     # rotary tables stay float32 (transformers computes them in float32 too)
@@ -104,7 +105,8 @@ class LLMEngine:
                  max_model_len: Optional[int] = None, kv_cache_memory_gb: Optional[float] = None,
                  enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto", use_kv_cache: bool = True,
                  attention_backend: str = "auto", quantized_kernels: bool = True, cpu_kernels: str = "auto",
-                 quantization: Optional[str] = None, seed: int = 0, tokenizer: Any = "auto"):
+                 quantization: Optional[str] = None, int8_activations: bool = False, seed: int = 0,
+                 tokenizer: Any = "auto"):
         path = resolve_model_path(model)
         dev = pick_device(device)
         torch_dtype = resolve_dtype(dtype, dev)
@@ -129,7 +131,8 @@ class LLMEngine:
         self.model_config = mc
         torch.manual_seed(seed)
 
-        self.model = load_model(path, mc, torch_dtype, dev, max_model_len, ckpt, quantized_kernels, cpu_kernels)
+        self.model = load_model(path, mc, torch_dtype, dev, max_model_len, ckpt, quantized_kernels, cpu_kernels,
+                                int8_activations)
         num_blocks = self._size_kv_cache()
         self.runner = ModelRunner(self.config, self.model, num_blocks)
         # the tokenizer loads on one core (the bundled GGUF's: ~2.4 s); the other faults in the KV cache meanwhile

@@ -8,6 +8,7 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <math.h>
 #include <string.h>
 
 #include "simd.h"
@@ -389,7 +390,116 @@ TM_INLINE void q6k_row(const uint8_t *row, int nsb, const float *x, const float 
     for (int b = 0; b < B; b++) y[(size_t)b * ystride] = vhsum(acc[b]) - off[b];
 }
 
-static int gmatmul_kquant(const tm_gweight *w, const float *x, int B, float *y, int num_threads) {
+#if defined(__AVX2__)
+/* Q4_K against x rounded to int8 per 32 (xq, scales dx), llama.cpp's route: the codes meet xq in integer
+ * multiply-adds, 32 products in one maddubs, and a sub-block's d * sc * dx comes in once. The result equals the
+ * dequantised weights times the rounded x to float32 rounding; the rounding of x itself is the cost. */
+TM_INLINE void q4k_row_i8(const uint8_t *row, int nsb, const int8_t *xq, const float *dx, const float *xs, int K,
+                          int B, float *y, size_t ystride) {
+    __m256 acc[TM_GMATMUL_MAX_ROWS][2];    /* two FMA chains an input */
+    float off[TM_GMATMUL_MAX_ROWS];
+    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    for (int b = 0; b < B; b++) acc[b][0] = acc[b][1] = _mm256_setzero_ps(), off[b] = 0.f;
+    for (int i = 0; i < nsb; i++) {
+        const uint8_t *blk = row + (size_t)i * 144, *q = blk + 16;
+        float ds[8], ms[8];
+        k4_scales(blk, ds, ms);
+        for (int b = 0; b < B; b++) {
+            const float *s = xs + (size_t)b * (K / 32) + (size_t)i * 8;
+            float o = 0.f;
+            for (int j = 0; j < 8; j++) o += ms[j] * s[j];
+            off[b] += o;
+        }
+        for (int j = 0; j < 4; j++, q += 32) {
+            const __m256i c = _mm256_loadu_si256((const __m256i *)q);
+            const __m256i lo = _mm256_and_si256(c, low), hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
+            const int sb = i * 8 + 2 * j;
+            for (int b = 0; b < B; b++) {
+                const int8_t *xb = xq + (size_t)b * K + (size_t)sb * 32;
+                const __m256i pa = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xb)), ones);
+                const __m256i pb =
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xb + 32))), ones);
+                const float *d = dx + (size_t)b * (K / 32) + sb;
+                acc[b][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pa), _mm256_set1_ps(ds[2 * j] * d[0]), acc[b][0]);
+                acc[b][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pb), _mm256_set1_ps(ds[2 * j + 1] * d[1]), acc[b][1]);
+            }
+        }
+    }
+    for (int b = 0; b < B; b++) {
+        const __m256 a = _mm256_add_ps(acc[b][0], acc[b][1]);
+        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        const __m128 t = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        y[(size_t)b * ystride] = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t))) - off[b];
+    }
+}
+
+/* Q6_K against x rounded to int8 per 32: codes put together a byte at a time as in q6k_row, 32 products a maddubs,
+ * each 16-position group's int8 scale applied in the integer multiply-add, the -32 through the inputs' sums per
+ * 16 (xs16: dx times the sum of xq). */
+TM_INLINE void q6k_row_i8(const uint8_t *row, int nsb, const int8_t *xq, const float *dx, const float *xs16, int K,
+                          int B, float *y, size_t ystride) {
+    __m256 acc[TM_GMATMUL_MAX_ROWS][2];
+    float off[TM_GMATMUL_MAX_ROWS];
+    const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+    for (int b = 0; b < B; b++) acc[b][0] = acc[b][1] = _mm256_setzero_ps(), off[b] = 0.f;
+    for (int i = 0; i < nsb; i++) {
+        const uint8_t *blk = row + (size_t)i * 210;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const float d = fp16(blk + 208);
+        for (int b = 0; b < B; b++) {
+            const float *s = xs16 + (size_t)b * (K / 16) + (size_t)i * 16;
+            float o = 0.f;
+            for (int j = 0; j < 16; j++) o += (float)sc[j] * s[j];
+            off[b] += 32.f * d * o;
+        }
+        for (int n = 0; n < 2; n++) {
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(blk + 64 * n));
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(blk + 64 * n + 32));
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n));
+            const __m256i q[4] = {
+                _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30)),
+                _mm256_or_si256(_mm256_and_si256(c, m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), _mm256_and_si256(h, m30)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), m4),
+                                _mm256_and_si256(_mm256_srli_epi16(h, 2), m30))};
+            for (int r = 0; r < 4; r++) {    /* positions 128n + 32r + l: one 32-block of x, two scale groups */
+                const int is = 8 * n + 2 * r;
+                const __m256i scales = _mm256_set_m128i(_mm_set1_epi16(sc[is + 1]), _mm_set1_epi16(sc[is]));
+                const int blk32 = i * 8 + 4 * n + r;
+                for (int b = 0; b < B; b++) {
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (size_t)b * K + (size_t)blk32 * 32));
+                    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q[r], xv), scales);
+                    const float dd = d * dx[(size_t)b * (K / 32) + blk32];
+                    acc[b][r & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dd), acc[b][r & 1]);
+                }
+            }
+        }
+    }
+    for (int b = 0; b < B; b++) {
+        const __m256 s = _mm256_add_ps(acc[b][0], acc[b][1]);
+        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+        const __m128 t = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        y[(size_t)b * ystride] = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t))) - off[b];
+    }
+}
+
+/* x [B, K] rounded to int8 per 32 as llama.cpp's Q8_0 does: dx = max |x| / 127, xq = round(x / dx) */
+static void quantize_x(const float *x, int B, int K, int8_t *xq, float *dx) {
+    for (int s = 0; s < B * (K / 32); s++) {
+        const float *v = x + (size_t)s * 32;
+        float amax = 0.f;
+        for (int l = 0; l < 32; l++) amax = fabsf(v[l]) > amax ? fabsf(v[l]) : amax;
+        const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+        dx[s] = d;
+        for (int l = 0; l < 32; l++) xq[(size_t)s * 32 + l] = (int8_t)lrintf(v[l] * id);
+    }
+}
+#define HAVE_INT8_X 1
+#else
+#define HAVE_INT8_X 0
+#endif
+
+static int gmatmul_kquant(const tm_gweight *w, const float *x, int B, float *y, int int8_x, int num_threads) {
     const int K = w->k, nsb = K / QK_K, q4 = w->type == 12, group = q4 ? 32 : 16;
     /* the inputs' sums per group: Q4_K's mins and Q6_K's -32 come in once a group */
     float *xs = (float *)malloc(sizeof(float) * (size_t)B * (K / group));
@@ -400,6 +510,33 @@ static int gmatmul_kquant(const tm_gweight *w, const float *x, int B, float *y, 
             for (int l = 0; l < group; l++) t += x[(size_t)b * K + s * group + l];
             xs[(size_t)b * (K / group) + s] = t;
         }
+#if HAVE_INT8_X
+    if (int8_x) {
+        int8_t *xq = (int8_t *)malloc((size_t)B * K);
+        float *dx = (float *)malloc(sizeof(float) * (size_t)B * (K / 32));
+        if (!xq || !dx) {
+            free(xq), free(dx), free(xs);
+            return -2;
+        }
+        quantize_x(x, B, K, xq, dx);
+        for (int s = 0; s < B * (K / group); s++) {   /* Q4_K's mins and Q6_K's -32 meet the same rounded x */
+            int t = 0;
+            for (int l = 0; l < group; l++) t += xq[(size_t)s * group + l];
+            xs[s] = dx[s * group / 32] * (float)t;
+        }
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int n = 0; n < w->n; n++) {
+            const uint8_t *row = w->data + (size_t)n * w->row_bytes;
+            for (int64_t off = 0; off < w->row_bytes; off += 64) __builtin_prefetch(row + 2 * w->row_bytes + off, 0, 3);
+            if (q4 && B == 1) q4k_row_i8(row, nsb, xq, dx, xs, K, 1, y + n, (size_t)w->n);
+            else if (q4) q4k_row_i8(row, nsb, xq, dx, xs, K, B, y + n, (size_t)w->n);
+            else if (B == 1) q6k_row_i8(row, nsb, xq, dx, xs, K, 1, y + n, (size_t)w->n);
+            else q6k_row_i8(row, nsb, xq, dx, xs, K, B, y + n, (size_t)w->n);
+        }
+        free(xq), free(dx), free(xs);
+        return 0;
+    }
+#endif
 #pragma omp parallel for schedule(static, 8) num_threads(num_threads)
     for (int n = 0; n < w->n; n++) {
         const uint8_t *row = w->data + (size_t)n * w->row_bytes;
@@ -449,9 +586,9 @@ TM_API int tm_gmatmul(const tm_gmatmul_args *a) {
         case 8: gmatmul_q8_0(w, a->x, B, a->y, a->num_threads); break;
         case 10: gmatmul_q2_k(w, a->x, B, a->y, a->num_threads); break;
         case 11: gmatmul_q3_k(w, a->x, B, a->y, a->num_threads); break;
-        case 12: return gmatmul_kquant(w, a->x, B, a->y, a->num_threads);
+        case 12: return gmatmul_kquant(w, a->x, B, a->y, a->int8_x, a->num_threads);
         case 13: gmatmul_q5_k(w, a->x, B, a->y, a->num_threads); break;
-        case 14: return gmatmul_kquant(w, a->x, B, a->y, a->num_threads);
+        case 14: return gmatmul_kquant(w, a->x, B, a->y, a->int8_x, a->num_threads);
         default: return -1;
     }
     return 0;

@@ -74,6 +74,7 @@ typedef struct {
     const float *x;               /* [rows, k] */
     float *y;                     /* [rows, n] */
     int rows;
+    int int8_x;                   /* 1: Q4_K/Q6_K on x86 multiply x rounded to int8 per 32 (llama.cpp's way) */
     int num_threads;
 } tm_gmatmul_args;
 TM_API int tm_gmatmul(const tm_gmatmul_args *a);

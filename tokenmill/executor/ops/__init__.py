@@ -15,13 +15,14 @@ __all__ = ["ReferenceOps", "CpuKernelOps", "make_ops"]
 log = logging.getLogger("tokenmill")
 
 
-def make_ops(device: torch.device, dtype: torch.dtype, cpu_kernels: Optional[str] = "auto") -> ReferenceOps:
+def make_ops(device: torch.device, dtype: torch.dtype, cpu_kernels: Optional[str] = "auto",
+             int8_activations: bool = False) -> ReferenceOps:
     """cpu_kernels: 'auto' (TOKENMILL_CPU_ISA, else the best variant this CPU runs), a variant by name
     (avx512, avx2, neon, generic) or 'reference'. Off the CPU: the reference."""
     if device.type != "cpu":
         return ReferenceOps()
     kernels = load(cpu_kernels or "auto")
-    return ReferenceOps() if kernels is None else CpuKernelOps(kernels, dtype)
+    return ReferenceOps() if kernels is None else CpuKernelOps(kernels, dtype, int8_activations)
 
 
 def plan_lines(ops: ReferenceOps) -> list[str]:

@@ -20,8 +20,10 @@ log = logging.getLogger("tokenmill")
 
 
 class CpuKernelOps(ReferenceOps):
-    def __init__(self, kernels: KernelLibrary, dtype: torch.dtype):
+    def __init__(self, kernels: KernelLibrary, dtype: torch.dtype, int8_activations: bool = False):
         self.kernels = kernels
+        # Q4_K decode multiplies x rounded to int8 per 32, as llama.cpp does: faster, no longer float32-exact
+        self.int8_activations = int8_activations
         self.name = f"cpu-{kernels.isa}"
         self.max_rows = kernels.limits["TM_QMATMUL_MAX_ROWS"]
         self.gmax_rows = kernels.limits["TM_GMATMUL_MAX_ROWS"]
@@ -125,7 +127,8 @@ class CpuKernelOps(ReferenceOps):
             return torch.cat([self._matmul(x, p) for p in w.parts], dim=1)
         x = x.contiguous()
         y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
-        self.kernels.run("gmatmul", w=self._gstruct(w), x=x, y=y, rows=x.shape[0], num_threads=torch.get_num_threads())
+        self.kernels.run("gmatmul", w=self._gstruct(w), x=x, y=y, rows=x.shape[0], int8_x=int(self.int8_activations),
+                         num_threads=torch.get_num_threads())
         return y
 
     def _gstruct(self, w: GGMLWeight) -> ctypes.Structure:
