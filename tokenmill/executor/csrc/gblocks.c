@@ -276,6 +276,16 @@ TM_INLINE vf to_f(vi v) { return __builtin_convertvector(v, vf); }
 
 #define SUB (32 / VL)    /* vectors in 32 weights */
 
+/* Q4_K's mins times the inputs' sums per 32 (xs [B][K/32]) for super-block i, into each input's offset */
+TM_INLINE void add_mins(const float *ms, const float *xs, int K, int i, int B, float *off) {
+    for (int b = 0; b < B; b++) {
+        const float *s = xs + (size_t)b * (K / 32) + (size_t)i * 8;
+        float o = 0.f;
+        for (int j = 0; j < 8; j++) o += ms[j] * s[j];
+        off[b] += o;
+    }
+}
+
 /* One Q4_K row against B inputs; B a constant at each call site (gmatmul_kquant), so one input keeps its
  * accumulators in registers, two of them to halve the chain of dependent FMAs. */
 TM_INLINE void q4k_row(const uint8_t *row, int nsb, const float *x, const float *xs, int K, int B, float *y,
@@ -287,12 +297,7 @@ TM_INLINE void q4k_row(const uint8_t *row, int nsb, const float *x, const float 
         const uint8_t *blk = row + (size_t)i * 144, *q = blk + 16;
         float ds[8], ms[8];
         k4_scales(blk, ds, ms);
-        for (int b = 0; b < B; b++) {
-            const float *s = xs + (size_t)b * (K / 32) + (size_t)i * 8;
-            float o = 0.f;
-            for (int j = 0; j < 8; j++) o += ms[j] * s[j];
-            off[b] += o;
-        }
+        add_mins(ms, xs, K, i, B, off);
         for (int j = 0; j < 4; j++, q += 32) {
             vf lo[SUB], hi[SUB];
             for (int v = 0; v < SUB; v++) {
@@ -404,12 +409,7 @@ TM_INLINE void q4k_row_i8(const uint8_t *row, int nsb, const int8_t *xq, const f
         const uint8_t *blk = row + (size_t)i * 144, *q = blk + 16;
         float ds[8], ms[8];
         k4_scales(blk, ds, ms);
-        for (int b = 0; b < B; b++) {
-            const float *s = xs + (size_t)b * (K / 32) + (size_t)i * 8;
-            float o = 0.f;
-            for (int j = 0; j < 8; j++) o += ms[j] * s[j];
-            off[b] += o;
-        }
+        add_mins(ms, xs, K, i, B, off);
         for (int j = 0; j < 4; j++, q += 32) {
             const __m256i c = _mm256_loadu_si256((const __m256i *)q);
             const __m256i lo = _mm256_and_si256(c, low), hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
