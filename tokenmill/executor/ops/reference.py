@@ -11,7 +11,7 @@ from tokenmill.executor.layers.quant import QuantWeight, dequantize_rows, select
 from tokenmill.executor.layers.rotary import apply_rotary
 
 # a prefill tile of dequantised rows: 4 MB, and at least 128 rows however long they are, so each GEMM is big enough
-# to run near the machine's peak (BENCHMARKS.md: 1 MB tiles halved an 8B model's prefill)
+# to run near the machine's peak (BENCHMARKS.md, run v)
 TILE_BYTES = 4 << 20
 MIN_TILE_ROWS = 128
 
@@ -40,8 +40,8 @@ class ReferenceOps:
         n, k = w.shape
         tile = min(n, max(MIN_TILE_ROWS, TILE_BYTES // (4 * k)))
         scratch = torch.empty(tile, k)
-        # a bfloat16 model multiplies in bfloat16, its tiles rounded as its own weights would be (twice fp32's
-        # GEMM speed where the CPU has AVX512-BF16); any other dtype in float32
+        # a bfloat16 model multiplies in bfloat16, its tiles rounded as its own weights would be (the faster GEMM
+        # where the CPU has AVX512-BF16: BENCHMARKS.md, run v); any other dtype in float32
         gemm_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
         low = torch.empty(tile, k, dtype=gemm_dtype) if gemm_dtype != torch.float32 else None
         xg = x.to(gemm_dtype)
