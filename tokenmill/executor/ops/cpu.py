@@ -136,8 +136,6 @@ class CpuKernelOps(ReferenceOps):
         return entry[1] if entry is not None and entry[0] is w else self._gweight(w)
 
     def dequantize(self, w: QuantWeight, row0: int, rows: int, out: torch.Tensor) -> torch.Tensor:
-        if isinstance(w, RowParts):
-            return super().dequantize(w, row0, rows, out)
         threads = torch.get_num_threads()
         if isinstance(w, PackedWeight):
             entry = self._qweights.get(id(w))
@@ -147,11 +145,6 @@ class CpuKernelOps(ReferenceOps):
             self.kernels.run("gdequant", w=self._gstruct(w), ids=None, row0=row0, rows=rows, out=out,
                              num_threads=threads)
         return out
-
-    def tiled_matmul(self, x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
-        if isinstance(w, RowParts):     # each part tiled on its own, with its own kernel
-            return torch.cat([self.tiled_matmul(x, p) for p in w.parts], dim=1)
-        return super().tiled_matmul(x, w)
 
     def lookup(self, w: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
         if not isinstance(w, GGMLWeight):

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from tokenmill.executor.layers.quant import QuantWeight, dequantize_rows, select_rows
+from tokenmill.executor.layers.quant import QuantWeight, RowParts, dequantize_rows, select_rows
 from tokenmill.executor.layers.rotary import apply_rotary
 
 # a prefill tile of dequantised rows: 4 MB, and at least 128 rows however long they are, so each GEMM is big enough
@@ -36,7 +36,10 @@ class ReferenceOps:
 
     def tiled_matmul(self, x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         """x @ W^T for a quantised W, a tile of its rows dequantised at a time into one scratch buffer: no float
-        copy of W exists, and each tile is decoded once for all of x's rows."""
+        copy of W exists, and each tile is decoded once for all of x's rows. Stacked parts go one by one, each
+        with its own dequantiser."""
+        if isinstance(w, RowParts):
+            return torch.cat([self.tiled_matmul(x, p) for p in w.parts], dim=1)
         n, k = w.shape
         tile = min(n, max(MIN_TILE_ROWS, TILE_BYTES // (4 * k)))
         scratch = torch.empty(tile, k)
