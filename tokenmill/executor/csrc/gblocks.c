@@ -504,12 +504,6 @@ static int gmatmul_kquant(const tm_gweight *w, const float *x, int B, float *y, 
     /* the inputs' sums per group: Q4_K's mins and Q6_K's -32 come in once a group */
     float *xs = (float *)malloc(sizeof(float) * (size_t)B * (K / group));
     if (!xs) return -2;
-    for (int b = 0; b < B; b++)
-        for (int s = 0; s < K / group; s++) {
-            float t = 0.f;
-            for (int l = 0; l < group; l++) t += x[(size_t)b * K + s * group + l];
-            xs[(size_t)b * (K / group) + s] = t;
-        }
 #if HAVE_INT8_X
     if (int8_x) {
         int8_t *xq = (int8_t *)malloc((size_t)B * K);
@@ -537,6 +531,11 @@ static int gmatmul_kquant(const tm_gweight *w, const float *x, int B, float *y, 
         return 0;
     }
 #endif
+    for (int s = 0; s < B * (K / group); s++) {
+        float t = 0.f;
+        for (int l = 0; l < group; l++) t += x[(size_t)s * group + l];
+        xs[s] = t;
+    }
 #pragma omp parallel for schedule(static, 8) num_threads(num_threads)
     for (int n = 0; n < w->n; n++) {
         const uint8_t *row = w->data + (size_t)n * w->row_bytes;
