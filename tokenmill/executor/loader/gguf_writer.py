@@ -374,22 +374,14 @@ def _scaling_kind(scaling: dict[str, Any]) -> Optional[str]:
 
 
 def _llama3_rope_factors(scaling: dict[str, Any], theta: float, head_dim: int) -> torch.Tensor:
-    """convert_hf_to_gguf's rope_freqs for Llama 3: a per-dimension divisor of the rotary frequencies."""
-    factor = float(scaling["factor"])
-    low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
-    old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
-    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    out = []
-    for freq in freqs.tolist():
-        wavelen = 2 * math.pi / freq
-        if wavelen < old_ctx / high:
-            out.append(1.0)
-        elif wavelen > old_ctx / low:
-            out.append(factor)
-        else:
-            smooth = (old_ctx / wavelen - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return torch.tensor(out, dtype=torch.float32)
+    """convert_hf_to_gguf's rope_freqs for Llama 3: a per-dimension divisor of the rotary frequencies, the plain
+    frequencies over the scaled ones the model computes (layers/rotary.py)."""
+    from tokenmill.executor.layers.rotary import rope_inv_freq
+    full = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192, **scaling,
+            "rope_type": "llama3"}
+    plain, _ = rope_inv_freq(head_dim, theta, None, 0)
+    scaled, _ = rope_inv_freq(head_dim, theta, full, 0)
+    return plain / scaled
 
 
 def _hf_metadata(folder: Path, cfg: dict[str, Any], arch: str, tokenizer: _Tokenizer, w: GGUFWriter) -> None:
