@@ -280,12 +280,8 @@ def summary(vals: list[float]) -> dict:
 
 
 def machine() -> dict:
-    import torch
-    from tokenmill.executor.kernels import choose, this_cpu
-    cpu = this_cpu()
-    return {"machine": cpu.model, "arch": cpu.arch, "cpu_flags": cpu.simd_flags(), "cores": os.cpu_count(),
-            "torch": torch.__version__, "tokenmill_kernels": choose("auto"),
-            "mem_total_gb": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30}
+    from tokenmill.executor.kernels import machine_record
+    return {**machine_record(), "mem_total_gb": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30}
 
 
 def gguf_summary(path: str) -> dict:

@@ -150,12 +150,9 @@ def main() -> None:
 
     import torch
     from tokenmill.config import default_dtype
-    from tokenmill.executor.kernels import choose, this_cpu
-    cpu = this_cpu()
-    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": cpu.model, "arch": cpu.arch,
-                 "cpu_flags": cpu.simd_flags(),
-                 "cores": os.cpu_count(), "torch": torch.__version__,
-                 "tokenmill_dtype": a.dtype or str(default_dtype(torch.device("cpu"))), "tokenmill_kernels": choose("auto"),
+    from tokenmill.executor.kernels import machine_record
+    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), **machine_record(),
+                 "tokenmill_dtype": a.dtype or str(default_dtype(torch.device("cpu"))),
                  "emulated_avx2": a.emulate_avx2}
     if not a.skip_llamacpp:
         res["llamacpp_venv"] = str(a.llamacpp_venv)

@@ -7,7 +7,6 @@ without overlap each window's first token, having none, goes unscored, as in tra
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass
 from importlib import resources
@@ -173,20 +172,14 @@ def perplexity_of_ids(llm: Any, ids: Sequence[int], cfg: PerplexityConfig, progr
 # ---- the machine ------------------------------------------------------------------------------------------
 
 def machine_info(llm: Any) -> dict[str, Any]:
-    """What the result depends on besides the model, as benchmarks/run.py records it: CPU, flags, kernels."""
-    import torch
+    """What the result depends on besides the model: the machine record, the device and dtype that ran."""
+    from tokenmill.executor.kernels import machine_record
 
-    from tokenmill.executor.kernels import choose, this_cpu
-
-    cpu = this_cpu()
     cfg = getattr(getattr(llm, "llm_engine", None), "config", None)
-    asked = getattr(cfg, "cpu_kernels", "auto")
-    return {"machine": cpu.model, "arch": cpu.arch, "cpu_flags": cpu.simd_flags(), "cores": os.cpu_count(),
-            "torch": torch.__version__,
-            "device": str(getattr(cfg, "device", "")) or None,
+    rec = machine_record(getattr(cfg, "cpu_kernels", "auto"))
+    return {**rec, "device": str(getattr(cfg, "device", "")) or None,
             "dtype": str(getattr(cfg, "dtype", "")).removeprefix("torch.") or None,
-            # the variant that ran, not "auto": results differ in the last digits between variants
-            "cpu_kernels": choose(asked)}
+            "cpu_kernels": rec["tokenmill_kernels"]}
 
 
 # ---- the command --------------------------------------------------------------------------------------------

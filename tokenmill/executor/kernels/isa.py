@@ -82,3 +82,12 @@ def choose(requested: Optional[str] = None, cpu: Optional[Cpu] = None) -> str:
         raise ValueError(f"this CPU ({cpu.model}, {cpu.arch}) cannot run the {want} kernels, which need "
                          f"{', '.join(missing)}; choose one of {', '.join(runs)}")
     return want
+
+
+def machine_record(cpu_kernels: str = "auto") -> dict:
+    """What a benchmark result depends on besides the model, recorded with every result: the CPU, its SIMD flags,
+    the cores, torch, and the kernel variant that runs (not "auto": results differ in the last digits)."""
+    import torch
+    cpu = this_cpu()
+    return {"machine": cpu.model, "arch": cpu.arch, "cpu_flags": cpu.simd_flags(), "cores": os.cpu_count(),
+            "torch": torch.__version__, "tokenmill_kernels": choose(cpu_kernels)}
