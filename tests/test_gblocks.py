@@ -219,8 +219,8 @@ def test_bfloat16_prefill_multiplies_bfloat16_tiles(ops: CpuKernelOps) -> None:
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
 @pytest.mark.parametrize("rows", [1, 3, 16])
 def test_int8_activations_equal_rounded_x_times_dequantised(rows: int, type_name: str) -> None:
-    """int8_activations: a Q4_K or Q6_K matmul equals the dequantised weights times x rounded to int8 per 32 (dx =
-    max|x| / 127, as llama.cpp's Q8_0), to float32 rounding; on x86 (AVX2 and up), the float kernel elsewhere."""
+    """int8_activations: a Q4_K or Q6_K matmul equals the dequantised weights times x rounded to int8 per 256 (dx =
+    max|x| / 127, as llama.cpp's Q8_K), to float32 rounding; on x86 (AVX2 and up), the float kernel elsewhere."""
     variants = [v for v in VARIANTS if v in ("avx512", "avx2")]
     if not variants:
         pytest.skip("the int8 route is written for x86's AVX2 and up")
@@ -230,7 +230,7 @@ def test_int8_activations_equal_rounded_x_times_dequantised(rows: int, type_name
     w = GGMLWeight(type_name, torch.from_numpy(raw), (n, k))
     want_w = oracle(type_name, raw, k)
     x = torch.randn(rows, k)
-    blocks = x.view(rows, k // 32, 32)
+    blocks = x.view(rows, k // 256, 256)
     dx = blocks.abs().amax(-1, keepdim=True) / 127
     xq = torch.round(blocks * torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))) * dx   # half to even, as lrintf
     xr = xq.view(rows, k)

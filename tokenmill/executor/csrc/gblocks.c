@@ -396,102 +396,134 @@ TM_INLINE void q6k_row(const uint8_t *row, int nsb, const float *x, const float 
 }
 
 #if defined(__AVX2__)
-/* Q4_K against x rounded to int8 per 32 (xq, scales dx), llama.cpp's route: the codes meet xq in integer
- * multiply-adds, 32 products in one maddubs, and a sub-block's d * sc * dx comes in once. The result equals the
- * dequantised weights times the rounded x to float32 rounding; the rounding of x itself is the cost. */
-TM_INLINE void q4k_row_i8(const uint8_t *row, int nsb, const int8_t *xq, const float *dx, const float *xs, int K,
-                          int B, float *y, size_t ystride) {
-    __m256 acc[TM_GMATMUL_MAX_ROWS][2];    /* two FMA chains an input */
-    float off[TM_GMATMUL_MAX_ROWS];
-    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-    for (int b = 0; b < B; b++) acc[b][0] = acc[b][1] = _mm256_setzero_ps(), off[b] = 0.f;
+/* The int8 route, llama.cpp's for the K-quants: x rounded to int8 per 256 (xq, one scale dx a super-block, the
+ * sums of xq per 16 in bs16), the codes meeting xq in integer multiply-adds (32 products a maddubs), each
+ * sub-block's integer scale applied in the next multiply-add, and floats entered once a super-block. The result
+ * equals the dequantised weights times the rounded x to float32 rounding; the rounding of x itself is the cost. */
+typedef struct {
+    const int8_t *xq;       /* [B, K] */
+    const float *dx;        /* [B, K / 256] */
+    const int16_t *bs16;    /* [B, K / 16] */
+} x8;
+
+TM_INLINE float hsum8(__m256 a) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 t = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+/* a Q4_K super-block's 6-bit scales (sc) and mins (m) as bytes, four to a 32-bit word: the 12 packed bytes
+ * are words a, b, c; sub-blocks 0-3 are the low six bits of a (scales) and b (mins), sub-blocks 4-7 take their
+ * low four bits from c's nibbles and their top two from a's and b's top bits */
+TM_INLINE void k4_scales_u8(const uint8_t *blk, uint8_t sc[8], uint8_t m[8]) {
+    uint32_t a, b, c;
+    memcpy(&a, blk + 4, 4), memcpy(&b, blk + 8, 4), memcpy(&c, blk + 12, 4);
+    const uint32_t s[2] = {a & 0x3f3f3f3fu, (c & 0x0f0f0f0fu) | (((a >> 6) & 0x03030303u) << 4)};
+    const uint32_t n[2] = {b & 0x3f3f3f3fu, ((c >> 4) & 0x0f0f0f0fu) | (((b >> 6) & 0x03030303u) << 4)};
+    memcpy(sc, s, 8), memcpy(m, n, 8);
+}
+
+TM_INLINE void q4k_row_i8(const uint8_t *row, int nsb, x8 x, int K, int B, float *y, size_t ystride) {
+    __m256 acc[TM_GMATMUL_MAX_ROWS];
+    __m128 off[TM_GMATMUL_MAX_ROWS];
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int b = 0; b < B; b++) acc[b] = _mm256_setzero_ps(), off[b] = _mm_setzero_ps();
     for (int i = 0; i < nsb; i++) {
         const uint8_t *blk = row + (size_t)i * 144, *q = blk + 16;
-        float ds[8], ms[8];
-        k4_scales(blk, ds, ms);
-        add_mins(ms, xs, K, i, B, off);
-        for (int j = 0; j < 4; j++, q += 32) {
-            const __m256i c = _mm256_loadu_si256((const __m256i *)q);
-            const __m256i lo = _mm256_and_si256(c, low), hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), low);
-            const int sb = i * 8 + 2 * j;
-            for (int b = 0; b < B; b++) {
-                const int8_t *xb = xq + (size_t)b * K + (size_t)sb * 32;
-                const __m256i pa = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xb)), ones);
-                const __m256i pb =
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xb + 32))), ones);
-                const float *d = dx + (size_t)b * (K / 32) + sb;
-                acc[b][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pa), _mm256_set1_ps(ds[2 * j] * d[0]), acc[b][0]);
-                acc[b][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pb), _mm256_set1_ps(ds[2 * j + 1] * d[1]), acc[b][1]);
+        const float d = fp16(blk), dmin = fp16(blk + 2);
+        uint8_t sc8[8], m8[8];
+        k4_scales_u8(blk, sc8, m8);
+        __m256i scale[8];
+        for (int j = 0; j < 8; j++) scale[j] = _mm256_set1_epi16(sc8[j]);
+        __m256i c[8];    /* sub-block 2j in the low nibbles of bytes 32j.., 2j + 1 in the high */
+        for (int j = 0; j < 4; j++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * j));
+            c[2 * j] = _mm256_and_si256(v, low);
+            c[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        }
+        const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)m8));
+        for (int b = 0; b < B; b++) {
+            const int8_t *xb = x.xq + (size_t)b * K + (size_t)i * QK_K;
+            __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j += 2) {
+                const __m256i p0 = _mm256_maddubs_epi16(c[j], _mm256_loadu_si256((const __m256i *)(xb + 32 * j)));
+                const __m256i p1 = _mm256_maddubs_epi16(c[j + 1], _mm256_loadu_si256((const __m256i *)(xb + 32 * j + 32)));
+                s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(p0, scale[j]));
+                s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(p1, scale[j + 1]));
             }
+            const float dx = x.dx[(size_t)b * (K / QK_K) + i];
+            acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), _mm256_set1_ps(d * dx), acc[b]);
+            /* the mins: sum over sub-blocks of m * (its two 16-sums of xq), times dmin * dx */
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(x.bs16 + (size_t)b * (K / 16) + (size_t)i * 16));
+            const __m128i bs32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+            off[b] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mins, bs32)), _mm_set1_ps(dmin * dx), off[b]);
         }
     }
     for (int b = 0; b < B; b++) {
-        const __m256 a = _mm256_add_ps(acc[b][0], acc[b][1]);
-        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-        const __m128 t = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        y[(size_t)b * ystride] = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t))) - off[b];
+        const __m128 o = _mm_add_ps(off[b], _mm_movehl_ps(off[b], off[b]));
+        y[(size_t)b * ystride] = hsum8(acc[b]) - _mm_cvtss_f32(_mm_add_ss(o, _mm_movehdup_ps(o)));
     }
 }
 
-/* Q6_K against x rounded to int8 per 32: codes put together a byte at a time as in q6k_row, 32 products a maddubs,
- * each 16-position group's int8 scale applied in the integer multiply-add, the -32 through the inputs' sums per
- * 16 (xs16: dx times the sum of xq). */
-TM_INLINE void q6k_row_i8(const uint8_t *row, int nsb, const int8_t *xq, const float *dx, const float *xs16, int K,
-                          int B, float *y, size_t ystride) {
-    __m256 acc[TM_GMATMUL_MAX_ROWS][2];
-    float off[TM_GMATMUL_MAX_ROWS];
+/* Q6_K on the int8 route: codes put together a byte at a time as in q6k_row (0..63), 32 products a maddubs, each
+ * 16-position group's int8 scale in the next multiply-add, and the -32 through the 16-sums of xq */
+TM_INLINE void q6k_row_i8(const uint8_t *row, int nsb, x8 x, int K, int B, float *y, size_t ystride) {
+    __m256 acc[TM_GMATMUL_MAX_ROWS];
     const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
-    for (int b = 0; b < B; b++) acc[b][0] = acc[b][1] = _mm256_setzero_ps(), off[b] = 0.f;
+    for (int b = 0; b < B; b++) acc[b] = _mm256_setzero_ps();
     for (int i = 0; i < nsb; i++) {
         const uint8_t *blk = row + (size_t)i * 210;
         const int8_t *sc = (const int8_t *)(blk + 192);
         const float d = fp16(blk + 208);
-        for (int b = 0; b < B; b++) {
-            const float *s = xs16 + (size_t)b * (K / 16) + (size_t)i * 16;
-            float o = 0.f;
-            for (int j = 0; j < 16; j++) o += (float)sc[j] * s[j];
-            off[b] += 32.f * d * o;
-        }
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        __m256i q[8], scale[8];    /* positions 32r..32r + 31, and their two groups' scales */
         for (int n = 0; n < 2; n++) {
             const __m256i a = _mm256_loadu_si256((const __m256i *)(blk + 64 * n));
             const __m256i c = _mm256_loadu_si256((const __m256i *)(blk + 64 * n + 32));
             const __m256i h = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n));
-            const __m256i q[4] = {
-                _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30)),
-                _mm256_or_si256(_mm256_and_si256(c, m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), _mm256_and_si256(h, m30)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), m4),
-                                _mm256_and_si256(_mm256_srli_epi16(h, 2), m30))};
-            for (int r = 0; r < 4; r++) {    /* positions 128n + 32r + l: one 32-block of x, two scale groups */
-                const int is = 8 * n + 2 * r;
-                const __m256i scales = _mm256_set_m128i(_mm_set1_epi16(sc[is + 1]), _mm_set1_epi16(sc[is]));
-                const int blk32 = i * 8 + 4 * n + r;
-                for (int b = 0; b < B; b++) {
-                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (size_t)b * K + (size_t)blk32 * 32));
-                    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q[r], xv), scales);
-                    const float dd = d * dx[(size_t)b * (K / 32) + blk32];
-                    acc[b][r & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dd), acc[b][r & 1]);
-                }
+            q[4 * n + 0] = _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
+            q[4 * n + 1] = _mm256_or_si256(_mm256_and_si256(c, m4), _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
+            q[4 * n + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), m4), _mm256_and_si256(h, m30));
+            q[4 * n + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(c, 4), m4),
+                                           _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
+        }
+        for (int r = 0; r < 8; r++)
+            scale[r] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * r + 1]), _mm_set1_epi16(sc[2 * r]));
+        for (int b = 0; b < B; b++) {
+            const int8_t *xb = x.xq + (size_t)b * K + (size_t)i * QK_K;
+            __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+            for (int r = 0; r < 8; r += 2) {
+                const __m256i p0 = _mm256_maddubs_epi16(q[r], _mm256_loadu_si256((const __m256i *)(xb + 32 * r)));
+                const __m256i p1 = _mm256_maddubs_epi16(q[r + 1], _mm256_loadu_si256((const __m256i *)(xb + 32 * r + 32)));
+                s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(p0, scale[r]));
+                s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(p1, scale[r + 1]));
             }
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(x.bs16 + (size_t)b * (K / 16) + (size_t)i * 16));
+            const __m256i o = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);    /* 32 * sc * (16-sum) */
+            const __m256i s = _mm256_sub_epi32(_mm256_add_epi32(s0, s1), o);
+            const float dx = x.dx[(size_t)b * (K / QK_K) + i];
+            acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * dx), acc[b]);
         }
     }
-    for (int b = 0; b < B; b++) {
-        const __m256 s = _mm256_add_ps(acc[b][0], acc[b][1]);
-        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-        const __m128 t = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        y[(size_t)b * ystride] = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t))) - off[b];
-    }
+    for (int b = 0; b < B; b++) y[(size_t)b * ystride] = hsum8(acc[b]);
 }
 
-/* x [B, K] rounded to int8 per 32 as llama.cpp's Q8_0 does: dx = max |x| / 127, xq = round(x / dx) */
-static void quantize_x(const float *x, int B, int K, int8_t *xq, float *dx) {
-    for (int s = 0; s < B * (K / 32); s++) {
-        const float *v = x + (size_t)s * 32;
+/* x [B, K] rounded to int8 per 256, as llama.cpp's Q8_K: dx = max |x| / 127, xq = round(x / dx), and the sums of
+ * xq per 16 */
+static void quantize_x(const float *x, int B, int K, int8_t *xq, float *dx, int16_t *bs16) {
+    for (int s = 0; s < B * (K / QK_K); s++) {
+        const float *v = x + (size_t)s * QK_K;
         float amax = 0.f;
-        for (int l = 0; l < 32; l++) amax = fabsf(v[l]) > amax ? fabsf(v[l]) : amax;
+        for (int l = 0; l < QK_K; l++) amax = fabsf(v[l]) > amax ? fabsf(v[l]) : amax;
         const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
         dx[s] = d;
-        for (int l = 0; l < 32; l++) xq[(size_t)s * 32 + l] = (int8_t)lrintf(v[l] * id);
+        int8_t *q = xq + (size_t)s * QK_K;
+        for (int l = 0; l < QK_K; l++) q[l] = (int8_t)lrintf(v[l] * id);
+        for (int g = 0; g < QK_K / 16; g++) {
+            int t = 0;
+            for (int l = 0; l < 16; l++) t += q[16 * g + l];
+            bs16[(size_t)s * (QK_K / 16) + g] = (int16_t)t;
+        }
     }
 }
 #define HAVE_INT8_X 1
@@ -507,26 +539,25 @@ static int gmatmul_kquant(const tm_gweight *w, const float *x, int B, float *y, 
 #if HAVE_INT8_X
     if (int8_x) {
         int8_t *xq = (int8_t *)malloc((size_t)B * K);
-        float *dx = (float *)malloc(sizeof(float) * (size_t)B * (K / 32));
-        if (!xq || !dx) {
-            free(xq), free(dx), free(xs);
+        float *dx = (float *)malloc(sizeof(float) * (size_t)B * (K / QK_K));
+        int16_t *bs16 = (int16_t *)malloc(sizeof(int16_t) * (size_t)B * (K / 16));
+        if (!xq || !dx || !bs16) {
+            free(xq), free(dx), free(bs16), free(xs);
             return -2;
         }
-        quantize_x(x, B, K, xq, dx);
-        for (int s = 0; s < B * (K / group); s++) {   /* Q4_K's mins and Q6_K's -32 meet the same rounded x */
-            int t = 0;
-            for (int l = 0; l < group; l++) t += xq[(size_t)s * group + l];
-            xs[s] = dx[s * group / 32] * (float)t;
-        }
+        quantize_x(x, B, K, xq, dx, bs16);
+        const x8 xr = {xq, dx, bs16};
 #pragma omp parallel for schedule(static) num_threads(num_threads)
         for (int n = 0; n < w->n; n++) {
+            /* no software prefetch: each thread streams a contiguous range, which the hardware prefetcher
+             * follows; prefetching whole rows ahead cost a fifth of the bandwidth */
             const uint8_t *row = w->data + (size_t)n * w->row_bytes;
-            for (int64_t off = 0; off < w->row_bytes; off += 64) __builtin_prefetch(row + 2 * w->row_bytes + off, 0, 3);
-            if (q4 && B == 1) q4k_row_i8(row, nsb, xq, dx, xs, K, 1, y + n, (size_t)w->n);
-            else if (q4) q4k_row_i8(row, nsb, xq, dx, xs, K, B, y + n, (size_t)w->n);
-            else if (B == 1) q6k_row_i8(row, nsb, xq, dx, xs, K, 1, y + n, (size_t)w->n);
-            else q6k_row_i8(row, nsb, xq, dx, xs, K, B, y + n, (size_t)w->n);
+            if (q4 && B == 1) q4k_row_i8(row, nsb, xr, K, 1, y + n, (size_t)w->n);
+            else if (q4) q4k_row_i8(row, nsb, xr, K, B, y + n, (size_t)w->n);
+            else if (B == 1) q6k_row_i8(row, nsb, xr, K, 1, y + n, (size_t)w->n);
+            else q6k_row_i8(row, nsb, xr, K, B, y + n, (size_t)w->n);
         }
+        free(bs16);
         free(xq), free(dx), free(xs);
         return 0;
     }
@@ -536,10 +567,9 @@ static int gmatmul_kquant(const tm_gweight *w, const float *x, int B, float *y, 
         for (int l = 0; l < group; l++) t += x[(size_t)s * group + l];
         xs[s] = t;
     }
-#pragma omp parallel for schedule(static, 8) num_threads(num_threads)
+#pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int n = 0; n < w->n; n++) {
         const uint8_t *row = w->data + (size_t)n * w->row_bytes;
-        __builtin_prefetch(row + 8 * w->row_bytes, 0, 3);
         if (q4 && B == 1) q4k_row(row, nsb, x, xs, K, 1, y + n, (size_t)w->n);
         else if (q4) q4k_row(row, nsb, x, xs, K, B, y + n, (size_t)w->n);
         else if (B == 1) q6k_row(row, nsb, x, xs, K, 1, y + n, (size_t)w->n);
