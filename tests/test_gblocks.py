@@ -77,6 +77,26 @@ def test_dequantise_and_matmul_equal_gguf_py(ops: CpuKernelOps, type_name: str) 
         within_rounding(lin(x), x, want)
 
 
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q4_K", "Q5_0", "Q6_K", "F16")])
+@pytest.mark.parametrize("int8", [False, True])
+def test_row_parts_are_one_call_equal_to_their_parts(ops: CpuKernelOps, types: tuple[str, ...], int8: bool) -> None:
+    """A matrix stored as row parts of different types (a Q4_K_M qkv: q and k Q4_K, v Q6_K) is one kernel call
+    over the chain of parts, equal to the parts multiplied one by one, rows of y in the parts' order."""
+    rng = np.random.default_rng(3)
+    k, ns = 512, (24, 8, 13, 5)
+    parts = tuple(GGMLWeight(t, torch.from_numpy(random_blocks(t, n, k, rng)), (n, k)) for t, n in zip(types, ns))
+    kops = CpuKernelOps(ops.kernels, torch.float32, int8_activations=int8)
+    stacked = kops._register_any(RowParts(parts))
+    assert id(stacked) in kops._gweights and len(kops._gweights[id(stacked)][2]) == len(parts) - 1
+    for rows in (1, 3, kops.gmax_rows):
+        x = torch.randn(rows, k)
+        want = torch.cat([kops._matmul(x, p) for p in stacked.parts], dim=1)
+        got = kops._matmul(x, stacked)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        if not int8:
+            within_rounding(got, x, stacked.dequantize())
+
+
 def test_reference_ops_read_blocks_too() -> None:
     rng = np.random.default_rng(2)
     raw = random_blocks("Q5_K", 8, 256, rng)
@@ -94,10 +114,10 @@ def test_kernels_refuse_what_they_cannot_read() -> None:
            dict(type=12, row_bytes=100, n=4, k=256),        # row bytes that do not match
            dict(type=15, row_bytes=144, n=4, k=256)]        # Q8_K: not a file type we read
     for fields in bad:
-        gw = lib.struct("gweight", data=raw, **fields)
+        gw = lib.struct("gweight", data=raw, next=None, **fields)
         assert lib.call("gmatmul", lib.struct("gmatmul_args", w=gw, x=torch.zeros(1, 256), y=torch.zeros(1, 4),
                                               rows=1, int8_x=0, num_threads=1)) == -1
-    gw = lib.struct("gweight", type=12, data=raw, row_bytes=144, n=4, k=256)
+    gw = lib.struct("gweight", type=12, data=raw, row_bytes=144, n=4, k=256, next=None)
     assert lib.call("gdequant", lib.struct("gdequant_args", w=gw, ids=torch.tensor([4]), row0=0, rows=1,
                                            out=torch.zeros(1, 256), num_threads=1)) == -3
 

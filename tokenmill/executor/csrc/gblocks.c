@@ -531,62 +531,88 @@ static void quantize_x(const float *x, int B, int K, int8_t *xq, float *dx, int1
 #define HAVE_INT8_X 0
 #endif
 
-static int gmatmul_kquant(const tm_gweight *w, const float *x, int B, float *y, int int8_x, int num_threads) {
-    const int K = w->k, nsb = K / QK_K, q4 = w->type == 12, group = q4 ? 32 : 16;
-    /* the inputs' sums per group: Q4_K's mins and Q6_K's -32 come in once a group */
-    float *xs = (float *)malloc(sizeof(float) * (size_t)B * (K / group));
-    if (!xs) return -2;
+/* A chain's parts and the row each starts at in y, for kernels that run the whole chain in one parallel loop */
+typedef struct {
+    const tm_gweight *w[TM_GWEIGHT_MAX_PARTS];
+    int start[TM_GWEIGHT_MAX_PARTS + 1];
+    int n;
+} chain;
+
+TM_INLINE int part_of(const chain *c, int row) {
+    int p = 0;
+    while (row >= c->start[p + 1]) p++;
+    return p;
+}
+
+/* Q4_K and Q6_K parts in one parallel loop over all their rows: x's sums per group (and on the int8 route x's
+ * rounding) made once for the chain */
+static int gmatmul_kquant(const chain *c, const float *x, int B, float *y, size_t ystride, int int8_x,
+                          int num_threads) {
+    const int K = c->w[0]->k, nsb = K / QK_K, N = c->start[c->n];
 #if HAVE_INT8_X
     if (int8_x) {
         int8_t *xq = (int8_t *)malloc((size_t)B * K);
         float *dx = (float *)malloc(sizeof(float) * (size_t)B * (K / QK_K));
         int16_t *bs16 = (int16_t *)malloc(sizeof(int16_t) * (size_t)B * (K / 16));
         if (!xq || !dx || !bs16) {
-            free(xq), free(dx), free(bs16), free(xs);
+            free(xq), free(dx), free(bs16);
             return -2;
         }
         quantize_x(x, B, K, xq, dx, bs16);
         const x8 xr = {xq, dx, bs16};
+        /* no software prefetch: each thread streams a contiguous range, which the hardware prefetcher follows;
+         * prefetching whole rows ahead cost a fifth of the bandwidth */
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-        for (int n = 0; n < w->n; n++) {
-            /* no software prefetch: each thread streams a contiguous range, which the hardware prefetcher
-             * follows; prefetching whole rows ahead cost a fifth of the bandwidth */
-            const uint8_t *row = w->data + (size_t)n * w->row_bytes;
-            if (q4 && B == 1) q4k_row_i8(row, nsb, xr, K, 1, y + n, (size_t)w->n);
-            else if (q4) q4k_row_i8(row, nsb, xr, K, B, y + n, (size_t)w->n);
-            else if (B == 1) q6k_row_i8(row, nsb, xr, K, 1, y + n, (size_t)w->n);
-            else q6k_row_i8(row, nsb, xr, K, B, y + n, (size_t)w->n);
+        for (int n = 0; n < N; n++) {
+            const int p = part_of(c, n);
+            const tm_gweight *w = c->w[p];
+            const uint8_t *row = w->data + (size_t)(n - c->start[p]) * w->row_bytes;
+            if (w->type == 12 && B == 1) q4k_row_i8(row, nsb, xr, K, 1, y + n, ystride);
+            else if (w->type == 12) q4k_row_i8(row, nsb, xr, K, B, y + n, ystride);
+            else if (B == 1) q6k_row_i8(row, nsb, xr, K, 1, y + n, ystride);
+            else q6k_row_i8(row, nsb, xr, K, B, y + n, ystride);
         }
-        free(bs16);
-        free(xq), free(dx), free(xs);
+        free(xq), free(dx), free(bs16);
         return 0;
     }
 #endif
-    for (int s = 0; s < B * (K / group); s++) {
+    /* the inputs' sums per group: Q4_K's mins (per 32) and Q6_K's -32 (per 16) come in once a group */
+    float *xs32 = (float *)malloc(sizeof(float) * (size_t)B * (K / 32));
+    float *xs16 = (float *)malloc(sizeof(float) * (size_t)B * (K / 16));
+    if (!xs32 || !xs16) {
+        free(xs32), free(xs16);
+        return -2;
+    }
+    for (int s = 0; s < B * (K / 16); s++) {
         float t = 0.f;
-        for (int l = 0; l < group; l++) t += x[(size_t)s * group + l];
-        xs[s] = t;
+        for (int l = 0; l < 16; l++) t += x[(size_t)s * 16 + l];
+        xs16[s] = t;
     }
+    for (int s = 0; s < B * (K / 32); s++) xs32[s] = xs16[2 * s] + xs16[2 * s + 1];
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int n = 0; n < w->n; n++) {
-        const uint8_t *row = w->data + (size_t)n * w->row_bytes;
-        if (q4 && B == 1) q4k_row(row, nsb, x, xs, K, 1, y + n, (size_t)w->n);
-        else if (q4) q4k_row(row, nsb, x, xs, K, B, y + n, (size_t)w->n);
-        else if (B == 1) q6k_row(row, nsb, x, xs, K, 1, y + n, (size_t)w->n);
-        else q6k_row(row, nsb, x, xs, K, B, y + n, (size_t)w->n);
+    for (int n = 0; n < N; n++) {
+        const int p = part_of(c, n);
+        const tm_gweight *w = c->w[p];
+        const uint8_t *row = w->data + (size_t)(n - c->start[p]) * w->row_bytes;
+        if (w->type == 12 && B == 1) q4k_row(row, nsb, x, xs32, K, 1, y + n, ystride);
+        else if (w->type == 12) q4k_row(row, nsb, x, xs32, K, B, y + n, ystride);
+        else if (B == 1) q6k_row(row, nsb, x, xs16, K, 1, y + n, ystride);
+        else q6k_row(row, nsb, x, xs16, K, B, y + n, ystride);
     }
-    free(xs);
+    free(xs32), free(xs16);
     return 0;
 }
 
+/* the other types, one part at a time, each into its columns of y */
 #define GMATMUL(FN, BLOCK, BYTES)                                                                             \
-    static void gmatmul_##FN(const tm_gweight *w, const float *x, int B, float *y, int num_threads) {         \
+    static void gmatmul_##FN(const tm_gweight *w, const float *x, int B, float *y, size_t ystride,           \
+                             int num_threads) {                                                               \
         const int nb = w->k / BLOCK;                                                                          \
         _Pragma("omp parallel for schedule(static, 8) num_threads(num_threads)")                             \
         for (int n = 0; n < w->n; n++) {                                                                      \
             const uint8_t *row = w->data + (size_t)n * w->row_bytes;                                          \
             __builtin_prefetch(row + 8 * w->row_bytes, 0, 3);                                                 \
-            row_dot(dq_##FN, BLOCK, BYTES, row, nb, x, w->k, B, y + n, (size_t)w->n);                         \
+            row_dot(dq_##FN, BLOCK, BYTES, row, nb, x, w->k, B, y + n, ystride);                              \
         }                                                                                                     \
     }
 GMATMUL(f16, 32, 64)
@@ -601,24 +627,45 @@ GMATMUL(q3_k, QK_K, 110)
 GMATMUL(q5_k, QK_K, 176)
 #undef GMATMUL
 
-TM_API int tm_gmatmul(const tm_gmatmul_args *a) {
-    const tm_gweight *w = a->w;
-    const int B = a->rows;
-    if (!find_type(w) || B < 1 || B > TM_GMATMUL_MAX_ROWS) return -1;
+static int gmatmul_part(const tm_gweight *w, const float *x, int B, float *y, size_t ystride, int num_threads) {
     switch (w->type) {
-        case 1: gmatmul_f16(w, a->x, B, a->y, a->num_threads); break;
-        case 30: gmatmul_bf16(w, a->x, B, a->y, a->num_threads); break;
-        case 2: gmatmul_q4_0(w, a->x, B, a->y, a->num_threads); break;
-        case 3: gmatmul_q4_1(w, a->x, B, a->y, a->num_threads); break;
-        case 6: gmatmul_q5_0(w, a->x, B, a->y, a->num_threads); break;
-        case 7: gmatmul_q5_1(w, a->x, B, a->y, a->num_threads); break;
-        case 8: gmatmul_q8_0(w, a->x, B, a->y, a->num_threads); break;
-        case 10: gmatmul_q2_k(w, a->x, B, a->y, a->num_threads); break;
-        case 11: gmatmul_q3_k(w, a->x, B, a->y, a->num_threads); break;
-        case 12: return gmatmul_kquant(w, a->x, B, a->y, a->int8_x, a->num_threads);
-        case 13: gmatmul_q5_k(w, a->x, B, a->y, a->num_threads); break;
-        case 14: return gmatmul_kquant(w, a->x, B, a->y, a->int8_x, a->num_threads);
+        case 1: gmatmul_f16(w, x, B, y, ystride, num_threads); break;
+        case 30: gmatmul_bf16(w, x, B, y, ystride, num_threads); break;
+        case 2: gmatmul_q4_0(w, x, B, y, ystride, num_threads); break;
+        case 3: gmatmul_q4_1(w, x, B, y, ystride, num_threads); break;
+        case 6: gmatmul_q5_0(w, x, B, y, ystride, num_threads); break;
+        case 7: gmatmul_q5_1(w, x, B, y, ystride, num_threads); break;
+        case 8: gmatmul_q8_0(w, x, B, y, ystride, num_threads); break;
+        case 10: gmatmul_q2_k(w, x, B, y, ystride, num_threads); break;
+        case 11: gmatmul_q3_k(w, x, B, y, ystride, num_threads); break;
+        case 13: gmatmul_q5_k(w, x, B, y, ystride, num_threads); break;
         default: return -1;
+    }
+    return 0;
+}
+
+TM_API int tm_gmatmul(const tm_gmatmul_args *a) {
+    const int B = a->rows;
+    chain c = {.n = 0};
+    int kquant = 1;
+    c.start[0] = 0;
+    for (const tm_gweight *w = a->w; w; w = w->next) {
+        if (c.n == TM_GWEIGHT_MAX_PARTS || !find_type(w) || w->k != a->w->k) return -1;
+        c.w[c.n] = w;
+        c.start[c.n + 1] = c.start[c.n] + w->n;
+        c.n++;
+        kquant &= w->type == 12 || w->type == 14;
+    }
+    if (c.n == 0 || B < 1 || B > TM_GMATMUL_MAX_ROWS) return -1;
+    const size_t ystride = (size_t)c.start[c.n];
+    if (kquant) return gmatmul_kquant(&c, a->x, B, a->y, ystride, a->int8_x, a->num_threads);
+    for (int p = 0; p < c.n; p++) {
+        const tm_gweight *w = c.w[p];
+        int rc = w->type == 12 || w->type == 14
+                     ? gmatmul_kquant(&(chain){.w = {w}, .start = {0, w->n}, .n = 1}, a->x, B, a->y + c.start[p],
+                                      ystride, a->int8_x, a->num_threads)
+                     : gmatmul_part(w, a->x, B, a->y + c.start[p], ystride, a->num_threads);
+        if (rc) return rc;
     }
     return 0;
 }

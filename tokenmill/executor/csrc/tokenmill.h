@@ -60,21 +60,25 @@ TM_API int tm_qdequant(const tm_qdequant_args *a);
 
 /* W [n, k] as the file stores it: each row row_bytes bytes of blocks of ggml type `type` (1 F16, 30 BF16,
  * 2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 10 Q2_K, 11 Q3_K, 12 Q4_K, 13 Q5_K, 14 Q6_K); k a multiple of the
- * type's block (32; 256 for the K-quants) */
-typedef struct {
+ * type's block (32; 256 for the K-quants). A matrix stored in row parts (q, k and v; gate and up), each in its
+ * own type, is a chain: `next` is the part whose rows follow, NULL at the last; tm_gmatmul multiplies the whole
+ * chain in one call, as one [sum of n, k] matrix. */
+#define TM_GWEIGHT_MAX_PARTS 8
+typedef struct tm_gweight {
     int type;
     const uint8_t *data;
     int64_t row_bytes;
     int n;
     int k;
+    const struct tm_gweight *next;
 } tm_gweight;
 
 typedef struct {
-    const tm_gweight *w;
+    const tm_gweight *w;          /* a chain of row parts with one k; y's row is the chain's rows, in order */
     const float *x;               /* [rows, k] */
-    float *y;                     /* [rows, n] */
+    float *y;                     /* [rows, sum of the parts' n] */
     int rows;
-    int int8_x;                   /* 1: Q4_K/Q6_K on x86 multiply x rounded to int8 per 32 (llama.cpp's way) */
+    int int8_x;                   /* 1: Q4_K/Q6_K on x86 multiply x rounded to int8 per 256 (llama.cpp's way) */
     int num_threads;
 } tm_gmatmul_args;
 TM_API int tm_gmatmul(const tm_gmatmul_args *a);

@@ -43,13 +43,13 @@ def parse(text: str) -> Abi:
     text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
     limits = {m[1]: int(m[2]) for m in re.finditer(r"^#define\s+(TM_\w+)\s+(-?\d+)\s*$", text, re.M)}
     structs: dict[str, tuple[Field, ...]] = {}
-    for m in re.finditer(r"typedef\s+struct\s*\{(.*?)\}\s*(\w+)\s*;", text, re.S):
+    for m in re.finditer(r"typedef\s+struct\s*(?:\w+\s*)?\{(.*?)\}\s*(\w+)\s*;", text, re.S):   # tagged too
         fields = []
         for decl in filter(None, (d.strip() for d in m[1].split(";"))):
             words = decl.replace("*", " * ").split()
             if "," in decl or not words[-1].isidentifier():
                 raise ValueError(f"tokenmill.h: one plain field per declaration, not {decl!r}")
-            base = [w for w in words[:-1] if w not in ("const", "volatile", "*")]
+            base = [w for w in words[:-1] if w not in ("const", "volatile", "struct", "*")]
             fields.append(Field(words[-1], base[-1], "*" in words))
         structs[m[2]] = tuple(fields)
     functions = {}

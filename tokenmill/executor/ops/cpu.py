@@ -8,7 +8,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from dataclasses import replace
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -22,12 +22,14 @@ log = logging.getLogger("tokenmill")
 class CpuKernelOps(ReferenceOps):
     def __init__(self, kernels: KernelLibrary, dtype: torch.dtype, int8_activations: bool = False):
         self.kernels = kernels
-        # Q4_K decode multiplies x rounded to int8 per 32, as llama.cpp does: faster, no longer float32-exact
+        # Q4_K/Q6_K decode multiplies x rounded to int8 per 256, as llama.cpp does: faster, not float32-exact
         self.int8_activations = int8_activations
         self.name = f"cpu-{kernels.isa}"
         self.max_rows = kernels.limits["TM_QMATMUL_MAX_ROWS"]
         self.gmax_rows = kernels.limits["TM_GMATMUL_MAX_ROWS"]
-        self._gweights: dict[int, tuple[GGMLWeight, ctypes.Structure]] = {}    # id(weight) -> its tm_gweight
+        self.gmax_parts = kernels.limits["TM_GWEIGHT_MAX_PARTS"]
+        # id(weight) -> (weight, its tm_gweight chain's head, the chain's other parts)
+        self._gweights: dict[int, tuple[Union[GGMLWeight, RowParts], ctypes.Structure, tuple]] = {}
         self._qweights: dict[int, tuple[PackedWeight, ctypes.Structure]] = {}   # id(packed) -> its tm_qweight
         # id(layer) -> (layer, its tm_layer, the tm_decode_layer_args its calls reuse)
         self._layers: dict[int, tuple[object, ctypes.Structure, ctypes.Structure]] = {}
@@ -56,17 +58,25 @@ class CpuKernelOps(ReferenceOps):
     def _register_any(self, w: QuantWeight) -> QuantWeight:
         """The kernel structs of a quantised weight, made once (a tied head shares its table's)."""
         if isinstance(w, RowParts):
-            return RowParts(tuple(self._register_any(p) for p in w.parts))
+            rp = RowParts(tuple(self._register_any(p) for p in w.parts))
+            if all(isinstance(p, GGMLWeight) for p in rp.parts) and len(rp.parts) <= self.gmax_parts:
+                self._gweights[id(rp)] = (rp, *self._gchain(rp.parts))     # one call for all the parts
+            return rp
         if id(w) in self._qweights or id(w) in self._gweights:
             return w
         if isinstance(w, PackedWeight):
             return self._register(w)
-        self._gweights[id(w)] = (w, self._gweight(w))
+        self._gweights[id(w)] = (w, *self._gchain((w,)))
         return w
 
-    def _gweight(self, w: GGMLWeight) -> ctypes.Structure:
-        return self.kernels.struct("gweight", type=w.type_id, data=w.data, row_bytes=w.data.shape[1], n=w.shape[0],
-                                   k=w.shape[1])
+    def _gchain(self, parts: tuple[GGMLWeight, ...]) -> tuple[ctypes.Structure, tuple[ctypes.Structure, ...]]:
+        """The tm_gweight chain of parts stacked by rows: its head, and the rest (kept alive: the head points at
+        them by address)."""
+        structs: list[ctypes.Structure] = []
+        for w in reversed(parts):
+            structs.append(self.kernels.struct("gweight", type=w.type_id, data=w.data, row_bytes=w.data.shape[1],
+                                               n=w.shape[0], k=w.shape[1], next=structs[-1] if structs else None))
+        return structs[-1], tuple(structs[:-1])
 
     def _register(self, p: PackedWeight) -> PackedWeight:
         lanes = replace(p, lanes=(torch.empty_like(p.codes), torch.empty_like(p.scale),
@@ -123,7 +133,7 @@ class CpuKernelOps(ReferenceOps):
     def _matmul(self, x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         if isinstance(w, PackedWeight):
             return self.qmatmul(x, w)
-        if isinstance(w, RowParts):
+        if isinstance(w, RowParts) and id(w) not in self._gweights:
             return torch.cat([self._matmul(x, p) for p in w.parts], dim=1)
         x = x.contiguous()
         y = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
@@ -131,9 +141,11 @@ class CpuKernelOps(ReferenceOps):
                          num_threads=torch.get_num_threads())
         return y
 
-    def _gstruct(self, w: GGMLWeight) -> ctypes.Structure:
+    def _gstruct(self, w: Union[GGMLWeight, RowParts]) -> ctypes.Structure:
         entry = self._gweights.get(id(w))
-        return entry[1] if entry is not None and entry[0] is w else self._gweight(w)
+        if entry is None or entry[0] is not w:
+            entry = (w, *self._gchain(w.parts if isinstance(w, RowParts) else (w,)))
+        return entry[1]
 
     def dequantize(self, w: QuantWeight, row0: int, rows: int, out: torch.Tensor) -> torch.Tensor:
         threads = torch.get_num_threads()
