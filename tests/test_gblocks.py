@@ -261,6 +261,29 @@ def test_int8_activations_equal_rounded_x_times_dequantised(rows: int, type_name
         assert not torch.allclose(y, x @ want_w.t(), rtol=0, atol=1e-6)    # x was really rounded
 
 
+@pytest.mark.parametrize("int8", [False, True])
+def test_one_call_decode_layer_reads_gguf_blocks(tmp_path: Path, int8: bool) -> None:
+    """A Q4_K_M-pattern model (qkv and gate_up chains of Q4_K and Q6_K) decodes one call a layer, and gives the
+    same tokens and logprobs as the same kernels called one by one from Python."""
+    path = tmp_path / "q4_k_m.gguf"
+    write_model(path, MIXES["q4_k_m"])
+    llm = LLM(str(path), dtype="float32", kv_cache_memory_gb=0.01, max_model_len=256, tokenizer=None,
+              int8_activations=int8)
+    ops = llm.llm_engine.model.ops
+    assert len(ops._layers) == len(llm.llm_engine.model.layers)
+    prompts = [{"prompt_token_ids": [5 + i, 17, 3 * i + 1, 40]} for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    fused = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    ops._layers.clear()
+    plain = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert [o.token_ids for o in fused] == [o.token_ids for o in plain]
+    for a, b in zip(fused, plain):     # the top-5 too: the greedy token's logprob is ~0 in this tiny model
+        for la, lb in zip(a.logprobs, b.logprobs):
+            assert la.keys() == lb.keys()
+            for t in la:
+                assert abs(la[t].logprob - lb[t].logprob) <= 1e-5 * max(1.0, abs(lb[t].logprob))
+
+
 @pytest.mark.slow
 def test_int8_activations_stay_close_to_float(tmp_path: Path) -> None:
     """A Q4_K_M-pattern model with int8 activations: not exact by nature (x is rounded), so bounded: its greedy

@@ -991,10 +991,11 @@ static void check_decode_layer(void) {
         float *input_norm = NEW(float, hidden), *post_norm = NEW(float, hidden);
         fill(input_norm, hidden, 0.5f, 1.5f);
         fill(post_norm, hidden, 0.5f, 1.5f);
+        const tm_matrix m_qkv = {.q = &qkv.w}, m_o = {.q = &o.w}, m_gate_up = {.q = &gate_up.w}, m_down = {.q = &down.w};
         const tm_layer layer = {.input_norm = input_norm, .post_norm = post_norm, .eps = 1e-5f, .hidden = hidden,
                                 .heads = heads, .kv_heads = kv_heads, .head_dim = head_dim, .inter = inter,
-                                .scale = 1.f / sqrtf((float)head_dim), .qkv = &qkv.w, .o = &o.w,
-                                .gate_up = &gate_up.w, .down = &down.w};
+                                .scale = 1.f / sqrtf((float)head_dim), .qkv = &m_qkv, .o = &m_o,
+                                .gate_up = &m_gate_up, .down = &m_down};
         const context c = make_context(B, cases[ci].lens, NULL, kv_heads, head_dim, bs, bf16, 0);
         float *x0 = NEW(float, (size_t)B * hidden), *res0 = NEW(float, (size_t)B * hidden);
         float *cos_t = NEW(float, (size_t)B * head_dim), *sin_t = NEW(float, (size_t)B * head_dim);

@@ -1,14 +1,18 @@
 /* One decoder layer of a pure decode step in a single call, for a GGUF model whose four matrices are all in
- * quantised blocks (float32 on CPU): the same kernels the Python layer calls one by one (norm, qmatmul,
- * decode attention, SiLU), sequenced here so a step pays one call a layer instead of about ten, plus their
- * tensor allocations. No new arithmetic. */
+ * quantised blocks (float32 on CPU): the same kernels the Python layer calls one by one (norm, qmatmul or
+ * gmatmul, decode attention, SiLU), sequenced here so a step pays one call a layer instead of about ten, plus
+ * their tensor allocations. No new arithmetic. */
 #include <stdlib.h>
 
 #include "tokenmill.h"
 
-static int mm(const tm_qweight *w, const float *x, int rows, float *y, int num_threads) {
-    const tm_qmatmul_args a = {w, x, y, rows, num_threads};
-    return tm_qmatmul(&a);
+static int mm(const tm_matrix *m, const float *x, int rows, float *y, int num_threads) {
+    if (m->q) {
+        const tm_qmatmul_args a = {m->q, x, y, rows, num_threads};
+        return tm_qmatmul(&a);
+    }
+    const tm_gmatmul_args a = {m->g, x, y, rows, m->int8_x, num_threads};
+    return tm_gmatmul(&a);
 }
 
 static void norm(const float *x, float *residual, const float *weight, float *out, int rows, int dim, float eps,

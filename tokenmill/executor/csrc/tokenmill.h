@@ -232,6 +232,14 @@ typedef struct {
 TM_API int tm_decode_attention(const tm_decode_attention_args *a);
 
 /* ---- a decoder layer's decode step in one call (decode_layer.c) ------------------------------------------- */
+/* one of the layer's matrices: the tuned repacked blocks (q), or a GGUF matrix's chain of row parts (g, at most
+ * TM_GMATMUL_MAX_ROWS rows of x), the other NULL */
+typedef struct {
+    const tm_qweight *q;
+    const tm_gweight *g;
+    int int8_x;                   /* g only: as tm_gmatmul_args.int8_x */
+} tm_matrix;
+
 typedef struct {
     const float *input_norm;      /* [hidden] */
     const float *post_norm;
@@ -242,10 +250,10 @@ typedef struct {
     int head_dim;
     int inter;
     float scale;
-    const tm_qweight *qkv;
-    const tm_qweight *o;
-    const tm_qweight *gate_up;
-    const tm_qweight *down;
+    const tm_matrix *qkv;
+    const tm_matrix *o;
+    const tm_matrix *gate_up;
+    const tm_matrix *down;
 } tm_layer;
 
 typedef struct {

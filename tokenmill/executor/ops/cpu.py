@@ -31,8 +31,9 @@ class CpuKernelOps(ReferenceOps):
         # id(weight) -> (weight, its tm_gweight chain's head, the chain's other parts)
         self._gweights: dict[int, tuple[Union[GGMLWeight, RowParts], ctypes.Structure, tuple]] = {}
         self._qweights: dict[int, tuple[PackedWeight, ctypes.Structure]] = {}   # id(packed) -> its tm_qweight
-        # id(layer) -> (layer, its tm_layer, the tm_decode_layer_args its calls reuse)
-        self._layers: dict[int, tuple[object, ctypes.Structure, ctypes.Structure]] = {}
+        # id(layer) -> (layer, its tm_layer, the tm_decode_layer_args its calls reuse, its tm_matrix structs,
+        # the most rows of x it takes)
+        self._layers: dict[int, tuple[object, ctypes.Structure, ctypes.Structure, tuple, int]] = {}
         # the norm, rotary and SiLU kernels are float32: for another dtype those ops are the reference's
         self.float_ops = dtype == torch.float32
         if not self.float_ops:
@@ -49,11 +50,12 @@ class CpuKernelOps(ReferenceOps):
             if isinstance(m, (Linear, Embedding)) and m.quant is not None:
                 m.quant = self._register_any(m.quant)
         for layer in model.layers:
-            desc = self._layer_desc(layer)
-            if desc is not None:
+            plan = self._layer_desc(layer)
+            if plan is not None:
+                desc, matrices, rows = plan
                 call = self.kernels.struct("decode_layer_args", layer=desc, step=None, kv=None, x=None,
                                            residual=None, add=0, out=None)
-                self._layers[id(layer)] = (layer, desc, call)
+                self._layers[id(layer)] = (layer, desc, call, matrices, rows)
 
     def _register_any(self, w: QuantWeight) -> QuantWeight:
         """The kernel structs of a quantised weight, made once (a tied head shares its table's)."""
@@ -92,21 +94,32 @@ class CpuKernelOps(ReferenceOps):
         return self.kernels.struct("qweight", bits=p.bits, codes=p.codes, scale=p.scale, offset=p.offset,
                                    lanes_codes=lc, lanes_scale=ls, lanes_offset=lo, n=p.shape[0], k=p.shape[1])
 
-    def _layer_desc(self, layer) -> Optional[ctypes.Structure]:
+    def _layer_desc(self, layer) -> Optional[tuple[ctypes.Structure, tuple[ctypes.Structure, ...], int]]:
         """The tm_layer of a decoder layer the one-call decode covers (all four matrices in blocks, no biases,
-        no q/k norm, float32), else None."""
+        no q/k norm, float32), its four tm_matrix (kept alive with it) and the most rows of x it takes; else None."""
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if not self.float_ops or attn.q_norm is not None or norms[0].eps != norms[1].eps:
             return None
-        if any(id(lin.quant) not in self._qweights or lin.bias is not None for lin in linears):
+        if any(lin.bias is not None for lin in linears):
             return None
-        qw = [self._qweights[id(lin.quant)][1] for lin in linears]
-        return self.kernels.struct("layer", input_norm=norms[0].weight, post_norm=norms[1].weight, eps=norms[0].eps,
+        matrices, rows = [], self.max_rows
+        for lin in linears:
+            if id(lin.quant) in self._qweights:
+                matrices.append(self.kernels.struct("matrix", q=self._qweights[id(lin.quant)][1], g=None, int8_x=0))
+            elif id(lin.quant) in self._gweights:
+                matrices.append(self.kernels.struct("matrix", q=None, g=self._gweights[id(lin.quant)][1],
+                                                    int8_x=int(self.int8_activations)))
+                rows = min(rows, self.gmax_rows)
+            else:
+                return None
+        desc = self.kernels.struct("layer", input_norm=norms[0].weight, post_norm=norms[1].weight, eps=norms[0].eps,
                                    hidden=attn.qkv_proj.quant.shape[1], heads=attn.num_heads,
                                    kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, inter=mlp.inter,
-                                   scale=attn.scale, qkv=qw[0], o=qw[1], gate_up=qw[2], down=qw[3])
+                                   scale=attn.scale, qkv=matrices[0], o=matrices[1], gate_up=matrices[2],
+                                   down=matrices[3])
+        return desc, tuple(matrices), rows
 
     # ---- the ops -----------------------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, layer) -> torch.Tensor:
@@ -224,7 +237,7 @@ class CpuKernelOps(ReferenceOps):
         entry = self._layers.get(id(layer))
         step = getattr(meta, "decode_step", None)
         cos, sin = rope
-        if entry is None or step is None or not meta.all_decode or x.shape[0] > self.max_rows \
+        if entry is None or step is None or not meta.all_decode or x.shape[0] > entry[4] \
                 or x.dtype != torch.float32 or not x.is_contiguous() \
                 or (residual is not None and not residual.is_contiguous()) \
                 or cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
