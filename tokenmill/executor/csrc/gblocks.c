@@ -423,6 +423,7 @@ TM_INLINE void k4_scales_u8(const uint8_t *blk, uint8_t sc[8], uint8_t m[8]) {
     memcpy(sc, s, 8), memcpy(m, n, 8);
 }
 
+#if !defined(__AVX512BW__)
 TM_INLINE void q4k_row_i8(const uint8_t *row, int nsb, x8 x, int K, int B, float *y, size_t ystride) {
     __m256 acc[TM_GMATMUL_MAX_ROWS];
     __m128 off[TM_GMATMUL_MAX_ROWS];
@@ -430,11 +431,16 @@ TM_INLINE void q4k_row_i8(const uint8_t *row, int nsb, x8 x, int K, int B, float
     for (int b = 0; b < B; b++) acc[b] = _mm256_setzero_ps(), off[b] = _mm_setzero_ps();
     for (int i = 0; i < nsb; i++) {
         const uint8_t *blk = row + (size_t)i * 144, *q = blk + 16;
-        const float d = fp16(blk), dmin = fp16(blk + 2);
+        uint32_t dm;
+        memcpy(&dm, blk, 4);
+        const __m128 dmf = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm));    /* d, dmin */
+        const float d = _mm_cvtss_f32(dmf), dmin = _mm_cvtss_f32(_mm_movehdup_ps(dmf));
         uint8_t sc8[8], m8[8];
         k4_scales_u8(blk, sc8, m8);
+        /* sub-block j's scale in every 16-bit lane: a byte shuffle of the eight widened scales */
+        const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc8)));
         __m256i scale[8];
-        for (int j = 0; j < 8; j++) scale[j] = _mm256_set1_epi16(sc8[j]);
+        for (int j = 0; j < 8; j++) scale[j] = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 + 0x0202 * j)));
         __m256i c[8];    /* sub-block 2j in the low nibbles of bytes 32j.., 2j + 1 in the high */
         for (int j = 0; j < 4; j++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * j));
@@ -474,8 +480,12 @@ TM_INLINE void q6k_row_i8(const uint8_t *row, int nsb, x8 x, int K, int B, float
     for (int i = 0; i < nsb; i++) {
         const uint8_t *blk = row + (size_t)i * 210;
         const int8_t *sc = (const int8_t *)(blk + 192);
-        const float d = fp16(blk + 208);
+        uint16_t dh;
+        memcpy(&dh, blk + 208, 2);
+        const float d = _cvtsh_ss(dh);
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        int32_t pair[16];    /* each scale twice, as one 32-bit word: one broadcast fills a half's 16-bit lanes */
+        for (int j = 0; j < 16; j++) pair[j] = (int32_t)(uint16_t)sc[j] * 0x10001;
         __m256i q[8], scale[8];    /* positions 32r..32r + 31, and their two groups' scales */
         for (int n = 0; n < 2; n++) {
             const __m256i a = _mm256_loadu_si256((const __m256i *)(blk + 64 * n));
@@ -488,7 +498,7 @@ TM_INLINE void q6k_row_i8(const uint8_t *row, int nsb, x8 x, int K, int B, float
                                            _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
         }
         for (int r = 0; r < 8; r++)
-            scale[r] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * r + 1]), _mm_set1_epi16(sc[2 * r]));
+            scale[r] = _mm256_inserti128_si256(_mm256_set1_epi32(pair[2 * r]), _mm_set1_epi32(pair[2 * r + 1]), 1);
         for (int b = 0; b < B; b++) {
             const int8_t *xb = x.xq + (size_t)b * K + (size_t)i * QK_K;
             __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
@@ -507,6 +517,105 @@ TM_INLINE void q6k_row_i8(const uint8_t *row, int nsb, x8 x, int K, int B, float
     }
     for (int b = 0; b < B; b++) y[(size_t)b * ystride] = hsum8(acc[b]);
 }
+
+#else
+/* The same two kernels on 512-bit vectors: a register holds two sub-blocks' codes (Q4_K: a 32-byte chunk's low
+ * and high nibbles; Q6_K: 64 consecutive positions), so each maddubs and multiply-add does twice the work and
+ * meets 64 consecutive bytes of xq; the scales are put in place by one word permute each. */
+TM_INLINE void q4k_row_i8(const uint8_t *row, int nsb, x8 x, int K, int B, float *y, size_t ystride) {
+    __m512 acc[TM_GMATMUL_MAX_ROWS];
+    __m128 off[TM_GMATMUL_MAX_ROWS];
+    const __m512i low = _mm512_set1_epi8(15);
+    __m512i pick[4];    /* word lanes 0-15 from scale 2j, 16-31 from 2j + 1 */
+    for (int j = 0; j < 4; j++)
+        pick[j] = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * j)), _mm256_set1_epi16((short)(2 * j + 1)), 1);
+    for (int b = 0; b < B; b++) acc[b] = _mm512_setzero_ps(), off[b] = _mm_setzero_ps();
+    for (int i = 0; i < nsb; i++) {
+        const uint8_t *blk = row + (size_t)i * 144, *q = blk + 16;
+        uint32_t dm;
+        memcpy(&dm, blk, 4);
+        const __m128 dmf = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm));    /* d, dmin */
+        const float d = _mm_cvtss_f32(dmf), dmin = _mm_cvtss_f32(_mm_movehdup_ps(dmf));
+        uint8_t sc8[8], m8[8];
+        k4_scales_u8(blk, sc8, m8);
+        const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc8)));
+        __m512i c[4], scale[4];    /* sub-blocks 2j and 2j + 1: chunk j's low nibbles, then its high */
+        for (int j = 0; j < 4; j++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * j));
+            c[j] = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), low);
+            scale[j] = _mm512_permutexvar_epi16(pick[j], sc16);
+        }
+        const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)m8));
+        for (int b = 0; b < B; b++) {
+            const int8_t *xb = x.xq + (size_t)b * K + (size_t)i * QK_K;
+            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+            for (int j = 0; j < 4; j += 2) {
+                const __m512i p0 = _mm512_maddubs_epi16(c[j], _mm512_loadu_si512(xb + 64 * j));
+                const __m512i p1 = _mm512_maddubs_epi16(c[j + 1], _mm512_loadu_si512(xb + 64 * j + 64));
+                s0 = _mm512_add_epi32(s0, _mm512_madd_epi16(p0, scale[j]));
+                s1 = _mm512_add_epi32(s1, _mm512_madd_epi16(p1, scale[j + 1]));
+            }
+            const float dx = x.dx[(size_t)b * (K / QK_K) + i];
+            acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_set1_ps(d * dx), acc[b]);
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(x.bs16 + (size_t)b * (K / 16) + (size_t)i * 16));
+            const __m128i bs32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+            off[b] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mins, bs32)), _mm_set1_ps(dmin * dx), off[b]);
+        }
+    }
+    for (int b = 0; b < B; b++) {
+        const __m128 o = _mm_add_ps(off[b], _mm_movehl_ps(off[b], off[b]));
+        y[(size_t)b * ystride] = _mm512_reduce_add_ps(acc[b]) - _mm_cvtss_f32(_mm_add_ss(o, _mm_movehdup_ps(o)));
+    }
+}
+
+TM_INLINE void q6k_row_i8(const uint8_t *row, int nsb, x8 x, int K, int B, float *y, size_t ystride) {
+    __m512 acc[TM_GMATMUL_MAX_ROWS];
+    const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
+    /* the high bits of positions 0-31 sit in h's bits 0-1, of 32-63 in 2-3, of 64-95 in 4-5, of 96-127 in 6-7 */
+    const __m512i up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i down = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    __m512i pick[4];    /* 8 word lanes each from scales 4g .. 4g + 3 */
+    for (int g = 0; g < 4; g++)
+        pick[g] = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi16((short)(4 * g + 1)), _mm_set1_epi16((short)(4 * g)))),
+            _mm256_set_m128i(_mm_set1_epi16((short)(4 * g + 3)), _mm_set1_epi16((short)(4 * g + 2))), 1);
+    for (int b = 0; b < B; b++) acc[b] = _mm512_setzero_ps();
+    for (int i = 0; i < nsb; i++) {
+        const uint8_t *blk = row + (size_t)i * 210;
+        uint16_t dh;
+        memcpy(&dh, blk + 208, 2);
+        const float d = _cvtsh_ss(dh);
+        const __m256i sc16y = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+        const __m512i sc16 = _mm512_castsi256_si512(sc16y);
+        __m512i q[4], scale[4];    /* positions 64g .. 64g + 63 */
+        for (int n = 0; n < 2; n++) {
+            const __m512i ac = _mm512_loadu_si512(blk + 64 * n);
+            const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * n)));
+            q[2 * n] = _mm512_or_si512(_mm512_and_si512(ac, m4), _mm512_and_si512(_mm512_sllv_epi16(h, up), m30));
+            q[2 * n + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ac, 4), m4),
+                                           _mm512_and_si512(_mm512_srlv_epi16(h, down), m30));
+        }
+        for (int g = 0; g < 4; g++) scale[g] = _mm512_permutexvar_epi16(pick[g], sc16);
+        for (int b = 0; b < B; b++) {
+            const int8_t *xb = x.xq + (size_t)b * K + (size_t)i * QK_K;
+            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+            for (int g = 0; g < 4; g += 2) {
+                const __m512i p0 = _mm512_maddubs_epi16(q[g], _mm512_loadu_si512(xb + 64 * g));
+                const __m512i p1 = _mm512_maddubs_epi16(q[g + 1], _mm512_loadu_si512(xb + 64 * g + 64));
+                s0 = _mm512_add_epi32(s0, _mm512_madd_epi16(p0, scale[g]));
+                s1 = _mm512_add_epi32(s1, _mm512_madd_epi16(p1, scale[g + 1]));
+            }
+            const __m256i bs = _mm256_loadu_si256((const __m256i *)(x.bs16 + (size_t)b * (K / 16) + (size_t)i * 16));
+            const __m256i o = _mm256_slli_epi32(_mm256_madd_epi16(sc16y, bs), 5);    /* 32 * sc * (16-sum) */
+            const __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(s0, s1),
+                                                 _mm512_inserti64x4(_mm512_setzero_si512(), o, 0));
+            const float dx = x.dx[(size_t)b * (K / QK_K) + i];
+            acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(d * dx), acc[b]);
+        }
+    }
+    for (int b = 0; b < B; b++) y[(size_t)b * ystride] = _mm512_reduce_add_ps(acc[b]);
+}
+#endif
 
 /* x [B, K] rounded to int8 per 256, as llama.cpp's Q8_K: dx = max |x| / 127, xq = round(x / dx), and the sums of
  * xq per 16 */
