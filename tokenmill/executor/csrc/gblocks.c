@@ -423,6 +423,23 @@ TM_INLINE void k4_scales_u8(const uint8_t *blk, uint8_t sc[8], uint8_t m[8]) {
     memcpy(sc, s, 8), memcpy(m, n, 8);
 }
 
+/* a Q4_K super-block's d and dmin (F16C, one conversion for both) and its scales and mins as bytes */
+TM_INLINE void k4_head(const uint8_t *blk, float *d, float *dmin, uint8_t sc8[8], uint8_t m8[8]) {
+    uint32_t dm;
+    memcpy(&dm, blk, 4);
+    const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm));
+    *d = _mm_cvtss_f32(f);
+    *dmin = _mm_cvtss_f32(_mm_movehdup_ps(f));
+    k4_scales_u8(blk, sc8, m8);
+}
+
+/* off + dmin * dx * (each sub-block's min times its two 16-sums of xq), four lanes to sum at the end */
+TM_INLINE __m128 k4_mins(__m128 off, __m128i mins, const int16_t *bs16, float dmin_dx) {
+    const __m256i bs = _mm256_loadu_si256((const __m256i *)bs16);
+    const __m128i bs32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+    return _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mins, bs32)), _mm_set1_ps(dmin_dx), off);
+}
+
 #if !defined(__AVX512BW__)
 TM_INLINE void q4k_row_i8(const uint8_t *row, int nsb, x8 x, int K, int B, float *y, size_t ystride) {
     __m256 acc[TM_GMATMUL_MAX_ROWS];
@@ -431,12 +448,9 @@ TM_INLINE void q4k_row_i8(const uint8_t *row, int nsb, x8 x, int K, int B, float
     for (int b = 0; b < B; b++) acc[b] = _mm256_setzero_ps(), off[b] = _mm_setzero_ps();
     for (int i = 0; i < nsb; i++) {
         const uint8_t *blk = row + (size_t)i * 144, *q = blk + 16;
-        uint32_t dm;
-        memcpy(&dm, blk, 4);
-        const __m128 dmf = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm));    /* d, dmin */
-        const float d = _mm_cvtss_f32(dmf), dmin = _mm_cvtss_f32(_mm_movehdup_ps(dmf));
+        float d, dmin;
         uint8_t sc8[8], m8[8];
-        k4_scales_u8(blk, sc8, m8);
+        k4_head(blk, &d, &dmin, sc8, m8);
         /* sub-block j's scale in every 16-bit lane: a byte shuffle of the eight widened scales */
         const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc8)));
         __m256i scale[8];
@@ -459,10 +473,7 @@ TM_INLINE void q4k_row_i8(const uint8_t *row, int nsb, x8 x, int K, int B, float
             }
             const float dx = x.dx[(size_t)b * (K / QK_K) + i];
             acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), _mm256_set1_ps(d * dx), acc[b]);
-            /* the mins: sum over sub-blocks of m * (its two 16-sums of xq), times dmin * dx */
-            const __m256i bs = _mm256_loadu_si256((const __m256i *)(x.bs16 + (size_t)b * (K / 16) + (size_t)i * 16));
-            const __m128i bs32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-            off[b] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mins, bs32)), _mm_set1_ps(dmin * dx), off[b]);
+            off[b] = k4_mins(off[b], mins, x.bs16 + (size_t)b * (K / 16) + (size_t)i * 16, dmin * dx);
         }
     }
     for (int b = 0; b < B; b++) {
@@ -532,12 +543,9 @@ TM_INLINE void q4k_row_i8(const uint8_t *row, int nsb, x8 x, int K, int B, float
     for (int b = 0; b < B; b++) acc[b] = _mm512_setzero_ps(), off[b] = _mm_setzero_ps();
     for (int i = 0; i < nsb; i++) {
         const uint8_t *blk = row + (size_t)i * 144, *q = blk + 16;
-        uint32_t dm;
-        memcpy(&dm, blk, 4);
-        const __m128 dmf = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm));    /* d, dmin */
-        const float d = _mm_cvtss_f32(dmf), dmin = _mm_cvtss_f32(_mm_movehdup_ps(dmf));
+        float d, dmin;
         uint8_t sc8[8], m8[8];
-        k4_scales_u8(blk, sc8, m8);
+        k4_head(blk, &d, &dmin, sc8, m8);
         const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc8)));
         __m512i c[4], scale[4];    /* sub-blocks 2j and 2j + 1: chunk j's low nibbles, then its high */
         for (int j = 0; j < 4; j++) {
@@ -557,9 +565,7 @@ TM_INLINE void q4k_row_i8(const uint8_t *row, int nsb, x8 x, int K, int B, float
             }
             const float dx = x.dx[(size_t)b * (K / QK_K) + i];
             acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_set1_ps(d * dx), acc[b]);
-            const __m256i bs = _mm256_loadu_si256((const __m256i *)(x.bs16 + (size_t)b * (K / 16) + (size_t)i * 16));
-            const __m128i bs32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-            off[b] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mins, bs32)), _mm_set1_ps(dmin * dx), off[b]);
+            off[b] = k4_mins(off[b], mins, x.bs16 + (size_t)b * (K / 16) + (size_t)i * 16, dmin * dx);
         }
     }
     for (int b = 0; b < B; b++) {
