@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 import torch
@@ -17,6 +17,17 @@ from tokenmill.executor.layers.quant import GGMLWeight, PackedWeight, QuantWeigh
 from tokenmill.executor.ops.reference import ReferenceOps
 
 log = logging.getLogger("tokenmill")
+
+
+@dataclass(frozen=True)
+class _FusedLayer:
+    """A decoder layer's one-call decode, made at load: the structs its calls reuse (the matrices kept alive
+    here, since tm_layer points at them by address) and the most rows of x it takes."""
+    layer: object
+    desc: ctypes.Structure                   # its tm_layer
+    call: ctypes.Structure                   # the tm_decode_layer_args each call fills in
+    matrices: tuple[ctypes.Structure, ...]   # its four tm_matrix
+    max_rows: int
 
 
 class CpuKernelOps(ReferenceOps):
@@ -31,9 +42,7 @@ class CpuKernelOps(ReferenceOps):
         # id(weight) -> (weight, its tm_gweight chain's head, the chain's other parts)
         self._gweights: dict[int, tuple[Union[GGMLWeight, RowParts], ctypes.Structure, tuple]] = {}
         self._qweights: dict[int, tuple[PackedWeight, ctypes.Structure]] = {}   # id(packed) -> its tm_qweight
-        # id(layer) -> (layer, its tm_layer, the tm_decode_layer_args its calls reuse, its tm_matrix structs,
-        # the most rows of x it takes)
-        self._layers: dict[int, tuple[object, ctypes.Structure, ctypes.Structure, tuple, int]] = {}
+        self._layers: dict[int, _FusedLayer] = {}      # id(layer) -> its one-call decode
         # the norm, rotary and SiLU kernels are float32: for another dtype those ops are the reference's
         self.float_ops = dtype == torch.float32
         if not self.float_ops:
@@ -55,7 +64,7 @@ class CpuKernelOps(ReferenceOps):
                 desc, matrices, rows = plan
                 call = self.kernels.struct("decode_layer_args", layer=desc, step=None, kv=None, x=None,
                                            residual=None, add=0, out=None)
-                self._layers[id(layer)] = (layer, desc, call, matrices, rows)
+                self._layers[id(layer)] = _FusedLayer(layer, desc, call, matrices, rows)
 
     def _register_any(self, w: QuantWeight) -> QuantWeight:
         """The kernel structs of a quantised weight, made once (a tied head shares its table's)."""
@@ -237,7 +246,7 @@ class CpuKernelOps(ReferenceOps):
         entry = self._layers.get(id(layer))
         step = getattr(meta, "decode_step", None)
         cos, sin = rope
-        if entry is None or step is None or not meta.all_decode or x.shape[0] > entry[4] \
+        if entry is None or step is None or not meta.all_decode or x.shape[0] > entry.max_rows \
                 or x.dtype != torch.float32 or not x.is_contiguous() \
                 or (residual is not None and not residual.is_contiguous()) \
                 or cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
@@ -247,7 +256,7 @@ class CpuKernelOps(ReferenceOps):
         res = x if residual is None else residual
         out = torch.empty_like(x)
         # the struct made at load, its pointers set here: the checks of a new one cost more than the call
-        call = entry[2]
+        call = entry.call
         call.step, call.kv = ctypes.addressof(step), ctypes.addressof(meta.kv[layer.layer_idx])
         call.x, call.residual, call.out, call.add = x.data_ptr(), res.data_ptr(), out.data_ptr(), int(residual is not None)
         check(self.kernels.call("decode_layer", call), "decode_layer")
