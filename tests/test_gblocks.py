@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.test_gguf import add_shape
 from tests.test_plans import assert_same
 from tokenmill import LLM, SamplingParams
 from tokenmill.executor.kernels import load, runnable_variants
@@ -132,14 +133,7 @@ def write_model(path: Path, types: dict[str, str], seed: int = 0) -> None:
     d, rng = DIMS, np.random.default_rng(seed)
     head_dim = d["hidden"] // d["heads"]
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(d["layers"])
-    w.add_context_length(256)
-    w.add_embedding_length(d["hidden"])
-    w.add_feed_forward_length(d["ffn"])
-    w.add_head_count(d["heads"])
-    w.add_head_count_kv(d["kv_heads"])
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
+    add_shape(w, d, rms_eps=1e-5, rope_base=10000.0)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
 

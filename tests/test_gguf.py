@@ -224,6 +224,18 @@ def _roundtrip(w: np.ndarray, qtype: Any) -> np.ndarray:
 TINY = dict(vocab=48, hidden=64, heads=4, kv_heads=2, ffn=96, layers=2)
 
 
+def add_shape(w: gguf.GGUFWriter, dims: dict[str, int], rms_eps: float, rope_base: float) -> None:
+    """A tiny test model's shape keys (dims: layers, hidden, ffn, heads, kv_heads), context 256."""
+    w.add_block_count(dims["layers"])
+    w.add_context_length(256)
+    w.add_embedding_length(dims["hidden"])
+    w.add_feed_forward_length(dims["ffn"])
+    w.add_head_count(dims["heads"])
+    w.add_head_count_kv(dims["kv_heads"])
+    w.add_layer_norm_rms_eps(rms_eps)
+    w.add_rope_freq_base(rope_base)
+
+
 def _write_tiny(path: Path, arch: str = "llama", extra_tensor: tuple[str, np.ndarray] | None = None,
                 rope_freqs: np.ndarray | None = None, yarn: bool = False) -> dict[str, np.ndarray]:
     """Write a small llama-arch GGUF the way llama.cpp's converter would; return the HF tensors
@@ -239,14 +251,7 @@ def _write_tiny(path: Path, arch: str = "llama", extra_tensor: tuple[str, np.nda
         return rng.standard_normal(shape).astype(np.float32)
 
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(t["layers"])
-    w.add_context_length(256)
-    w.add_embedding_length(t["hidden"])
-    w.add_feed_forward_length(t["ffn"])
-    w.add_head_count(t["heads"])
-    w.add_head_count_kv(t["kv_heads"])
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(500000.0)
+    add_shape(w, t, rms_eps=1e-6, rope_base=500000.0)
     if arch == "qwen3":
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
