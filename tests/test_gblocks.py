@@ -278,6 +278,34 @@ def test_one_call_decode_layer_reads_gguf_blocks(tmp_path: Path, int8: bool) -> 
                 assert abs(la[t].logprob - lb[t].logprob) <= 1e-5 * max(1.0, abs(lb[t].logprob))
 
 
+def _logprob_error(got, want) -> float:
+    """Mean |logprob difference| over the top-5 tokens both runs list, up to where their tokens part."""
+    errs = [abs(lg[t].logprob - lw[t].logprob)
+            for g, w in zip(got, want) for i, (lg, lw) in enumerate(zip(g.logprobs, w.logprobs))
+            if g.token_ids[:i + 1] == w.token_ids[:i + 1] for t in lw if t in lg]
+    return sum(errs) / len(errs)
+
+
+def test_one_call_decode_layer_in_bfloat16(tmp_path: Path) -> None:
+    """A bfloat16 model's one-call layer computes in float32 from bfloat16 inputs, so it cannot equal the plain
+    bfloat16 layer, which rounds after every op. Bounded instead, against the float32 model: the same greedy
+    tokens, and logprobs no further from float32's than the plain bfloat16 layers' are."""
+    path = tmp_path / "q4_k_m.gguf"
+    write_model(path, MIXES["q4_k_m"])
+    prompts = [{"prompt_token_ids": [5 + i, 17, 3 * i + 1, 40]} for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
+    kw = dict(kv_cache_memory_gb=0.01, max_model_len=256, tokenizer=None)
+    want = [o.outputs[0] for o in LLM(str(path), dtype="float32", **kw).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(path), dtype="bfloat16", **kw)
+    ops = llm.llm_engine.model.ops
+    assert len(ops._layers) == len(llm.llm_engine.model.layers)
+    fused = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    ops._layers.clear()
+    plain = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert [o.token_ids for o in fused] == [o.token_ids for o in plain] == [o.token_ids for o in want]
+    assert _logprob_error(fused, want) <= 1.1 * _logprob_error(plain, want)
+
+
 @pytest.mark.slow
 def test_int8_activations_stay_close_to_float(tmp_path: Path) -> None:
     """A Q4_K_M-pattern model with int8 activations: not exact by nature (x is rounded), so bounded: its greedy

@@ -18,21 +18,27 @@ from tokenmill.executor.ops.reference import ReferenceOps
 
 log = logging.getLogger("tokenmill")
 
+# the model dtypes the one-call decode layer serves: its kernels compute in float32, a bfloat16 model's layer
+# converts x and the residual in and out (a decode step's rows are few, the conversions cheap)
+_LAYER_DTYPES = (torch.float32, torch.bfloat16)
+
 
 @dataclass(frozen=True)
 class _FusedLayer:
-    """A decoder layer's one-call decode, made at load: the structs its calls reuse (the matrices kept alive
-    here, since tm_layer points at them by address) and the most rows of x it takes."""
+    """A decoder layer's one-call decode, made at load: the structs its calls reuse (the matrices and norms kept
+    alive here, since tm_layer points at them by address) and the most rows of x it takes."""
     layer: object
     desc: ctypes.Structure                   # its tm_layer
     call: ctypes.Structure                   # the tm_decode_layer_args each call fills in
     matrices: tuple[ctypes.Structure, ...]   # its four tm_matrix
+    norms: tuple[torch.Tensor, torch.Tensor]  # its norm weights in float32
     max_rows: int
 
 
 class CpuKernelOps(ReferenceOps):
     def __init__(self, kernels: KernelLibrary, dtype: torch.dtype, int8_activations: bool = False):
         self.kernels = kernels
+        self.dtype = dtype
         # Q4_K/Q6_K decode multiplies x rounded to int8 per 256, as llama.cpp does: faster, not float32-exact
         self.int8_activations = int8_activations
         self.name = f"cpu-{kernels.isa}"
@@ -43,6 +49,7 @@ class CpuKernelOps(ReferenceOps):
         self._gweights: dict[int, tuple[Union[GGMLWeight, RowParts], ctypes.Structure, tuple]] = {}
         self._qweights: dict[int, tuple[PackedWeight, ctypes.Structure]] = {}   # id(packed) -> its tm_qweight
         self._layers: dict[int, _FusedLayer] = {}      # id(layer) -> its one-call decode
+        self._rope32: tuple = (None, None, None)       # a bfloat16 step's rotary tables, and their float32 copy
         # the norm, rotary and SiLU kernels are float32: for another dtype those ops are the reference's
         self.float_ops = dtype == torch.float32
         if not self.float_ops:
@@ -61,10 +68,10 @@ class CpuKernelOps(ReferenceOps):
         for layer in model.layers:
             plan = self._layer_desc(layer)
             if plan is not None:
-                desc, matrices, rows = plan
+                desc, matrices, norms, rows = plan
                 call = self.kernels.struct("decode_layer_args", layer=desc, step=None, kv=None, x=None,
                                            residual=None, add=0, out=None)
-                self._layers[id(layer)] = _FusedLayer(layer, desc, call, matrices, rows)
+                self._layers[id(layer)] = _FusedLayer(layer, desc, call, matrices, norms, rows)
 
     def _register_any(self, w: QuantWeight) -> QuantWeight:
         """The kernel structs of a quantised weight, made once (a tied head shares its table's)."""
@@ -103,13 +110,15 @@ class CpuKernelOps(ReferenceOps):
         return self.kernels.struct("qweight", bits=p.bits, codes=p.codes, scale=p.scale, offset=p.offset,
                                    lanes_codes=lc, lanes_scale=ls, lanes_offset=lo, n=p.shape[0], k=p.shape[1])
 
-    def _layer_desc(self, layer) -> Optional[tuple[ctypes.Structure, tuple[ctypes.Structure, ...], int]]:
+    def _layer_desc(self, layer) -> Optional[tuple[ctypes.Structure, tuple[ctypes.Structure, ...],
+                                                   tuple[torch.Tensor, torch.Tensor], int]]:
         """The tm_layer of a decoder layer the one-call decode covers (all four matrices in blocks, no biases,
-        no q/k norm, float32), its four tm_matrix (kept alive with it) and the most rows of x it takes; else None."""
+        no q/k norm, a float32 or bfloat16 model), its four tm_matrix and float32 norm weights (kept alive with
+        it) and the most rows of x it takes; else None."""
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if not self.float_ops or attn.q_norm is not None or norms[0].eps != norms[1].eps:
+        if self.dtype not in _LAYER_DTYPES or attn.q_norm is not None or norms[0].eps != norms[1].eps:
             return None
         if any(lin.bias is not None for lin in linears):
             return None
@@ -123,12 +132,13 @@ class CpuKernelOps(ReferenceOps):
                 rows = min(rows, self.gmax_rows)
             else:
                 return None
-        desc = self.kernels.struct("layer", input_norm=norms[0].weight, post_norm=norms[1].weight, eps=norms[0].eps,
+        weights = tuple(n.weight.detach().float().contiguous() for n in norms)
+        desc = self.kernels.struct("layer", input_norm=weights[0], post_norm=weights[1], eps=norms[0].eps,
                                    hidden=attn.qkv_proj.quant.shape[1], heads=attn.num_heads,
                                    kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, inter=mlp.inter,
                                    scale=attn.scale, qkv=matrices[0], o=matrices[1], gate_up=matrices[2],
                                    down=matrices[3])
-        return desc, tuple(matrices), rows
+        return desc, tuple(matrices), weights, rows
 
     # ---- the ops -----------------------------------------------------------------------------------------------
     def linear(self, x: torch.Tensor, layer) -> torch.Tensor:
@@ -242,25 +252,41 @@ class CpuKernelOps(ReferenceOps):
 
     def decoder_layer(self, layer, x, residual, rope, backend, meta):
         """A pure decode step's layer as one call where it qualifies (the same kernels the layer would call one
-        by one, without the calls between them), else the layer itself."""
+        by one, without the calls between them), else the layer itself. A bfloat16 model's layer computes in
+        float32 from its bfloat16 inputs and rounds what it returns to bfloat16."""
         entry = self._layers.get(id(layer))
         step = getattr(meta, "decode_step", None)
-        cos, sin = rope
         if entry is None or step is None or not meta.all_decode or x.shape[0] > entry.max_rows \
-                or x.dtype != torch.float32 or not x.is_contiguous() \
-                or (residual is not None and not residual.is_contiguous()) \
-                or cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
+                or x.dtype != self.dtype or (residual is not None and residual.dtype != self.dtype):
             return layer(x, residual, rope, backend, meta)
+        cos, sin = self._float_rope(rope)
         if step.cos != cos.data_ptr():      # the same tables for every layer of the step: set on the first
             step.cos, step.sin = cos.data_ptr(), sin.data_ptr()
-        res = x if residual is None else residual
-        out = torch.empty_like(x)
+        x32 = x.float().contiguous()        # x itself in a float32 model
+        res = x32 if residual is None else residual.float().contiguous()
+        out = torch.empty_like(x32)
         # the struct made at load, its pointers set here: the checks of a new one cost more than the call
         call = entry.call
         call.step, call.kv = ctypes.addressof(step), ctypes.addressof(meta.kv[layer.layer_idx])
-        call.x, call.residual, call.out, call.add = x.data_ptr(), res.data_ptr(), out.data_ptr(), int(residual is not None)
+        call.x, call.residual, call.out, call.add = x32.data_ptr(), res.data_ptr(), out.data_ptr(), int(residual is not None)
         check(self.kernels.call("decode_layer", call), "decode_layer")
-        return out, res
+        if self.dtype == torch.float32:
+            return out, res
+        res16 = res.to(self.dtype)
+        if residual is not None:            # the layer updates its residual in place, as the plain layer does
+            residual.copy_(res16)
+            res16 = residual
+        return out.to(self.dtype), res16
+
+    def _float_rope(self, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's rotary tables as the kernel takes them (float32, contiguous): a bfloat16 step's converted
+        once, on its first layer."""
+        cos, sin = rope
+        if cos.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous():
+            return cos, sin
+        if self._rope32[0] is not cos:
+            self._rope32 = (cos, cos.float().contiguous(), sin.float().contiguous())
+        return self._rope32[1], self._rope32[2]
 
     def describe(self) -> dict[str, str]:
         k, ref = f"kernels ({self.kernels.isa})", "torch (the kernels take float32)"
@@ -272,7 +298,7 @@ class CpuKernelOps(ReferenceOps):
                 "silu_mul": k if self.float_ops else ref, "argmax": k,
                 "decoder_layer": f"{k}, one call a layer, for layers whose four matrices are GGUF blocks (no biases, "
                                  f"no q/k norm) under the cpu attention backend; torch otherwise"
-                                 if self.float_ops else "torch",
+                                 if self.dtype in _LAYER_DTYPES else "torch",
                 "attention": f"{k}, paged, for head_dim a multiple of {lim['TM_ATTN_HEAD_DIM_MULTIPLE']} up to "
                              f"{lim['TM_ATTN_MAX_HEAD_DIM']} and up to {lim['TM_ATTN_MAX_GROUP']} query heads per "
                              f"kv head; torch otherwise"}
