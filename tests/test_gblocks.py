@@ -56,7 +56,8 @@ def within_rounding(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
 
 @pytest.fixture(params=VARIANTS, scope="module")
 def ops(request) -> CpuKernelOps:
-    return CpuKernelOps(load(request.param), torch.float32)
+    """The float route: x stays float32, so a matmul equals dequantise-then-matmul to float32 rounding."""
+    return CpuKernelOps(load(request.param), torch.float32, int8_activations=False)
 
 
 @pytest.mark.parametrize("type_name", GGML_TYPES)
@@ -186,11 +187,12 @@ def _generate(path: Path, **kw):
 @pytest.mark.slow
 @pytest.mark.parametrize("mix", list(MIXES))
 def test_model_in_blocks_equals_the_model_dequantised(tmp_path: Path, mix: str) -> None:
+    """With float activations, the blocks give the dequantised model's tokens (int8 activations are bounded below)."""
     path = tmp_path / f"{mix}.gguf"
     write_model(path, MIXES[mix])
     want, _ = _generate(path, quantized_kernels=False, cpu_kernels="reference")
     for isa in VARIANTS:
-        got, llm = _generate(path, cpu_kernels=isa)
+        got, llm = _generate(path, cpu_kernels=isa, int8_activations=False)
         assert_same(got, want)
     assert_no_float_copy(llm, path)
 
@@ -294,7 +296,7 @@ def test_one_call_decode_layer_in_bfloat16(tmp_path: Path) -> None:
     write_model(path, MIXES["q4_k_m"])
     prompts = [{"prompt_token_ids": [5 + i, 17, 3 * i + 1, 40]} for i in range(8)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
-    kw = dict(kv_cache_memory_gb=0.01, max_model_len=256, tokenizer=None)
+    kw = dict(kv_cache_memory_gb=0.01, max_model_len=256, tokenizer=None, int8_activations=False)
     want = [o.outputs[0] for o in LLM(str(path), dtype="float32", **kw).generate(prompts, params, use_tqdm=False)]
     llm = LLM(str(path), dtype="bfloat16", **kw)
     ops = llm.llm_engine.model.ops
@@ -308,12 +310,12 @@ def test_one_call_decode_layer_in_bfloat16(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_int8_activations_stay_close_to_float(tmp_path: Path) -> None:
-    """A Q4_K_M-pattern model with int8 activations: not exact by nature (x is rounded), so bounded: its greedy
+    """A Q4_K_M-pattern model with int8 activations (the default): not exact by nature (x is rounded), so bounded: its greedy
     tokens agree with the float-activation run at 90% of positions or more, and it runs through the engine."""
     path = tmp_path / "q4_k_m.gguf"
     write_model(path, MIXES["q4_k_m"])
-    want, _ = _generate(path)
-    got, llm = _generate(path, int8_activations=True)
+    want, _ = _generate(path, int8_activations=False)
+    got, llm = _generate(path)                     # the default
     assert llm.llm_engine.model.ops.int8_activations
     pairs = [(a, b) for o, p in zip(got, want) for a, b in zip(o.token_ids, p.token_ids)]
     assert len(pairs) == 50 and sum(a == b for a, b in pairs) / len(pairs) >= 0.9

@@ -125,7 +125,7 @@ def test_model_without_tokenizer_is_refused(tiny_llama, tmp_path, capsys):
 
 
 def test_engine_options():
-    """--quantization reaches the engine; prefix caching is always off."""
+    """--quantization and --(no-)int8-activations reach the engine; prefix caching is always off."""
     import argparse
 
     from tokenmill.bench.cli import _perplexity_engine_kw, register
@@ -137,6 +137,9 @@ def test_engine_options():
     assert kw["quantization"] is None and kw["enable_prefix_caching"] is False and kw["cpu_kernels"] == "reference"
     args = ap.parse_args(["bench", "perplexity", "--quantization", "int8"])
     assert _perplexity_engine_kw(args)["quantization"] == "int8"
+    assert kw["int8_activations"] is True
+    args = ap.parse_args(["bench", "perplexity", "--no-int8-activations"])
+    assert _perplexity_engine_kw(args)["int8_activations"] is False
 
 
 # ---------------------------------------------------------------- the bundled model, end to end

@@ -29,7 +29,8 @@ class LLM:
     kv_cache_memory_gb sizes the paged KV cache (default: a share of free memory); attention_backend picks the
     attention kernels; a GGUF's matrices stay in their quantised blocks (quantized_kernels=False dequantises them
     to float at load, the plain path); quantization="int8" or "int4" quantises a float checkpoint at load;
-    int8_activations=True multiplies Q4_K/Q6_K weights with activations rounded to int8 per 256, as llama.cpp does;
+    Q4_K/Q6_K weights multiply activations rounded to int8 per 256, as llama.cpp does (int8_activations=False
+    keeps them float32, exact against the dequantised model);
     cpu_kernels picks the CPU kernel variant (auto, avx512, avx2, neon, generic) or "reference" (plain torch)."""
 
     def __init__(self, model: Optional[str] = None, **engine_args: Any):

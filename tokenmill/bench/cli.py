@@ -56,13 +56,15 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="bfloat16: half the KV cache's bytes (K/V rounded)")
+    p.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=True,
+                   help="Q4_K/Q6_K matmuls take activations rounded to int8 per 256, as llama.cpp's (default)")
     p.add_argument("--no-warmup", action="store_true", help="time the first (cold) call too")
 
 
 def _engine_kw(args: argparse.Namespace, use_kv_cache: bool = True) -> dict[str, Any]:
     kw = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_memory_gb,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype, int8_activations=args.int8_activations)
     if args.no_prefix_caching:
         kw["enable_prefix_caching"] = False
     if not use_kv_cache:

@@ -69,7 +69,7 @@ def pick_device(device: Optional[str]) -> torch.device:
 
 def load_model(path: str, mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int,
                ckpt: Checkpoint, quantized_kernels: bool = True, cpu_kernels: str = "auto",
-               int8_activations: bool = False) -> DecoderForCausalLM:
+               int8_activations: bool = True) -> DecoderForCausalLM:
     ops = make_ops(device, dtype, cpu_kernels, int8_activations)     # the execution plan: what serves each op, chosen once
     with torch.device("meta"):
         model = DecoderForCausalLM(mc, max_len, ops)
@@ -105,7 +105,7 @@ class LLMEngine:
                  max_model_len: Optional[int] = None, kv_cache_memory_gb: Optional[float] = None,
                  enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto", use_kv_cache: bool = True,
                  attention_backend: str = "auto", quantized_kernels: bool = True, cpu_kernels: str = "auto",
-                 quantization: Optional[str] = None, int8_activations: bool = False, seed: int = 0,
+                 quantization: Optional[str] = None, int8_activations: bool = True, seed: int = 0,
                  tokenizer: Any = "auto"):
         path = resolve_model_path(model)
         dev = pick_device(device)

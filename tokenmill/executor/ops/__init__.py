@@ -16,7 +16,7 @@ log = logging.getLogger("tokenmill")
 
 
 def make_ops(device: torch.device, dtype: torch.dtype, cpu_kernels: Optional[str] = "auto",
-             int8_activations: bool = False) -> ReferenceOps:
+             int8_activations: bool = True) -> ReferenceOps:
     """cpu_kernels: 'auto' (TOKENMILL_CPU_ISA, else the best variant this CPU runs), a variant by name
     (avx512, avx2, neon, generic) or 'reference'. Off the CPU: the reference."""
     if device.type != "cpu":
