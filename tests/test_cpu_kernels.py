@@ -4,6 +4,7 @@ interface itself (the header's structs, the ISA choice, stale builds)."""
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import sys
 import threading
@@ -262,8 +263,10 @@ def _resident_pages(t: torch.Tensor) -> tuple[int, int]:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore(2) as Linux has it")
 def test_touch_pages_faults_in_every_page_and_honours_stop() -> None:
-    # above glibc's 32 MB mmap threshold (keep_freed_memory): fresh, untouched pages; not a whole number of chunks
-    ts = [torch.empty((40 << 20) // 4 + 1000) for _ in range(3)]
+    # fresh, untouched pages from anonymous maps of their own (after an engine's keep_freed_memory even a large
+    # torch.empty may reuse resident heap); not a whole number of chunks
+    maps = [mmap.mmap(-1, (40 << 20) + 4000) for _ in range(3)]
+    ts = [torch.frombuffer(m, dtype=torch.float32) for m in maps]
     nbytes = ts[0].numel() * 4
     lib = load(VARIANTS[0])
     stop = ctypes.c_int(1)
