@@ -79,7 +79,7 @@ def test_dequantise_and_matmul_equal_gguf_py(ops: CpuKernelOps, type_name: str) 
         within_rounding(lin(x), x, want)
 
 
-@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q4_K", "Q5_0", "Q6_K", "F16")])
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q5_K", "Q5_K", "Q6_K"), ("Q4_K", "Q5_0", "Q6_K", "F16")])
 @pytest.mark.parametrize("int8", [False, True])
 def test_row_parts_are_one_call_equal_to_their_parts(ops: CpuKernelOps, types: tuple[str, ...], int8: bool) -> None:
     """A matrix stored as row parts of different types (a Q4_K_M qkv: q and k Q4_K, v Q6_K) is one kernel call
@@ -232,11 +232,11 @@ def test_bfloat16_prefill_multiplies_bfloat16_tiles(ops: CpuKernelOps) -> None:
     torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("rows", [1, 3, 16])
 def test_int8_activations_equal_rounded_x_times_dequantised(rows: int, type_name: str) -> None:
-    """int8_activations: a Q4_K or Q6_K matmul equals the dequantised weights times x rounded to int8 per 256 (dx =
-    max|x| / 127, as llama.cpp's Q8_K), to float32 rounding; on x86 (AVX2 and up), the float kernel elsewhere."""
+    """int8_activations: a Q4_K, Q5_K or Q6_K matmul equals the dequantised weights times x rounded to int8 per 256
+    (dx = max|x| / 127, as llama.cpp's Q8_K), to float32 rounding; on x86 (AVX2 and up), the float kernel elsewhere."""
     variants = [v for v in VARIANTS if v in ("avx512", "avx2")]
     if not variants:
         pytest.skip("the int8 route is written for x86's AVX2 and up")

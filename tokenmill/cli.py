@@ -26,7 +26,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto (TOKENMILL_CPU_ISA, else the best for this CPU) | avx512 | avx2 | neon | generic | "
                         "reference (plain torch)")
     p.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=True,
-                   help="Q4_K/Q6_K decode multiplies activations rounded to int8 per 256, as llama.cpp does (the "
+                   help="Q4_K/Q5_K/Q6_K decode multiplies activations rounded to int8 per 256, as llama.cpp does (the "
                         "default); --no-int8-activations keeps them float32, exact against the dequantised model")
     p.add_argument("--quantization", "-q", default=None,
                    help="quantise a float checkpoint's matrices at load: int8 (Q8_0) | int4 (Q4_1) | q4_0 | q5_0 | "

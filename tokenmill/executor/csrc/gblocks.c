@@ -482,6 +482,52 @@ TM_INLINE void q4k_row_i8(const uint8_t *row, int nsb, x8 x, int K, int B, float
     }
 }
 
+/* Q5_K on the int8 route: Q4_K's kernel with each code's fifth bit (sub-block s: bit s of qh's byte) put in
+ * at bit 4 before the multiply-adds; codes 0..31 */
+TM_INLINE void q5k_row_i8(const uint8_t *row, int nsb, x8 x, int K, int B, float *y, size_t ystride) {
+    __m256 acc[TM_GMATMUL_MAX_ROWS];
+    __m128 off[TM_GMATMUL_MAX_ROWS];
+    const __m256i low = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(0x10);
+    for (int b = 0; b < B; b++) acc[b] = _mm256_setzero_ps(), off[b] = _mm_setzero_ps();
+    for (int i = 0; i < nsb; i++) {
+        const uint8_t *blk = row + (size_t)i * 176, *q = blk + 48;
+        float d, dmin;
+        uint8_t sc8[8], m8[8];
+        k4_head(blk, &d, &dmin, sc8, m8);
+        const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc8)));
+        __m256i scale[8];
+        for (int j = 0; j < 8; j++) scale[j] = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 + 0x0202 * j)));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
+        __m256i c[8];
+        for (int j = 0; j < 4; j++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * j));
+            /* bit s of each byte to bit 4: shifts stay inside 16-bit lanes, so each byte keeps its own bit */
+            const __m256i h0 = j < 2 ? _mm256_slli_epi16(qh, 4 - 2 * j) : _mm256_srli_epi16(qh, 2 * j - 4);
+            const __m256i h1 = j < 2 ? _mm256_slli_epi16(qh, 3 - 2 * j) : _mm256_srli_epi16(qh, 2 * j - 3);
+            c[2 * j] = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(h0, bit4));
+            c[2 * j + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), _mm256_and_si256(h1, bit4));
+        }
+        const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)m8));
+        for (int b = 0; b < B; b++) {
+            const int8_t *xb = x.xq + (size_t)b * K + (size_t)i * QK_K;
+            __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j += 2) {
+                const __m256i p0 = _mm256_maddubs_epi16(c[j], _mm256_loadu_si256((const __m256i *)(xb + 32 * j)));
+                const __m256i p1 = _mm256_maddubs_epi16(c[j + 1], _mm256_loadu_si256((const __m256i *)(xb + 32 * j + 32)));
+                s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(p0, scale[j]));
+                s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(p1, scale[j + 1]));
+            }
+            const float dx = x.dx[(size_t)b * (K / QK_K) + i];
+            acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), _mm256_set1_ps(d * dx), acc[b]);
+            off[b] = k4_mins(off[b], mins, x.bs16 + (size_t)b * (K / 16) + (size_t)i * 16, dmin * dx);
+        }
+    }
+    for (int b = 0; b < B; b++) {
+        const __m128 o = _mm_add_ps(off[b], _mm_movehl_ps(off[b], off[b]));
+        y[(size_t)b * ystride] = hsum8(acc[b]) - _mm_cvtss_f32(_mm_add_ss(o, _mm_movehdup_ps(o)));
+    }
+}
+
 /* Q6_K on the int8 route: codes put together a byte at a time as in q6k_row (0..63), 32 products a maddubs, each
  * 16-position group's int8 scale in the next multiply-add, and the -32 through the 16-sums of xq */
 TM_INLINE void q6k_row_i8(const uint8_t *row, int nsb, x8 x, int K, int B, float *y, size_t ystride) {
@@ -551,6 +597,50 @@ TM_INLINE void q4k_row_i8(const uint8_t *row, int nsb, x8 x, int K, int B, float
         for (int j = 0; j < 4; j++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * j));
             c[j] = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), low);
+            scale[j] = _mm512_permutexvar_epi16(pick[j], sc16);
+        }
+        const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)m8));
+        for (int b = 0; b < B; b++) {
+            const int8_t *xb = x.xq + (size_t)b * K + (size_t)i * QK_K;
+            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+            for (int j = 0; j < 4; j += 2) {
+                const __m512i p0 = _mm512_maddubs_epi16(c[j], _mm512_loadu_si512(xb + 64 * j));
+                const __m512i p1 = _mm512_maddubs_epi16(c[j + 1], _mm512_loadu_si512(xb + 64 * j + 64));
+                s0 = _mm512_add_epi32(s0, _mm512_madd_epi16(p0, scale[j]));
+                s1 = _mm512_add_epi32(s1, _mm512_madd_epi16(p1, scale[j + 1]));
+            }
+            const float dx = x.dx[(size_t)b * (K / QK_K) + i];
+            acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_set1_ps(d * dx), acc[b]);
+            off[b] = k4_mins(off[b], mins, x.bs16 + (size_t)b * (K / 16) + (size_t)i * 16, dmin * dx);
+        }
+    }
+    for (int b = 0; b < B; b++) {
+        const __m128 o = _mm_add_ps(off[b], _mm_movehl_ps(off[b], off[b]));
+        y[(size_t)b * ystride] = _mm512_reduce_add_ps(acc[b]) - _mm_cvtss_f32(_mm_add_ss(o, _mm_movehdup_ps(o)));
+    }
+}
+
+TM_INLINE void q5k_row_i8(const uint8_t *row, int nsb, x8 x, int K, int B, float *y, size_t ystride) {
+    __m512 acc[TM_GMATMUL_MAX_ROWS];
+    __m128 off[TM_GMATMUL_MAX_ROWS];
+    const __m512i low = _mm512_set1_epi8(15), bit4 = _mm512_set1_epi8(0x10);
+    __m512i pick[4];    /* 2j in word lanes 0-15, 2j + 1 in 16-31: which scale, and which bit of qh */
+    for (int j = 0; j < 4; j++)
+        pick[j] = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * j)), _mm256_set1_epi16((short)(2 * j + 1)), 1);
+    for (int b = 0; b < B; b++) acc[b] = _mm512_setzero_ps(), off[b] = _mm_setzero_ps();
+    for (int i = 0; i < nsb; i++) {
+        const uint8_t *blk = row + (size_t)i * 176, *q = blk + 48;
+        float d, dmin;
+        uint8_t sc8[8], m8[8];
+        k4_head(blk, &d, &dmin, sc8, m8);
+        const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc8)));
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)));
+        __m512i c[4], scale[4];
+        for (int j = 0; j < 4; j++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * j));
+            const __m512i h = _mm512_and_si512(_mm512_slli_epi16(_mm512_srlv_epi16(qh, pick[j]), 4), bit4);
+            c[j] = _mm512_or_si512(
+                _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), low), h);
             scale[j] = _mm512_permutexvar_epi16(pick[j], sc16);
         }
         const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)m8));
@@ -659,8 +749,8 @@ TM_INLINE int part_of(const chain *c, int row) {
     return p;
 }
 
-/* Q4_K and Q6_K parts in one parallel loop over all their rows: x's sums per group (and on the int8 route x's
- * rounding) made once for the chain */
+/* Q4_K and Q6_K parts (and Q5_K ones on the int8 route) in one parallel loop over all their rows: x's sums per
+ * group (and on the int8 route x's rounding) made once for the chain */
 static int gmatmul_kquant(const chain *c, const float *x, int B, float *y, size_t ystride, int int8_x,
                           int num_threads) {
     const int K = c->w[0]->k, nsb = K / QK_K, N = c->start[c->n];
@@ -684,6 +774,8 @@ static int gmatmul_kquant(const chain *c, const float *x, int B, float *y, size_
             const uint8_t *row = w->data + (size_t)(n - c->start[p]) * w->row_bytes;
             if (w->type == 12 && B == 1) q4k_row_i8(row, nsb, xr, K, 1, y + n, ystride);
             else if (w->type == 12) q4k_row_i8(row, nsb, xr, K, B, y + n, ystride);
+            else if (w->type == 13 && B == 1) q5k_row_i8(row, nsb, xr, K, 1, y + n, ystride);
+            else if (w->type == 13) q5k_row_i8(row, nsb, xr, K, B, y + n, ystride);
             else if (B == 1) q6k_row_i8(row, nsb, xr, K, 1, y + n, ystride);
             else q6k_row_i8(row, nsb, xr, K, B, y + n, ystride);
         }
@@ -759,6 +851,11 @@ static int gmatmul_part(const tm_gweight *w, const float *x, int B, float *y, si
     return 0;
 }
 
+/* the types gmatmul_kquant takes: Q5_K has its int8 kernel only */
+TM_INLINE int kquant_type(int type, int int8_x) {
+    return type == 12 || type == 14 || (type == 13 && int8_x && HAVE_INT8_X);
+}
+
 TM_API int tm_gmatmul(const tm_gmatmul_args *a) {
     const int B = a->rows;
     chain c = {.n = 0};
@@ -769,14 +866,14 @@ TM_API int tm_gmatmul(const tm_gmatmul_args *a) {
         c.w[c.n] = w;
         c.start[c.n + 1] = c.start[c.n] + w->n;
         c.n++;
-        kquant &= w->type == 12 || w->type == 14;
+        kquant &= kquant_type(w->type, a->int8_x);
     }
     if (c.n == 0 || B < 1 || B > TM_GMATMUL_MAX_ROWS) return -1;
     const size_t ystride = (size_t)c.start[c.n];
     if (kquant) return gmatmul_kquant(&c, a->x, B, a->y, ystride, a->int8_x, a->num_threads);
     for (int p = 0; p < c.n; p++) {
         const tm_gweight *w = c.w[p];
-        int rc = w->type == 12 || w->type == 14
+        int rc = kquant_type(w->type, a->int8_x)
                      ? gmatmul_kquant(&(chain){.w = {w}, .start = {0, w->n}, .n = 1}, a->x, B, a->y + c.start[p],
                                       ystride, a->int8_x, a->num_threads)
                      : gmatmul_part(w, a->x, B, a->y + c.start[p], ystride, a->num_threads);

@@ -39,8 +39,8 @@ class CpuKernelOps(ReferenceOps):
     def __init__(self, kernels: KernelLibrary, dtype: torch.dtype, int8_activations: bool = True):
         self.kernels = kernels
         self.dtype = dtype
-        # Q4_K/Q6_K decode multiplies x rounded to int8 per 256, as llama.cpp and vLLM's GGUF kernels do: twice
-        # the float route's speed, not float32-exact (False keeps x in float32)
+        # Q4_K/Q5_K/Q6_K decode multiplies x rounded to int8 per 256, as llama.cpp and vLLM's GGUF kernels do:
+        # several times the float route's speed, not float32-exact (False keeps x in float32)
         self.int8_activations = int8_activations
         self.name = f"cpu-{kernels.isa}"
         self.max_rows = kernels.limits["TM_QMATMUL_MAX_ROWS"]
