@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Random-weight Llama models of real shapes, quantised to Q4_K_M by llama.cpp's own quantiser.
+"""Random-weight Llama models of real shapes, quantised to Q4_K_M (or Q5_K_M) by llama.cpp's own quantiser.
 
   .venv/bin/python benchmarks/make_kquant_models.py --shape llama-3.2-1b [--shape llama-3.1-8b]
-        [--cache-dir DIR] [--keep-f16] [--llamacpp-venv DIR] [--threads N] [--plain-rope] [--no-check]
+        [--type Q4_K_M|Q5_K_M] [--cache-dir DIR] [--keep-f16] [--llamacpp-venv DIR] [--threads N] [--plain-rope]
+        [--no-check]
 
 Per shape, in <cache-dir>/<shape>/ (default cache dir ~/.cache/tokenmill/bench-models, outside the repo):
   1. config.json: a transformers LlamaConfig of the model's shape (Llama-3.2-1B or Llama-3.1-8B);
@@ -10,9 +11,9 @@ Per shape, in <cache-dir>/<shape>/ (default cache dir ~/.cache/tokenmill/bench-m
      tensor by tensor with gguf-py (one tensor in memory at a time: the 8B one is 16 GB on disk), under
      llama.cpp's tensor names and "llama" keys, with a byte-level BPE vocabulary of 128,256 tokens
      (tokenizer.ggml.model "gpt2", pre "llama-bpe") that any text tokenizes with;
-  3. <shape>-random-Q4_K_M.gguf: llama.cpp's llama_model_quantize (LLAMA_FTYPE_MOSTLY_Q4_K_M), run with the
+  3. <shape>-random-<type>.gguf: llama.cpp's llama_model_quantize (LLAMA_FTYPE_MOSTLY_<type>), run with the
      llama-cpp-python venv's python; the F16 file is deleted afterwards unless --keep-f16;
-  4. a check that llama.cpp loads the Q4_K_M file and evaluates a few tokens.
+  4. a check that llama.cpp loads the quantised file and evaluates a few tokens.
 A step whose output exists is skipped. Timings: 1B ~1 min to write, a few to quantise; 8B ~16 GB written and
 ~10-20 min of quantising on 2 cores.
 """
@@ -256,10 +257,10 @@ def write_f16_gguf(cfg, shape: str, out: Path) -> None:
 # ---- 4. llama.cpp's quantiser and a load check ---------------------------------------------------------------
 QUANTIZE = r"""
 import ctypes, sys, llama_cpp
-src, dst, nthread = sys.argv[1], sys.argv[2], int(sys.argv[3])
+src, dst, nthread, ftype = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 llama_cpp.llama_backend_init()
 p = llama_cpp.llama_model_quantize_default_params()
-p.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+p.ftype = getattr(llama_cpp, "LLAMA_FTYPE_MOSTLY_" + ftype)
 p.nthread = nthread
 rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(p))
 sys.exit(rc)
@@ -290,6 +291,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", action="append", choices=sorted(SHAPES), required=True,
                     help="model shape (repeatable)")
+    ap.add_argument("--type", default="Q4_K_M", choices=["Q4_K_M", "Q5_K_M"], help="llama.cpp's file type")
     ap.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
     ap.add_argument("--keep-f16", action="store_true", help="keep the F16 intermediate")
     ap.add_argument("--llamacpp-venv", type=Path, default=PEERS / "llamacpp",
@@ -309,7 +311,7 @@ def main() -> None:
         cfg_path = d / "config.json"
         cfg.to_json_file(str(cfg_path))
         f16 = d / f"{shape}-random-F16.gguf"
-        q4 = d / f"{shape}-random-Q4_K_M.gguf"
+        q4 = d / f"{shape}-random-{a.type}.gguf"
         timings: dict[str, float] = {}
         log(f"{shape}: {cfg_path}")
 
@@ -325,10 +327,10 @@ def main() -> None:
                 log(f"{shape}: wrote {f16} ({f16.stat().st_size / 2**30:.2f} GiB) in {timings['write_f16_s']:.0f} s")
             t = time.perf_counter()
             tmp = q4.with_suffix(".gguf.part")
-            log(f"{shape}: quantising to Q4_K_M with llama.cpp ({a.threads} threads)")
+            log(f"{shape}: quantising to {a.type} with llama.cpp ({a.threads} threads)")
             qlog = d / "quantize.log"
             with open(qlog, "w") as lf:     # written as it goes: `tail -f` it to follow the quantiser
-                res = subprocess.run([str(py), "-c", QUANTIZE, str(f16), str(tmp), str(a.threads)],
+                res = subprocess.run([str(py), "-c", QUANTIZE, str(f16), str(tmp), str(a.threads), a.type],
                                      stdout=lf, stderr=subprocess.STDOUT)
             if res.returncode != 0 or not tmp.exists():
                 sys.exit(f"llama_model_quantize failed ({res.returncode}); see {qlog}:\n"
@@ -348,8 +350,8 @@ def main() -> None:
                 sys.exit(f"llama.cpp could not load or run {q4}:\n{res.stderr[-3000:]}")
             timings["check_s"] = time.perf_counter() - t
             log(f"{shape}: llama.cpp loads it: {res.stdout.strip().splitlines()[-1]}")
-        summary = {"shape": shape, "config": str(cfg_path), "q4_k_m": str(q4),
-                   "q4_k_m_bytes": q4.stat().st_size, **{k: round(v, 1) for k, v in timings.items()}}
+        summary = {"shape": shape, "config": str(cfg_path), "type": a.type, "file": str(q4),
+                   "file_bytes": q4.stat().st_size, **{k: round(v, 1) for k, v in timings.items()}}
         print(json.dumps(summary), flush=True)
 
 
