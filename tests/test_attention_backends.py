@@ -6,6 +6,7 @@ from tests.tiny_models import random_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.executor.attention import AttentionMetadata, get_backend
 from tokenmill.executor.kernels import load, runnable_variants
+from tokenmill.executor.kv_cache import LayerKV, dequantize_int8, quantize_int8
 
 # the CPU kernel backend once per kernel variant this CPU runs, each against the torch reference
 CPU = [f"cpu-{isa}" for isa in runnable_variants()]
@@ -14,6 +15,18 @@ CPU = [f"cpu-{isa}" for isa in runnable_variants()]
 def _backend(name: str, H: int, KV: int, D: int):
     isa = name.split("-", 1)[1] if name.startswith("cpu-") else "reference"
     return get_backend(name.split("-")[0], torch.device("cpu"), H, KV, D, load(isa))
+
+
+def _cache(k: torch.Tensor, v: torch.Tensor, kv_dtype: torch.dtype) -> LayerKV:
+    """A LayerKV holding k and v [slots, KV, D] in kv_dtype (int8: quantised, with their scales)."""
+    if kv_dtype != torch.int8:
+        return LayerKV(k.to(kv_dtype).contiguous(), v.to(kv_dtype).contiguous())
+    (kq, ks), (vq, vs) = quantize_int8(k), quantize_int8(v)
+    return LayerKV(kq, vq, ks, vs)
+
+
+def _clone(c: LayerKV) -> LayerKV:
+    return LayerKV(*(None if t is None else t.clone() for t in (c.k, c.v, c.k_scale, c.v_scale)))
 
 
 def _meta(ctx_lens, q_lens, block_size, window, num_blocks, seed=0, shared_blocks=0):
@@ -75,29 +88,54 @@ def test_cpu_kernels_take_the_shapes_of_their_limits(backend, case, shape):
     _compare_with_reference(backend, None, torch.float32, case, *shape)
 
 
-# kv_cache_dtype="bfloat16" under a float32 model: q float32, the cache bfloat16; every backend reads the same
-# rounded K/V, so they agree as closely as float32 caches do
+# kv_cache_dtype="bfloat16" or "int8" under a float32 model: q float32, the cache rounded or quantised; every
+# backend reads the same K/V (the reference dequantises the rows it gathers, the kernels a chunk at a time in L1),
+# so they agree as closely as float32 caches do
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("shape", [(6, 2, 32), (9, 3, 64)])
 @pytest.mark.parametrize("backend", ["batched", *CPU])
-def test_bfloat16_kv_cache_matches_reference(backend, shape, window, case):
-    _compare_with_reference(backend, window, torch.float32, case, *shape, kv_dtype=torch.bfloat16)
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8])
+def test_rounded_kv_cache_matches_reference(kv_dtype, backend, shape, window, case):
+    _compare_with_reference(backend, window, torch.float32, case, *shape, kv_dtype=kv_dtype)
+
+
+@pytest.mark.parametrize("backend", ["batched", *CPU])
+def test_int8_cache_attends_the_dequantised_values(backend):
+    """An int8 cache's attention equals float32 attention over its dequantised K/V, to float32 rounding."""
+    H, KV, D, bs, nblocks = 6, 2, 32, 4, 300
+    ctx, qn, _ = CASES["mixed"]
+    torch.manual_seed(3)
+    k, v = torch.randn(nblocks * bs, KV, D), torch.randn(nblocks * bs, KV, D)
+    quant = _cache(k, v, torch.int8)
+    deq = LayerKV(dequantize_int8(quant.k, quant.k_scale), dequantize_int8(quant.v, quant.v_scale))
+    q = torch.randn(sum(qn), H, D)
+    kn, vn = torch.randn(sum(qn), KV, D), torch.randn(sum(qn), KV, D)
+    # the step's own K/V, as the int8 cache will hold them, so the float32 run reads the same values
+    (kq, ks), (vq, vs) = quantize_int8(kn), quantize_int8(vn)
+    kd, vd = dequantize_int8(kq, ks), dequantize_int8(vq, vs)
+    got_be, want_be = _backend(backend if backend == "batched" else backend, H, KV, D), _backend("torch", H, KV, D)
+    got_be.bind_kv_cache([quant])
+    want_be.bind_kv_cache([deq])
+    got = got_be.forward(0, q, kn, vn, got_be.prepare(_meta(ctx, qn, bs, None, nblocks)), D ** -0.5)
+    want = want_be.forward(0, q, kd, vd, want_be.prepare(_meta(ctx, qn, bs, None, nblocks)), D ** -0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got, want_be.forward(0, q, kn, vn, want_be.prepare(_meta(ctx, qn, bs, None, nblocks)),
+                                                   D ** -0.5), atol=1e-4, rtol=0)   # the rounding is really there
 
 
 def _compare_with_reference(backend, window, dtype, case, H, KV, D, kv_dtype=None):
     bs, nblocks = 4, 300
     ctx, qn, shared = CASES[case]
     torch.manual_seed(0)
-    k_cache = torch.randn(nblocks * bs, KV, D).to(kv_dtype or dtype)
-    v_cache = torch.randn(nblocks * bs, KV, D).to(kv_dtype or dtype)
+    cache = _cache(torch.randn(nblocks * bs, KV, D), torch.randn(nblocks * bs, KV, D), kv_dtype or dtype)
     T = sum(qn)
     q = torch.randn(T, H + 2, D).to(dtype)[:, 1:H + 1]          # rows strided, as a view of qkv is
     k, v = torch.randn(T, KV, D).to(dtype), torch.randn(T, KV, D).to(dtype)
     outs = {}
     for name in ("torch", backend):
         be = _backend(name, H, KV, D)
-        be.bind_kv_cache([(k_cache.clone(), v_cache.clone())])
+        be.bind_kv_cache([_clone(cache)])
         meta = be.prepare(_meta(ctx, qn, bs, window, nblocks, shared_blocks=shared))
         outs[name] = be.forward(0, q, k, v, meta, D ** -0.5).float()
         if name.startswith("cpu"):
@@ -107,7 +145,7 @@ def _compare_with_reference(backend, window, dtype, case, H, KV, D, kv_dtype=Non
     torch.testing.assert_close(outs[backend], outs["torch"], atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "int8"])
 def test_cpu_backend_token_exact(tiny_llama, kv_cache_dtype):
     prompts = random_prompts([5, 33, 70, 12, 1, 48], seed=11)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -120,7 +158,7 @@ def test_cpu_backend_token_exact(tiny_llama, kv_cache_dtype):
     assert res["cpu"] == res["torch"]
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("ctx", [[45], [1, 9, 37, 64, 17, 50]])
 @pytest.mark.parametrize("isa", runnable_variants())
 def test_decode_attention_kernel_matches_rotary_then_reference(isa, ctx, kv_dtype):
@@ -132,10 +170,10 @@ def test_decode_attention_kernel_matches_rotary_then_reference(isa, ctx, kv_dtyp
     T = len(ctx)
     qkv = torch.randn(T, (H + 2 * KV) * D)
     cos, sin = torch.randn(T, 1, D), torch.randn(T, 1, D)
-    caches = torch.randn(nblocks * bs, KV, D).to(kv_dtype), torch.randn(nblocks * bs, KV, D).to(kv_dtype)
+    cache = _cache(torch.randn(nblocks * bs, KV, D), torch.randn(nblocks * bs, KV, D), kv_dtype)
     be = _backend(f"cpu-{isa}", H, KV, D)
-    k_c, v_c = caches[0].clone(), caches[1].clone()
-    be.bind_kv_cache([(k_c, v_c)])
+    got_cache = _clone(cache)
+    be.bind_kv_cache([got_cache])
     meta = be.prepare(_meta(ctx, [1] * T, bs, None, nblocks))
     meta.decode_step.cos, meta.decode_step.sin = cos.data_ptr(), sin.data_ptr()
     got = torch.empty(T, H, D)
@@ -144,13 +182,36 @@ def test_decode_attention_kernel_matches_rotary_then_reference(isa, ctx, kv_dtyp
     qk = apply_rotary(qkv[:, :(H + KV) * D].view(T, H + KV, D), cos, sin)
     v = qkv[:, (H + KV) * D:].view(T, KV, D)
     ref = _backend("torch", H, KV, D)
-    k_r, v_r = caches[0].clone(), caches[1].clone()
-    ref.bind_kv_cache([(k_r, v_r)])
+    want_cache = _clone(cache)
+    ref.bind_kv_cache([want_cache])
     want = ref.forward(0, qk[:, :H], qk[:, H:], v, ref.prepare(_meta(ctx, [1] * T, bs, None, nblocks)), D ** -0.5)
-    # a bfloat16 cache: C and torch rotate k with float32 rounding differences, which can round an element to a
-    # neighbouring bfloat16 (one step is 2^-8 relative)
+    # a bfloat16 or int8 cache: C and torch rotate k with float32 rounding differences, which can round an element
+    # to a neighbouring bfloat16 (one step is 2^-8 relative) or int8 code (one step is the row's scale)
     close = dict(atol=1e-5, rtol=1e-5) if kv_dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(got, want, **close)
-    torch.testing.assert_close(k_c, k_r, **(dict(atol=1e-6, rtol=1e-6) if kv_dtype == torch.float32
-                                            else dict(atol=0, rtol=2 ** -8)))
-    assert torch.equal(v_c, v_r)
+    kg, vg = got_cache.read(torch.arange(nblocks * bs), torch.float32)
+    kw, vw = want_cache.read(torch.arange(nblocks * bs), torch.float32)
+    if kv_dtype == torch.int8:
+        step = got_cache.k_scale[..., None] * 1.001
+        assert ((kg - kw).abs() <= step).all()
+    else:
+        torch.testing.assert_close(kg, kw, **(dict(atol=1e-6, rtol=1e-6) if kv_dtype == torch.float32
+                                              else dict(atol=0, rtol=2 ** -8)))
+    assert torch.equal(vg, vw)          # v is not rotated: the same bytes, written by C and by torch
+
+
+def test_int8_cache_holds_about_four_times_the_tokens(tiny_llama):
+    """The engine sizes the cache from the budget in the dtype's bytes per token, scales included, as kv-calc
+    counts them: int8 is D + 4 bytes a token's head against float32's 4 D (3.8x at head_dim 64; this tiny model's
+    head_dim is smaller, so less)."""
+    from tokenmill.bench.kvcalc import kv_calc
+    blocks = {}
+    for dt in ("float32", "int8"):
+        llm = LLM(tiny_llama[0], dtype="float32", kv_cache_memory_gb=0.02, kv_cache_dtype=dt)
+        eng = llm.llm_engine
+        blocks[dt] = eng.stats.kv_blocks_total
+        per_block = eng.runner.kv_bytes_per_block(eng.config)
+        assert per_block == kv_calc(eng.model_config, 64, {"float32": "fp32"}.get(dt, dt))["bytes_per_token"] * 16
+    D = LLM(tiny_llama[0], dtype="float32", kv_cache_memory_gb=0.02).llm_engine.model_config.head_dim
+    want = 4 * D / (D + 4)
+    assert abs(blocks["int8"] / blocks["float32"] - want) < 0.05 * want

@@ -50,7 +50,7 @@ def test_kv_budget_too_small(tiny_llama):
 
 
 def test_unknown_kv_cache_dtype(tiny_llama):
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, float32; got 'fp8'"):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, float32, int8; got 'fp8'"):
         LLM(tiny_llama[0], dtype="float32", kv_cache_memory_gb=0.01, kv_cache_dtype="fp8")
 
 

@@ -88,7 +88,7 @@ class ModelConfig:
         return self.num_hidden_layers
 
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8")
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # vLLM's kv_cache_dtype: "auto" stores K/V in the model's dtype (token-exact with the float32 reference);
     # "bfloat16" halves the cache's bytes (twice the tokens in the same memory, half the bytes decode reads),
-    # K/V rounded to bfloat16 while the math stays float32
+    # K/V rounded to bfloat16 while the math stays float32; "int8" stores int8 codes with a float32 scale per
+    # token per kv head (a quarter of float32's bytes plus the scales)
     cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
@@ -145,6 +146,8 @@ class EngineConfig:
     def kv_cache_dtype(self) -> torch.dtype:
         """The KV cache's element type (cache_config.cache_dtype; "auto": the model's dtype)."""
         cache_dtype = self.cache_config.cache_dtype
+        if cache_dtype == "int8":
+            return torch.int8
         return self.dtype if cache_dtype == "auto" else _DTYPES[cache_dtype]
 
 

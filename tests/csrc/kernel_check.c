@@ -668,7 +668,8 @@ static context make_context(int B, const int *lens, const int *starts, int KV, i
     c.num_slots = (int64_t)blocks * bs;
     const size_t n = (size_t)c.num_slots * KV * D;
     c.kv = (tm_kv_cache){.k = random_values(n, bf16, -1.f, 1.f), .v = random_values(n, bf16, -1.f, 1.f),
-                         .num_slots = c.num_slots, .kv_heads = KV, .head_dim = D, .bf16 = bf16};
+                         .num_slots = c.num_slots, .kv_heads = KV, .head_dim = D,
+                         .format = bf16 ? TM_KV_BF16 : TM_KV_F32};
     return c;
 }
 

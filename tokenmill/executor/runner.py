@@ -11,6 +11,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.scheduler import SchedulerOutput
 from tokenmill.executor.memory import advise_huge_pages, faulting_in, keep_freed_memory
 from tokenmill.executor.attention import AttentionMetadata, get_backend
+from tokenmill.executor.kv_cache import LayerKV
 from tokenmill.executor.models.decoder import DecoderForCausalLM
 from tokenmill.executor.sampler import Sampler, SamplingInput, compute_prompt_logprobs
 from tokenmill.outputs import Logprob
@@ -32,17 +33,16 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.backend = get_backend(config.attention_backend, self.device, mc.num_attention_heads,
                                    mc.num_key_value_heads, mc.head_dim, model.ops.kernels)
-        # one K and one V tensor per layer: [num_blocks * block_size, kv_heads, head_dim] (flat slots).
-        # torch.empty: start-up does not wait for the whole budget to be touched (faulting_in_kv_cache touches what
-        # it can on an idle core while the engine loads the tokenizer);
+        # one LayerKV per layer: K and V [num_blocks * block_size, kv_heads, head_dim] (flat slots), int8's scales.
+        # Untouched memory: start-up does not wait for the whole budget to be touched (faulting_in_kv_cache touches
+        # what it can on an idle core while the engine loads the tokenizer);
         # attention reads only slots that this or an earlier step wrote (padding repeats a real slot)
-        shape = (num_blocks * self.block_size, mc.num_key_value_heads, mc.head_dim)
-        self.kv_caches = [(torch.empty(shape, dtype=config.kv_cache_dtype, device=self.device),
-                           torch.empty(shape, dtype=config.kv_cache_dtype, device=self.device))
+        self.kv_caches = [LayerKV.allocate(num_blocks * self.block_size, mc.num_key_value_heads, mc.head_dim,
+                                           config.kv_cache_dtype, self.device)
                           for _ in range(mc.num_hidden_layers)]
-        for k, v in self.kv_caches:
-            advise_huge_pages(k)
-            advise_huge_pages(v)
+        for kv in self.kv_caches:
+            for t in kv.tensors():
+                advise_huge_pages(t)
         if self.device.type == "cpu":
             keep_freed_memory()
         self.backend.bind_kv_cache(self.kv_caches)
@@ -52,13 +52,13 @@ class ModelRunner:
         """A context during which the KV cache's pages are faulted in on a background thread, the first blocks of
         every layer first (blocks are handed out from the lowest id up): for start-up work that leaves a core
         idle, before any step has used the cache. A no-op off CPU, or without the kernel library."""
-        return faulting_in(self.model.ops.kernels, [t for kv in self.kv_caches for t in kv])
+        return faulting_in(self.model.ops.kernels, [t for kv in self.kv_caches for t in (kv.k, kv.v)])
 
     @staticmethod
     def kv_bytes_per_block(config: EngineConfig) -> int:
         mc = config.model_config
-        elem = torch.tensor([], dtype=config.kv_cache_dtype).element_size()
-        return 2 * mc.num_hidden_layers * config.cache_config.block_size * mc.num_key_value_heads * mc.head_dim * elem
+        per_slot = LayerKV.bytes_per_slot(mc.num_key_value_heads, mc.head_dim, config.kv_cache_dtype)
+        return mc.num_hidden_layers * config.cache_config.block_size * per_slot
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> RunnerOutput:

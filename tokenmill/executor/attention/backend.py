@@ -1,8 +1,9 @@
 """Paged attention over the flattened batch.
 
-The KV cache of one layer is a pair of tensors [num_blocks * block_size, num_kv_heads, head_dim] (a flat view of
-[num_blocks, block_size, ...]): a token's slot is block_id * block_size + offset. Every step first writes the new
-tokens' K/V into their slots, then each request attends over its context gathered from its block table.
+The KV cache of one layer is a LayerKV: K and V [num_blocks * block_size, num_kv_heads, head_dim] (a flat view of
+[num_blocks, block_size, ...]) in the cache's dtype: a token's slot is block_id * block_size + offset. Every step
+first writes the new tokens' K/V into their slots, then each request attends over its context gathered from its
+block table.
 
 Backends share that contract: `TorchReferenceBackend` loops over requests with an explicit mask (the oracle),
 `BatchedBackend` attends all decoding requests in one padded call and prefills fresh prompts with causal SDPA;
@@ -16,6 +17,7 @@ from typing import Optional, TypeVar
 import torch
 import torch.nn.functional as F
 
+from tokenmill.executor.kv_cache import LayerKV
 
 
 @dataclass
@@ -79,10 +81,10 @@ class AttentionBackend:
     name = "base"
 
     def __init__(self) -> None:
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_caches: list[LayerKV] = []
 
-    def bind_kv_cache(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """One (K, V) pair per layer, each [slots, KV, D] (a flat view of [num_blocks, block_size, KV, D])."""
+    def bind_kv_cache(self, caches: list[LayerKV]) -> None:
+        """One LayerKV per layer, K and V [slots, KV, D] (a flat view of [num_blocks, block_size, KV, D])."""
         self.kv_caches = caches
 
     def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
@@ -92,20 +94,19 @@ class AttentionBackend:
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KV, D], written into the layer's cache first. Returns [T, H, D]."""
-        k_cache, v_cache = self.kv_caches[layer]
-        k_cache[meta.slot_mapping] = k.to(k_cache.dtype)     # kv_cache_dtype may differ from the model's
-        v_cache[meta.slot_mapping] = v.to(v_cache.dtype)
-        return self._attend(q, k, v, k_cache, v_cache, meta, scale)
+        cache = self.kv_caches[layer]
+        cache.write(meta.slot_mapping, k, v)     # kv_cache_dtype may differ from the model's
+        return self._attend(q, k, v, cache, meta, scale)
 
-    def _attend(self, q, k, v, k_cache, v_cache, meta, scale) -> torch.Tensor:
+    def _attend(self, q, k, v, cache: LayerKV, meta, scale) -> torch.Tensor:
         raise NotImplementedError
 
-    def _one_request(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     meta: AttentionMetadata, i: int, scale: float) -> torch.Tensor:
+    def _one_request(self, q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, i: int,
+                     scale: float) -> torch.Tensor:
         """Attention of request i's query rows q [Q, H, D] over its cached context. Returns [Q, H, D]."""
         start = _window_start(meta, i)
-        slots = _context_slots(meta, i, start).to(k_cache.device)
-        keys, vals = k_cache[slots].to(q.dtype), v_cache[slots].to(q.dtype)     # [K, KV, D]
+        slots = _context_slots(meta, i, start).to(cache.k.device)
+        keys, vals = cache.read(slots, q.dtype)     # [K, KV, D]
         q_pos = torch.arange(meta.num_computed[i], meta.seq_lens[i])
         k_pos = torch.arange(start, meta.seq_lens[i])
         mask = _mask(q_pos, k_pos, meta.sliding_window).to(q.device)
@@ -119,11 +120,11 @@ class TorchReferenceBackend(AttentionBackend):
     """The oracle: one masked SDPA per request, over keys read back from the paged cache."""
     name = "torch"
 
-    def _attend(self, q, k, v, k_cache, v_cache, meta, scale):
+    def _attend(self, q, k, v, cache, meta, scale):
         out = torch.empty_like(q)
         for i in range(meta.num_reqs):
             a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            out[a:b] = self._one_request(q[a:b], k_cache, v_cache, meta, i, scale)
+            out[a:b] = self._one_request(q[a:b], cache, meta, i, scale)
         return out
 
 
@@ -164,24 +165,24 @@ class BatchedBackend(AttentionBackend):
         out.decode_mask = valid[:, None, None, :].to(meta.device)
         return out
 
-    def _attend(self, q, k, v, k_cache, v_cache, meta, scale):
+    def _attend(self, q, k, v, cache, meta, scale):
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
             rows = meta.decode_rows
-            keys = k_cache[meta.decode_slots].to(q.dtype).transpose(1, 2)     # [Bd, KV, L, D]
-            vals = v_cache[meta.decode_slots].to(q.dtype).transpose(1, 2)
+            keys, vals = cache.read(meta.decode_slots, q.dtype)
+            keys, vals = keys.transpose(1, 2), vals.transpose(1, 2)          # [Bd, KV, L, D]
             qd = q[rows][:, :, None, :]                                 # [Bd, H, 1, D]
             o = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=meta.decode_mask, scale=scale,
                                                enable_gqa=True)
             out[rows] = o[:, :, 0, :]
-        self._prefill(q, k, v, k_cache, v_cache, meta, scale, out)
+        self._prefill(q, k, v, cache, meta, scale, out)
         return out
 
-    def _prefill(self, q, k, v, k_cache, v_cache, meta, scale, out) -> None:
+    def _prefill(self, q, k, v, cache, meta, scale, out) -> None:
         for i in meta.prefill_reqs or ():
             a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             fresh = meta.num_computed[i] == 0 and (meta.sliding_window is None or b - a <= meta.sliding_window) \
-                and k_cache.dtype == k.dtype
+                and cache.dtype == k.dtype
             if fresh:  # the whole context is this step's tokens: no need to read the cache back (unless the cache
                 # rounds them: then every query sees the K/V that later decode steps will see)
                 o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
@@ -189,4 +190,4 @@ class BatchedBackend(AttentionBackend):
                                                    enable_gqa=True)
                 out[a:b] = o.transpose(0, 1)
             else:
-                out[a:b] = self._one_request(q[a:b], k_cache, v_cache, meta, i, scale)
+                out[a:b] = self._one_request(q[a:b], cache, meta, i, scale)

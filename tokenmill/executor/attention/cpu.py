@@ -15,8 +15,9 @@ import torch
 
 from tokenmill.executor.attention.backend import AttentionBackend, AttentionMetadata, _window_start, extend
 from tokenmill.executor.kernels import KernelLibrary
+from tokenmill.executor.kv_cache import LayerKV
 
-_KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_Q_DTYPES = {torch.float32: 0, torch.bfloat16: 1}     # q_bf16
 
 
 def kernel_fits(kernels: KernelLibrary, num_heads: int, num_kv_heads: int, head_dim: int) -> Optional[str]:
@@ -60,14 +61,15 @@ class CpuKernelBackend(AttentionBackend):
         self.kernels = kernels
         self.kv: list[ctypes.Structure] = []
 
-    def bind_kv_cache(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def bind_kv_cache(self, caches: list[LayerKV]) -> None:
         super().bind_kv_cache(caches)
         self.kv = []
-        for k, v in caches:
-            if k.dtype not in _KV_DTYPES or v.dtype != k.dtype or not (k.is_contiguous() and v.is_contiguous()):
-                raise ValueError(f"the CPU attention kernels take a float32 or bfloat16 KV cache, not {k.dtype}")
-            self.kv.append(self.kernels.struct("kv_cache", k=k, v=v, num_slots=k.shape[0], kv_heads=k.shape[1],
-                                               head_dim=k.shape[2], bf16=_KV_DTYPES[k.dtype]))
+        for c in caches:
+            if not all(t.is_contiguous() and t.device.type == "cpu" for t in c.tensors()):
+                raise ValueError("the CPU attention kernels take a contiguous KV cache in CPU memory")
+            self.kv.append(self.kernels.struct("kv_cache", k=c.k, v=c.v, k_scale=c.k_scale, v_scale=c.v_scale,
+                                               num_slots=c.k.shape[0], kv_heads=c.k.shape[1],
+                                               head_dim=c.k.shape[2], format=c.format))
 
     def prepare(self, meta: AttentionMetadata) -> CpuAttentionMetadata:
         decode, prefill = meta.split()
@@ -128,9 +130,7 @@ class CpuKernelBackend(AttentionBackend):
             self.kernels.run("write_kv", kv=meta.kv[layer], k=k, v=v, src_stride=k.stride(0),
                              slots=meta.slot_mapping, rows=k.shape[0])
             return
-        k_cache, v_cache = self.kv_caches[layer]
-        k_cache[meta.slot_mapping] = k.to(k_cache.dtype)
-        v_cache[meta.slot_mapping] = v.to(v_cache.dtype)
+        self.kv_caches[layer].write(meta.slot_mapping, k, v)
 
     def _decode(self, layer: int, q: torch.Tensor, meta: CpuAttentionMetadata, scale: float) -> torch.Tensor:
         """The decoding requests' rows q [Bd, H, D] through the kernel."""
@@ -142,9 +142,9 @@ class CpuKernelBackend(AttentionBackend):
 
 
 def _bf16(q: torch.Tensor) -> int:
-    if q.dtype not in _KV_DTYPES:
+    if q.dtype not in _Q_DTYPES:
         raise ValueError(f"the CPU attention kernels take float32 or bfloat16 queries, not {q.dtype}")
-    return _KV_DTYPES[q.dtype]
+    return _Q_DTYPES[q.dtype]
 
 
 def _rows_dense(q: torch.Tensor) -> torch.Tensor:

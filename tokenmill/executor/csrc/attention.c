@@ -7,8 +7,9 @@
  *                     hit, a later chunk of a chunked prefill), causal;
  *   tm_write_kv       the step's K/V into their slots;
  *   tm_decode_attention  rotary + KV write + paged decode of fused qkv rows, for the one-call decode layer.
- * Math in float32 whatever the storage types: q and out float32 or bfloat16 (q_bf16), the cache float32 or
- * bfloat16 (kv_bf16, kv_cache_dtype="bfloat16" under a float32 model). With AVX-512 and D a multiple of 16,
+ * Math in float32 whatever the storage types: q and out float32 or bfloat16 (q_bf16), the cache float32,
+ * bfloat16 or int8 with a scale per token and kv head (tm_kv_cache.format, kv_cache_dtype). With AVX-512, D a
+ * multiple of 16 and a float cache,
  * paged_decode runs its items through decode_fast (arch/avx512/attention_fast.c) instead: a request's own positions (one query token per
  * head: little arithmetic per byte, where decode_fast's two passes spend about half of attend_rows'
  * instructions) and the cascade's shared prefix (a tile's 48 rows, without per-chunk rescaling); so does
@@ -131,20 +132,29 @@ static int fold(float *s, int n, int lo, int hi, float *m, float *l, float *acc,
 }
 
 /* Pointers to the K and V rows of kv head h at the chunk's slots (n8 of them, padded slots repeat a real one);
- * bfloat16 rows are converted into kbuf/vbuf. */
+ * bfloat16 and int8 rows are converted into kbuf/vbuf (a chunk's rows, L1-resident: no float copy of the cache). */
 static void chunk_rows(const ctx_t *c, const size_t *slot, int n8, int h, const float **kr, const float **vr,
                        float (*kbuf)[MAX_D], float (*vbuf)[MAX_D]) {
     const int D = c->D;
     for (int j = 0; j < n8; j++) {
-        const size_t idx = (slot[j] * c->KV + h) * D;
-        if (!c->bf16) {
+        const size_t row = slot[j] * c->KV + h, idx = row * D;
+        if (c->fmt == TM_KV_F32) {
             kr[j] = (const float *)c->k + idx;
             vr[j] = (const float *)c->v + idx;
             continue;
         }
-        for (int d = 0; d < D; d++) {
-            kbuf[j][d] = bf16_to_f32(((const uint16_t *)c->k)[idx + d]);
-            vbuf[j][d] = bf16_to_f32(((const uint16_t *)c->v)[idx + d]);
+        if (c->fmt == TM_KV_BF16) {
+            for (int d = 0; d < D; d++) {
+                kbuf[j][d] = bf16_to_f32(((const uint16_t *)c->k)[idx + d]);
+                vbuf[j][d] = bf16_to_f32(((const uint16_t *)c->v)[idx + d]);
+            }
+        } else {
+            const int8_t *kq = (const int8_t *)c->k + idx, *vq = (const int8_t *)c->v + idx;
+            const float ks = c->ks[row], vs = c->vs[row];
+            for (int d = 0; d < D; d++) {
+                kbuf[j][d] = (float)kq[d] * ks;
+                vbuf[j][d] = (float)vq[d] * vs;
+            }
         }
         kr[j] = kbuf[j];
         vr[j] = vbuf[j];
@@ -156,7 +166,7 @@ static void chunk_rows(const ctx_t *c, const size_t *slot, int n8, int h, const 
  * this a core waits on DRAM latency (it read K/V at ~6 GB/s). Forced inline, as every prefetch helper here:
  * GCC deletes a call to a function that only prefetches, as having no effect (see prefetch_v). */
 static inline __attribute__((always_inline)) void prefetch_rows(const ctx_t *c, int p, int n, int h0, int NH) {
-    const size_t es = c->bf16 ? 2 : 4, bytes = (size_t)NH * c->D * es;
+    const size_t es = kv_elem_bytes(c->fmt), bytes = (size_t)NH * c->D * es;
     for (int j = 0; j < n; j++) {
         const size_t off = (slot_of(c, p + j) * c->KV + h0) * c->D * es;
         for (size_t b = 0; b < bytes; b += 64) {
@@ -343,12 +353,13 @@ static void combine(void *out, int bf16, size_t orow, int D, int parts, int step
     store_row(out, bf16, orow, o, 1.f / total, D);
 }
 
-static int paged_decode(const void *q, int q_stride, const void *k, const void *v, void *out, int q_bf16, int kv_bf16,
+static int paged_decode(const void *q, int q_stride, const tm_kv_cache *kv, void *out, int q_bf16,
                  const int32_t *tables, int max_blocks, const int32_t *starts, const int32_t *lens, int shared_len,
-                 int B, int H, int KV, int D, int block_size, float scale, int max_len, int num_threads) {
+                 int B, int H, int block_size, float scale, int max_len, int num_threads) {
     /* shared_len > 0 (cascade): positions 0 .. shared_len-1 sit in the same blocks for every request (the
      * caller checked the tables and that no request starts later than 0); they are attended once per tile of
      * requests, and each request's items cover only shared_len .. len-1. */
+    const int KV = kv->kv_heads, D = kv->head_dim;
     if (!shapes_ok(H, KV, D, block_size)) return -1;
     const int G = H / KV;
     const int bs_shift = __builtin_ctz(block_size), bs_mask = block_size - 1;
@@ -361,7 +372,7 @@ static int paged_decode(const void *q, int q_stride, const void *k, const void *
     const int own = max_len - shared_len;       /* the longest per-request range */
     int parts = units < 2 * num_threads ? (2 * num_threads + units - 1) / units : 1;
     if (parts > own / 64) parts = own / 64 > 1 ? own / 64 : 1;
-    const int fast = HAVE_FAST && D % 16 == 0;
+    const int fast = HAVE_FAST && D % 16 == 0 && kv->format != TM_KV_INT8;
 #if HAVE_FAST
     if (fast && parts < (own + FAST_N - 1) / FAST_N) parts = (own + FAST_N - 1) / FAST_N;
 #endif
@@ -387,7 +398,7 @@ static int paged_decode(const void *q, int q_stride, const void *k, const void *
             for (int item = 0; item < KV * tiles; item++) {
                 if (!ok) continue;
                 const int h = item % KV, b0 = (item / KV) * tile, nb = B - b0 < tile ? B - b0 : tile;
-                const ctx_t c = {k, v, kv_bf16, KV, D, bs_shift, bs_mask, tables};   /* request 0's table */
+                const ctx_t c = ctx_of(kv, bs_shift, bs_mask, tables);   /* request 0's table */
                 for (int i = 0; i < nb; i++)
                     for (int g = 0; g < G; g++)
                         load_q(s.qs[i * G + g], (const char *)q + (size_t)(b0 + i) * q_stride * es, q_bf16,
@@ -415,7 +426,7 @@ static int paged_decode(const void *q, int q_stride, const void *k, const void *
                     for (int r = 0; r < rows; r++) sum[at + r] = 0.f;
                     continue;
                 }
-                const ctx_t c = {k, v, kv_bf16, KV, D, bs_shift, bs_mask, tables + (size_t)b * max_blocks};
+                const ctx_t c = ctx_of(kv, bs_shift, bs_mask, tables + (size_t)b * max_blocks);
                 const void *qb = (const char *)q + (size_t)b * q_stride * es;
                 for (int r = 0; r < rows; r++) {
                     load_q(s.qs[r], qb, q_bf16, (size_t)h0 * G + r, D, scale);
@@ -459,10 +470,11 @@ static int paged_decode(const void *q, int q_stride, const void *k, const void *
  * request i's tokens are rows row0[i] .. row0[i]+count[i]-1 of q and out, at positions
  * computed[i] .. computed[i]+count[i]-1, each attending causally (and within `window` positions when
  * window > 0). Items are (request, kv head, tile of tokens), so each K/V chunk is loaded once per tile. */
-static int paged_prefill(const void *q, int q_stride, const void *k, const void *v, void *out, int q_bf16, int kv_bf16,
+static int paged_prefill(const void *q, int q_stride, const tm_kv_cache *kv, void *out, int q_bf16,
                   const int32_t *tables, int max_blocks, const int32_t *row0, const int32_t *count,
-                  const int32_t *computed, int R, int H, int KV, int D, int block_size, int window, float scale,
+                  const int32_t *computed, int R, int H, int block_size, int window, float scale,
                   int num_threads) {
+    const int KV = kv->kv_heads, D = kv->head_dim;
     if (!shapes_ok(H, KV, D, block_size)) return -1;
     const int G = H / KV;
     const int bs_shift = __builtin_ctz(block_size), bs_mask = block_size - 1;
@@ -473,7 +485,7 @@ static int paged_prefill(const void *q, int q_stride, const void *k, const void 
     first_item[0] = 0;
     for (int i = 0; i < R; i++) first_item[i + 1] = first_item[i] + KV * ((count[i] + tok - 1) / tok);
     int status = 0;
-    const int fast = HAVE_FAST && D % 16 == 0;
+    const int fast = HAVE_FAST && D % 16 == 0 && kv->format != TM_KV_INT8;
 #pragma omp parallel num_threads(num_threads)
     {
         scratch_t s;
@@ -487,7 +499,7 @@ static int paged_prefill(const void *q, int q_stride, const void *k, const void 
             while (first_item[i] > item) i--;
             const int local = item - first_item[i], h = local % KV, t0 = (local / KV) * tok;
             const int nt = count[i] - t0 < tok ? count[i] - t0 : tok;
-            const ctx_t c = {k, v, kv_bf16, KV, D, bs_shift, bs_mask, tables + (size_t)i * max_blocks};
+            const ctx_t c = ctx_of(kv, bs_shift, bs_mask, tables + (size_t)i * max_blocks);
             int p0 = 1 << 30, p1 = 0;
             for (int t = 0; t < nt; t++) {
                 const int pos = computed[i] + t0 + t;
@@ -519,74 +531,91 @@ static int paged_prefill(const void *q, int q_stride, const void *k, const void 
 void rotary(float *x, const float *cos, const float *sin, int rows, int heads, int dim, int row_stride,
             int num_threads);
 
-/* k_cache[slots[t]] = k[t] and v_cache[slots[t]] = v[t] for t < rows: width (KV * D) float32 values per row,
- * source rows src_stride apart (views into fused qkv); stored as float32, or rounded to bfloat16 (to nearest
- * even, as torch converts) when kv_bf16. Returns -3, writing nothing, for a slot outside the cache. */
-static int write_kv(const float *k, const float *v, int src_stride, void *k_cache, void *v_cache, int kv_bf16,
-             const int64_t *slots, int rows, int width, int64_t num_slots) {
+/* One row of width values into an int8 cache row: scale = max |x| * (1 / 127), code = round(x * (1 / scale)), half
+ * to even; the same float32 operations as tokenmill's torch path, so both write the same bytes (a multiply, not a
+ * division by 127: -ffast-math would turn that into this multiply anyway). */
+static void quantize_row_i8(const float *x, int8_t *q, float *scale, int width) {
+    float amax = 0.f;
+    for (int i = 0; i < width; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    const float d = amax * (1.f / 127.f), inv = d != 0.f ? 1.f / d : 0.f;
+    *scale = d;
+    for (int i = 0; i < width; i++) q[i] = (int8_t)lrintf(x[i] * inv);
+}
+
+/* k_cache[slots[t]] = k[t] and v_cache[slots[t]] = v[t] for t < rows: KV * D float32 values per row, source rows
+ * src_stride apart (views into fused qkv); stored in the cache's format (bfloat16 rounded to nearest even, as
+ * torch converts; int8 a kv head at a time). Returns -3, writing nothing, for a slot outside the cache. */
+static int write_kv(const float *k, const float *v, int src_stride, const tm_kv_cache *kv, const int64_t *slots,
+                    int rows) {
+    const int KV = kv->kv_heads, D = kv->head_dim, width = KV * D;
     for (int t = 0; t < rows; t++)
-        if (slots[t] < 0 || slots[t] >= num_slots) return -3;
+        if (slots[t] < 0 || slots[t] >= kv->num_slots) return -3;
     for (int t = 0; t < rows; t++) {
         const float *ks = k + (size_t)t * src_stride, *vs = v + (size_t)t * src_stride;
         const size_t at = (size_t)slots[t] * width;
-        if (!kv_bf16) {
-            memcpy((float *)k_cache + at, ks, sizeof(float) * width);
-            memcpy((float *)v_cache + at, vs, sizeof(float) * width);
-            continue;
-        }
-        for (int i = 0; i < width; i++) {
-            ((uint16_t *)k_cache)[at + i] = f32_to_bf16(ks[i]);
-            ((uint16_t *)v_cache)[at + i] = f32_to_bf16(vs[i]);
+        if (kv->format == TM_KV_F32) {
+            memcpy((float *)kv->k + at, ks, sizeof(float) * width);
+            memcpy((float *)kv->v + at, vs, sizeof(float) * width);
+        } else if (kv->format == TM_KV_BF16) {
+            for (int i = 0; i < width; i++) {
+                ((uint16_t *)kv->k)[at + i] = f32_to_bf16(ks[i]);
+                ((uint16_t *)kv->v)[at + i] = f32_to_bf16(vs[i]);
+            }
+        } else {
+            for (int h = 0; h < KV; h++) {
+                const size_t row = (size_t)slots[t] * KV + h;
+                quantize_row_i8(ks + h * D, (int8_t *)kv->k + row * D, (float *)kv->k_scale + row, D);
+                quantize_row_i8(vs + h * D, (int8_t *)kv->v + row * D, (float *)kv->v_scale + row, D);
+            }
         }
     }
     return 0;
 }
 
 /* A whole decode step's attention for one layer, float32 activations, in one call: rotate q and k in place in the
- * fused qkv rows [B, (H + 2 KV) * D] (row stride qkv_stride), write k and v into their cache slots (float32, or
- * bfloat16 when kv_bf16), attend. Returns paged_decode's status, or write_kv's -3 for a slot outside the cache
- * (nothing written). */
+ * fused qkv rows [B, (H + 2 KV) * D] (row stride qkv_stride), write k and v into their cache slots, attend.
+ * Returns paged_decode's status, or write_kv's -3 for a slot outside the cache (nothing written). */
 static int decode_attention(float *qkv, int qkv_stride, float *out, const float *cos, const float *sin,
-                     const int64_t *slots, int64_t num_slots, void *k_cache, void *v_cache, int kv_bf16,
-                     const int32_t *tables, int max_blocks, const int32_t *starts, const int32_t *lens, int shared_len,
-                     int B, int H, int KV, int D, int block_size, float scale, int max_len, int num_threads) {
+                            const int64_t *slots, const tm_kv_cache *kv, const int32_t *tables, int max_blocks,
+                            const int32_t *starts, const int32_t *lens, int shared_len, int B, int H, int block_size,
+                            float scale, int max_len, int num_threads) {
+    const int KV = kv->kv_heads, D = kv->head_dim;
     rotary(qkv, cos, sin, B, H + KV, D, qkv_stride, 1);
-    const int rc = write_kv(qkv + (size_t)H * D, qkv + (size_t)(H + KV) * D, qkv_stride, k_cache, v_cache, kv_bf16,
-                            slots, B, KV * D, num_slots);
+    const int rc = write_kv(qkv + (size_t)H * D, qkv + (size_t)(H + KV) * D, qkv_stride, kv, slots, B);
     if (rc != 0) return rc;
-    return paged_decode(qkv, qkv_stride, k_cache, v_cache, out, 0, kv_bf16, tables, max_blocks, starts, lens,
-                        shared_len, B, H, KV, D, block_size, scale, max_len, num_threads);
+    return paged_decode(qkv, qkv_stride, kv, out, 0, tables, max_blocks, starts, lens, shared_len, B, H, block_size,
+                        scale, max_len, num_threads);
 }
 
 
 /* ---- the library's entry points (tokenmill.h) ---- */
+static int kv_ok(const tm_kv_cache *kv) {
+    return kv->format == TM_KV_F32 || kv->format == TM_KV_BF16
+           || (kv->format == TM_KV_INT8 && kv->k_scale && kv->v_scale);
+}
+
 TM_API int tm_paged_decode(const tm_paged_decode_args *a) {
     const tm_decode_step *s = a->step;
-    const tm_kv_cache *kv = a->kv;
-    return paged_decode(a->q, a->q_stride, kv->k, kv->v, a->out, a->q_bf16, kv->bf16, s->tables, s->max_blocks,
-                        s->starts, s->lens, s->shared_len, s->batch, a->heads, kv->kv_heads, kv->head_dim,
-                        s->block_size, a->scale, s->max_len, s->num_threads);
+    if (!kv_ok(a->kv)) return -1;
+    return paged_decode(a->q, a->q_stride, a->kv, a->out, a->q_bf16, s->tables, s->max_blocks, s->starts, s->lens,
+                        s->shared_len, s->batch, a->heads, s->block_size, a->scale, s->max_len, s->num_threads);
 }
 
 TM_API int tm_paged_prefill(const tm_paged_prefill_args *a) {
-    const tm_kv_cache *kv = a->kv;
-    return paged_prefill(a->q, a->q_stride, kv->k, kv->v, a->out, a->q_bf16, kv->bf16, a->tables, a->max_blocks,
-                         a->row0, a->count, a->computed, a->reqs, a->heads, kv->kv_heads, kv->head_dim,
-                         a->block_size, a->window, a->scale, a->num_threads);
+    if (!kv_ok(a->kv)) return -1;
+    return paged_prefill(a->q, a->q_stride, a->kv, a->out, a->q_bf16, a->tables, a->max_blocks, a->row0, a->count,
+                         a->computed, a->reqs, a->heads, a->block_size, a->window, a->scale, a->num_threads);
 }
 
 TM_API int tm_write_kv(const tm_write_kv_args *a) {
-    const tm_kv_cache *kv = a->kv;
-    return write_kv(a->k, a->v, a->src_stride, kv->k, kv->v, kv->bf16, a->slots, a->rows,
-                    kv->kv_heads * kv->head_dim, kv->num_slots);
+    if (!kv_ok(a->kv)) return -1;
+    return write_kv(a->k, a->v, a->src_stride, a->kv, a->slots, a->rows);
 }
 
 TM_API int tm_decode_attention(const tm_decode_attention_args *a) {
     const tm_decode_step *s = a->step;
-    const tm_kv_cache *kv = a->kv;
-    if (!s->cos || !s->sin || !s->slots) return -1;
-    return decode_attention(a->qkv, a->qkv_stride, a->out, s->cos, s->sin, s->slots, kv->num_slots, kv->k, kv->v,
-                            kv->bf16, s->tables, s->max_blocks, s->starts, s->lens, s->shared_len, s->batch,
-                            a->heads, kv->kv_heads, kv->head_dim, s->block_size, a->scale, s->max_len,
-                            s->num_threads);
+    if (!s->cos || !s->sin || !s->slots || !kv_ok(a->kv)) return -1;
+    return decode_attention(a->qkv, a->qkv_stride, a->out, s->cos, s->sin, s->slots, a->kv, s->tables, s->max_blocks,
+                            s->starts, s->lens, s->shared_len, s->batch, a->heads, s->block_size, a->scale,
+                            s->max_len, s->num_threads);
 }

@@ -15,9 +15,21 @@
 /* Where one context's K/V rows live. */
 typedef struct {
     const void *k, *v;
-    int bf16, KV, D, bs_shift, bs_mask;   /* block_size = 1 << bs_shift */
+    const float *ks, *vs;                 /* TM_KV_INT8's scales, [slots, KV] */
+    int fmt, KV, D, bs_shift, bs_mask;    /* fmt: TM_KV_*; block_size = 1 << bs_shift */
     const int32_t *table;
 } ctx_t;
+
+static inline ctx_t ctx_of(const tm_kv_cache *kv, int bs_shift, int bs_mask, const int32_t *table) {
+    const ctx_t c = {kv->k, kv->v, kv->k_scale, kv->v_scale, kv->format, kv->kv_heads, kv->head_dim, bs_shift,
+                     bs_mask, table};
+    return c;
+}
+
+/* bytes of one cached value */
+static inline size_t kv_elem_bytes(int fmt) {
+    return fmt == TM_KV_F32 ? 4 : fmt == TM_KV_BF16 ? 2 : 1;
+}
 
 static inline size_t slot_of(const ctx_t *c, int pos) {
     return ((size_t)c->table[pos >> c->bs_shift] << c->bs_shift) + (pos & c->bs_mask);

@@ -148,14 +148,21 @@ TM_API int tm_argmax(const tm_argmax_args *a);
 #define TM_ATTN_HEAD_DIM_MULTIPLE 8
 /* block_size must be a power of two */
 
+/* how a paged cache stores K and V (kv_cache_dtype) */
+#define TM_KV_F32 0
+#define TM_KV_BF16 1
+#define TM_KV_INT8 2              /* int8 codes, symmetric, a float32 scale per (slot, kv head): code * scale */
+
 /* one layer's paged cache: slot = block * block_size + offset */
 typedef struct {
-    void *k;                      /* [num_slots, kv_heads, head_dim], float32 or bfloat16 */
+    void *k;                      /* [num_slots, kv_heads, head_dim], in `format` */
     void *v;
+    const float *k_scale;         /* [num_slots, kv_heads] for TM_KV_INT8, else NULL */
+    const float *v_scale;
     int64_t num_slots;
     int kv_heads;
     int head_dim;
-    int bf16;
+    int format;                   /* TM_KV_* */
 } tm_kv_cache;
 
 /* a decode step's requests, the same for every layer (built once a step) */

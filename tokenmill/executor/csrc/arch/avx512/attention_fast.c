@@ -29,7 +29,7 @@ static inline __m256 reduce8(const __m512 *a) {
 /* K rows of heads h0 .. h0+NH-1 at a slot, to L1. (Asking for V here as well, to L2, ran slower; the value
  * pass asks for its own rows, prefetch_v.) */
 static inline __attribute__((always_inline)) void prefetch_k(const ctx_t *c, size_t slot, int h0, int NH) {
-    const size_t es = c->bf16 ? 2 : 4, off = (slot * c->KV + h0) * c->D * es, bytes = (size_t)NH * c->D * es;
+    const size_t es = kv_elem_bytes(c->fmt), off = (slot * c->KV + h0) * c->D * es, bytes = (size_t)NH * c->D * es;
     for (size_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)c->k + off + b, _MM_HINT_T0);
 }
 
@@ -259,6 +259,6 @@ static inline __attribute__((always_inline)) void decode_fast(const ctx_t *c, in
 void decode_fast_any(const ctx_t *c, int h0, int NH, int G, float (*qs)[MAX_D], int p0, int n, float *m,
                             float *l, float (*acc)[MAX_D], float *sbuf, size_t *slot, float *kt, const int *begin,
                             const int *end) {
-    if (c->bf16) decode_fast(c, h0, NH, G, qs, p0, n, m, l, acc, sbuf, slot, kt, begin, end, 1);
+    if (c->fmt == TM_KV_BF16) decode_fast(c, h0, NH, G, qs, p0, n, m, l, acc, sbuf, slot, kt, begin, end, 1);
     else decode_fast(c, h0, NH, G, qs, p0, n, m, l, acc, sbuf, slot, kt, begin, end, 0);
 }
