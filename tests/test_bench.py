@@ -398,3 +398,19 @@ def test_bench_latency_cli_with_plot(tiny_model, tmp_path, capsys):
     assert cli(["bench", "latency", "--model", tiny_model, "--input-len", "8", "--output-len", "4",
                 "--no-kv-cache", "--json", *ENGINE]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["use_kv_cache"] is False
+
+
+def test_phase_report_names_the_kv_cache_dtype(tiny_model, tmp_path, capsys):
+    """Bench results carry the cache's dtype and bytes per token, and diagnose shows them."""
+    out = tmp_path / "lat.json"
+    assert cli(["bench", "latency", "--model", tiny_model, "--input-len", "8", "--output-len", "4",
+                "--kv-cache-dtype", "int8", "--output", str(out), "--json", *ENGINE]) == 0
+    r = json.loads(out.read_text())
+    from tokenmill.bench.kvcalc import kv_calc
+    from tokenmill.config import ModelConfig
+    cfg = json.loads((Path(tiny_model) / "config.json").read_text())
+    assert r["kv_cache_dtype"] == "int8"
+    assert r["kv_bytes_per_token"] == kv_calc(ModelConfig.from_hf_dict(cfg), 64, "int8")["bytes_per_token"]
+    capsys.readouterr()
+    assert cli(["diagnose", str(out)]) == 0
+    assert f"KV cache dtype: int8, {r['kv_bytes_per_token']:,} bytes per token" in capsys.readouterr().out

@@ -28,6 +28,8 @@ class Evidence:
     kv_usage: Optional[float] = None       # peak share of KV blocks in use, 0..1
     preemptions: Optional[float] = None
     prefix_cache_hit_rate: Optional[float] = None
+    kv_cache_dtype: Optional[str] = None   # the cache's dtype and its bytes per token (all layers, K and V)
+    kv_bytes_per_token: Optional[int] = None
     snapshot: bool = False                 # batch size and KV usage read at one instant (live /metrics)
 
 
@@ -132,13 +134,15 @@ def evidence_from_result(r: dict[str, Any]) -> Evidence:
             prompt_tokens=r.get("prompt_tokens"), output_tokens=r.get("generated_tokens"),
             num_requests=r.get("requests"), mean_batch_size=st.get("mean_batch_size"),
             kv_usage=_ratio(st.get("max_kv_blocks_used"), blocks), preemptions=st.get("num_preemptions"),
-            prefix_cache_hit_rate=_ratio(st.get("prefix_cache_hits"), st.get("prefix_cache_queries")))
+            prefix_cache_hit_rate=_ratio(st.get("prefix_cache_hits"), st.get("prefix_cache_queries")),
+            kv_cache_dtype=r.get("kv_cache_dtype"), kv_bytes_per_token=r.get("kv_bytes_per_token"))
     if kind == "latency":
         steps = r.get("step_latencies_s") or []
         return Evidence(source="latency result (single stream)", prefill_s=r["ttft_ms"] / 1000,
                         decode_s=sum(steps), ttft_ms=r["ttft_ms"], itl_ms=_mean(r.get("itl_ms")),
                         prompt_tokens=r.get("input_len"), output_tokens=r.get("output_len"), num_requests=1,
-                        mean_batch_size=1.0)
+                        mean_batch_size=1.0, kv_cache_dtype=r.get("kv_cache_dtype"),
+                        kv_bytes_per_token=r.get("kv_bytes_per_token"))
     raise ValueError(f"not a tokenmill bench result (kind={kind!r}); expected throughput, latency, serve or metrics")
 
 
@@ -162,6 +166,9 @@ def diagnose(ev: Evidence, prefill_threshold: float = 0.5) -> Diagnosis:
         e.append(f"tokens: {ev.prompt_tokens:,.0f} prompt, {ev.output_tokens:,.0f} generated{per}")
     if ev.mean_batch_size is not None:
         e.append(f"batch size: {ev.mean_batch_size:.1f} running sequences {'now' if ev.snapshot else 'on average'}")
+    if ev.kv_cache_dtype is not None:
+        per = f", {ev.kv_bytes_per_token:,} bytes per token" if ev.kv_bytes_per_token else ""
+        e.append(f"KV cache dtype: {ev.kv_cache_dtype}{per}")
     if ev.kv_usage is not None:
         e.append(f"KV cache usage: {ev.kv_usage:.0%} {'now' if ev.snapshot else 'at peak'}")
     if ev.preemptions is not None:

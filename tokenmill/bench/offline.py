@@ -53,6 +53,16 @@ def _warmup(llm: Any, vocab: int) -> None:
     llm.generate([{"prompt_token_ids": req["prompt_token_ids"]}], [_sampling(4)], use_tqdm=False)
 
 
+def kv_record(llm: Any) -> dict[str, Any]:
+    """The KV cache's dtype and bytes per token (all layers, K and V, scales included), for the phase report."""
+    eng = getattr(llm, "llm_engine", None)
+    if eng is None:
+        return {}
+    cfg = eng.config
+    return {"kv_cache_dtype": str(cfg.kv_cache_dtype).removeprefix("torch."),
+            "kv_bytes_per_token": eng.runner.kv_bytes_per_block(cfg) // cfg.cache_config.block_size}
+
+
 def run_throughput(llm: Any, workload: Workload, warmup: bool = True, use_tqdm: bool = True) -> dict[str, Any]:
     """Replay every request greedily with ignore_eos; tokens/s over the wall time of one generate() call."""
     reqs = workload["requests"]
@@ -81,7 +91,7 @@ def run_throughput(llm: Any, workload: Workload, warmup: bool = True, use_tqdm: 
         "ttft_ms": summarize((m.time_to_first_token for m in ms), 1000),
         "itl_ms": summarize((x for m in ms for x in m.inter_token_latencies), 1000),
         "e2e_ms": summarize((m.e2e_latency for m in ms), 1000),
-        "engine_stats": _stats_delta(before, _stats(llm)),
+        "engine_stats": _stats_delta(before, _stats(llm)), **kv_record(llm),
     }
 
 
@@ -105,7 +115,7 @@ def run_latency(llm: Any, input_len: int = 256, output_len: int = 256, seed: int
     if ttft is None:  # no engine timestamps: whatever the decode steps did not take
         ttft = wall - (decode or 0.0)
     return {
-        "kind": "latency", "use_kv_cache": bool(getattr(llm, "use_kv_cache", True)),
+        "kind": "latency", "use_kv_cache": bool(getattr(llm, "use_kv_cache", True)), **kv_record(llm),
         "input_len": input_len, "output_len": n,
         "ttft_ms": ttft * 1000,
         "decode_tok_s": len(steps) / decode if decode else None,
