@@ -6,7 +6,9 @@ from tests.tiny_models import random_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.executor.attention import AttentionMetadata, get_backend
 from tokenmill.executor.kernels import load, runnable_variants
-from tokenmill.executor.kv_cache import LayerKV, dequantize_int8, quantize_int8
+from tokenmill.executor.kv_cache import LayerKV, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+
+QUANT = {"int8": (quantize_int8, dequantize_int8), "int4": (quantize_int4, dequantize_int4)}
 
 # the CPU kernel backend once per kernel variant this CPU runs, each against the torch reference
 CPU = [f"cpu-{isa}" for isa in runnable_variants()]
@@ -18,10 +20,12 @@ def _backend(name: str, H: int, KV: int, D: int):
 
 
 def _cache(k: torch.Tensor, v: torch.Tensor, kv_dtype: torch.dtype) -> LayerKV:
-    """A LayerKV holding k and v [slots, KV, D] in kv_dtype (int8: quantised, with their scales)."""
-    if kv_dtype != torch.int8:
+    """A LayerKV holding k and v [slots, KV, D] in kv_dtype: a torch float dtype, or "int8"/"int4" (quantised,
+    with their scales)."""
+    if kv_dtype not in QUANT:
         return LayerKV(k.to(kv_dtype).contiguous(), v.to(kv_dtype).contiguous())
-    (kq, ks), (vq, vs) = quantize_int8(k), quantize_int8(v)
+    quantize = QUANT[kv_dtype][0]
+    (kq, ks), (vq, vs) = quantize(k), quantize(v)
     return LayerKV(kq, vq, ks, vs)
 
 
@@ -88,32 +92,34 @@ def test_cpu_kernels_take_the_shapes_of_their_limits(backend, case, shape):
     _compare_with_reference(backend, None, torch.float32, case, *shape)
 
 
-# kv_cache_dtype="bfloat16" or "int8" under a float32 model: q float32, the cache rounded or quantised; every
+# kv_cache_dtype="bfloat16", "int8" or "int4" under a float32 model: q float32, the cache rounded or quantised; every
 # backend reads the same K/V (the reference dequantises the rows it gathers, the kernels a chunk at a time in L1),
 # so they agree as closely as float32 caches do
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("shape", [(6, 2, 32), (9, 3, 64)])
 @pytest.mark.parametrize("backend", ["batched", *CPU])
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, "int8", "int4"])
 def test_rounded_kv_cache_matches_reference(kv_dtype, backend, shape, window, case):
     _compare_with_reference(backend, window, torch.float32, case, *shape, kv_dtype=kv_dtype)
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
 @pytest.mark.parametrize("backend", ["batched", *CPU])
-def test_int8_cache_attends_the_dequantised_values(backend):
-    """An int8 cache's attention equals float32 attention over its dequantised K/V, to float32 rounding."""
+def test_quantised_cache_attends_the_dequantised_values(backend, kv_dtype):
+    """An int8 or int4 cache's attention equals float32 attention over its dequantised K/V, to float32 rounding."""
+    quantize, dequantize = QUANT[kv_dtype]
     H, KV, D, bs, nblocks = 6, 2, 32, 4, 300
     ctx, qn, _ = CASES["mixed"]
     torch.manual_seed(3)
     k, v = torch.randn(nblocks * bs, KV, D), torch.randn(nblocks * bs, KV, D)
-    quant = _cache(k, v, torch.int8)
-    deq = LayerKV(dequantize_int8(quant.k, quant.k_scale), dequantize_int8(quant.v, quant.v_scale))
+    quant = _cache(k, v, kv_dtype)
+    deq = LayerKV(dequantize(quant.k, quant.k_scale), dequantize(quant.v, quant.v_scale))
     q = torch.randn(sum(qn), H, D)
     kn, vn = torch.randn(sum(qn), KV, D), torch.randn(sum(qn), KV, D)
-    # the step's own K/V, as the int8 cache will hold them, so the float32 run reads the same values
-    (kq, ks), (vq, vs) = quantize_int8(kn), quantize_int8(vn)
-    kd, vd = dequantize_int8(kq, ks), dequantize_int8(vq, vs)
+    # the step's own K/V, as the quantised cache will hold them, so the float32 run reads the same values
+    (kq, ks), (vq, vs) = quantize(kn), quantize(vn)
+    kd, vd = dequantize(kq, ks), dequantize(vq, vs)
     got_be, want_be = _backend(backend if backend == "batched" else backend, H, KV, D), _backend("torch", H, KV, D)
     got_be.bind_kv_cache([quant])
     want_be.bind_kv_cache([deq])
@@ -158,7 +164,7 @@ def test_cpu_backend_token_exact(tiny_llama, kv_cache_dtype):
     assert res["cpu"] == res["torch"]
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, "int8", "int4"])
 @pytest.mark.parametrize("ctx", [[45], [1, 9, 37, 64, 17, 50]])
 @pytest.mark.parametrize("isa", runnable_variants())
 def test_decode_attention_kernel_matches_rotary_then_reference(isa, ctx, kv_dtype):
@@ -185,14 +191,18 @@ def test_decode_attention_kernel_matches_rotary_then_reference(isa, ctx, kv_dtyp
     want_cache = _clone(cache)
     ref.bind_kv_cache([want_cache])
     want = ref.forward(0, qk[:, :H], qk[:, H:], v, ref.prepare(_meta(ctx, [1] * T, bs, None, nblocks)), D ** -0.5)
-    # a bfloat16 or int8 cache: C and torch rotate k with float32 rounding differences, which can round an element
-    # to a neighbouring bfloat16 (one step is 2^-8 relative) or int8 code (one step is the row's scale)
+    # a bfloat16 or quantised cache: C and torch rotate k with float32 rounding differences, which can round an
+    # element to a neighbouring bfloat16 (one step is 2^-8 relative) or code (one step is the row's or group's
+    # scale; int4's min moves with its group's too)
     close = dict(atol=1e-5, rtol=1e-5) if kv_dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(got, want, **close)
     kg, vg = got_cache.read(torch.arange(nblocks * bs), torch.float32)
     kw, vw = want_cache.read(torch.arange(nblocks * bs), torch.float32)
-    if kv_dtype == torch.int8:
+    if kv_dtype == "int8":
         step = got_cache.k_scale[..., None] * 1.001
+        assert ((kg - kw).abs() <= step).all()
+    elif kv_dtype == "int4":
+        step = got_cache.k_scale[..., 0].float().repeat_interleave(32, -1) * 2.01
         assert ((kg - kw).abs() <= step).all()
     else:
         torch.testing.assert_close(kg, kw, **(dict(atol=1e-6, rtol=1e-6) if kv_dtype == torch.float32

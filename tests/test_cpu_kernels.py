@@ -229,11 +229,11 @@ def test_argmax_matches_torch(ops, shape) -> None:
     assert ops.argmax(e).tolist() == e.argmax(dim=-1).tolist() == [7, 0, 0, 20, 33]
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "int8", "int4"])
 def test_write_kv_matches_torch(ops, cache_dtype) -> None:
     """The C write stores what LayerKV.write (torch) stores, byte for byte: bfloat16 rounded to nearest even as
-    torch converts; int8 codes and scales from the same float32 operations."""
-    kv, d, t = 2, 8, 3
+    torch converts; int8 and int4 codes and scales from the same float32 operations."""
+    kv, d, t = 2, 32, 3
     qkv = torch.randn(t, (4 + 2 * kv) * d)                         # k and v are strided views of these rows
     qkv[1, 4 * d:5 * d] = 0                                        # a head of zeros: scale 0, codes 0
     k = qkv[:, 4 * d:(4 + kv) * d].view(t, kv, d)
@@ -245,12 +245,15 @@ def test_write_kv_matches_torch(ops, cache_dtype) -> None:
     want = LayerKV(*(None if x is None else x.clone() for x in (got.k, got.v, got.k_scale, got.v_scale)))
     want.write(slots, k, v)
     st = ops.kernels.struct("kv_cache", k=got.k, v=got.v, k_scale=got.k_scale, v_scale=got.v_scale, num_slots=16,
-                            kv_heads=kv, head_dim=d, format=got.format)
+                            kv_heads=kv, head_dim=got.head_dim, format=got.format)
     write = dict(kv=st, k=k, v=v, src_stride=k.stride(0), rows=t)
     ops.kernels.run("write_kv", slots=slots, **write)
     assert all(torch.equal(a, b) for a, b in zip(got.tensors(), want.tensors()))
-    if cache_dtype == torch.int8:
+    if cache_dtype == "int8":
         assert got.k_scale[0, 0] == 0 and not got.k[0, 0].any() and got.k.abs().max() == 127
+    if cache_dtype == "int4":
+        nibbles = torch.cat([got.k & 15, got.k >> 4])
+        assert not got.k_scale[0, 0].any() and not got.k[0, 0].any() and nibbles.max() == 15
     with pytest.raises(IndexError):
         ops.kernels.run("write_kv", slots=torch.tensor([7, 0, 16]), **write)
     assert all(torch.equal(a, b) for a, b in zip(got.tensors(), want.tensors()))   # a bad slot writes nothing
@@ -303,14 +306,13 @@ def test_faulting_in_joins_its_thread_when_the_body_ends() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("isa", VARIANTS)
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "int8", "int4"])
 def test_fused_decode_layer_matches_layer_by_layer(isa, kv_cache_dtype) -> None:
     """The bundled Q4_1 GGUF qualifies for the one-call decode layer; with it and without it (the same kernels
-    called one by one from Python), greedy ids are equal and logprobs agree; with bfloat16 and int8 KV caches too."""
+    called one by one from Python), greedy ids are equal and logprobs agree; with quantised KV caches too."""
     llm = LLM(dtype="float32", kv_cache_memory_gb=0.1, max_model_len=512, enable_prefix_caching=False,
               kv_cache_dtype=kv_cache_dtype, cpu_kernels=isa)
-    want = {"auto": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}[kv_cache_dtype]
-    assert llm.llm_engine.runner.kv_caches[0].dtype == want
+    assert llm.llm_engine.runner.kv_caches[0].dtype == {"auto": "float32"}.get(kv_cache_dtype, kv_cache_dtype)
     ops = llm.llm_engine.model.ops
     assert len(ops._layers) == len(llm.llm_engine.model.layers)
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]

@@ -50,7 +50,7 @@ def test_kv_budget_too_small(tiny_llama):
 
 
 def test_unknown_kv_cache_dtype(tiny_llama):
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, float32, int8; got 'fp8'"):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, float32, int8, int4; got 'fp8'"):
         LLM(tiny_llama[0], dtype="float32", kv_cache_memory_gb=0.01, kv_cache_dtype="fp8")
 
 
@@ -89,3 +89,10 @@ def test_bad_sampling_params(kwargs, field):
 def test_wrong_number_of_params(llm):
     with pytest.raises(ValueError, match="one per prompt"):
         llm.generate([[1, 2], [3, 4]], [SamplingParams()] * 3, use_tqdm=False)
+
+
+def test_int4_kv_cache_needs_head_dim_in_groups_of_32(tiny_llama):
+    """tiny_llama's head_dim is 8: int4 cannot group it, and says what to use instead."""
+    with pytest.raises(ValueError, match="kv_cache_dtype='int4' quantises groups of 32 along head_dim, and this "
+                                         "model's head_dim is 8; use kv_cache_dtype='int8'"):
+        LLM(tiny_llama[0], dtype="float32", kv_cache_memory_gb=0.01, kv_cache_dtype="int4")

@@ -1,4 +1,4 @@
-"""A quantised KV cache (kv_cache_dtype="int8") cannot be token-exact, so its error is bounded: against the float
+"""A quantised KV cache (kv_cache_dtype="int8", "int4") cannot be token-exact, so its error is bounded: against the float
 cache, over 256-token greedy continuations of 16 prompts, scored with the same prefixes (tokenmill.bench.kvquality).
 Kernel-level equality (attention over an int8 cache = attention over its dequantised values) is in
 test_attention_backends.py."""
@@ -31,17 +31,35 @@ def test_int8_cache_bounded_on_tiny_models(tmp_path, name) -> None:
     assert q.max_logprob_gap < 0.1
 
 
+def test_int4_cache_bounded_on_a_tiny_model(tmp_path) -> None:
+    """int4 (groups of 32) on a tiny random model with head_dim 256: a logprob moves by a twentieth of a nat on
+    average (int8: a two-hundredth), so the near-ties flip far more often (BENCHMARKS.md: 81% agree); held at 75%,
+    a mean gap under 0.1 and a largest under 0.5."""
+    path, _ = build_tiny("head_dim256", tmp_path)
+    prompts = random_prompts([8 + i for i in range(16)], seed=3)
+    q = kv_quality(path, "int4", prompts, 256, dtype="float32", kv_cache_memory_gb=0.05)
+    assert q.positions == 16 * 256
+    assert q.agreement >= 0.75 and q.mean_logprob_gap < 0.1 and q.max_logprob_gap < 0.5
+
+
+# dtype -> (least agreement, least share of disagreements within each other's top-5, largest agreed logprob gap);
+# BENCHMARKS.md: int8 99.4%, 25/25, 0.20; int4 96.0%, 161/162, 1.03
+BUNDLED_BOUNDS = {"int8": (0.99, 1.0, 0.5), "int4": (0.95, 0.99, 1.5)}
+
+
 @pytest.mark.slow
-def test_int8_cache_bounded_on_the_bundled_model() -> None:
-    """The bundled SmolLM2 on 16 passages of the bundled text: at least 99% of positions agree, the rest within
-    each other's top-5, and no agreed token's logprob moves by half a nat (BENCHMARKS.md: 99.4%, 0.20)."""
+@pytest.mark.parametrize("dtype", list(BUNDLED_BOUNDS))
+def test_quantised_cache_bounded_on_the_bundled_model(dtype) -> None:
+    """The bundled SmolLM2 on 16 passages of the bundled text, 256 tokens each: the issue's targets (int8 99%,
+    int4 95% of positions agree), disagreements within each other's top-5, agreed logprobs close."""
     from tokenmill import LLM
     from tokenmill.bench.perplexity import default_text_path, strip_header
     tok = LLM(kv_cache_memory_gb=0.05, max_model_len=512).llm_engine.tokenizer
     ids = tok.encode(strip_header(default_text_path().read_text()))
     prompts = [ids[i * 200:i * 200 + 32] for i in range(16)]
-    q = kv_quality(None, "int8", prompts, 256, dtype="float32", kv_cache_memory_gb=0.2)
+    q = kv_quality(None, dtype, prompts, 256, dtype="float32", kv_cache_memory_gb=0.2)
+    agreement, in_top5, gap = BUNDLED_BOUNDS[dtype]
     assert q.positions == 16 * 256
-    assert q.agreement >= 0.99
-    assert q.disagree_in_top5 == q.positions - q.agree
-    assert q.max_logprob_gap < 0.5
+    assert q.agreement >= agreement
+    assert q.disagree_in_top5 >= in_top5 * (q.positions - q.agree)
+    assert q.max_logprob_gap < gap

@@ -22,7 +22,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     from tokenmill.config import KV_CACHE_DTYPES
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="auto: the model's dtype; bfloat16 halves the KV cache's bytes (K/V rounded); int8 about "
-                        "quarters them (a scale per token per kv head)")
+                        "quarters them (a scale per token per kv head); int4 groups of 32 with a scale and min")
     p.add_argument("--cpu-kernels", default="auto",
                    help="auto (TOKENMILL_CPU_ISA, else the best for this CPU) | avx512 | avx2 | neon | generic | "
                         "reference (plain torch)")

@@ -88,7 +88,7 @@ class ModelConfig:
         return self.num_hidden_layers
 
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,8 @@ class CacheConfig:
     # vLLM's kv_cache_dtype: "auto" stores K/V in the model's dtype (token-exact with the float32 reference);
     # "bfloat16" halves the cache's bytes (twice the tokens in the same memory, half the bytes decode reads),
     # K/V rounded to bfloat16 while the math stays float32; "int8" stores int8 codes with a float32 scale per
-    # token per kv head (a quarter of float32's bytes plus the scales)
+    # token per kv head (a quarter of float32's bytes plus the scales); "int4" 4-bit codes per group of 32 with a
+    # half scale and min (llama.cpp's q4_1 layout: 5 bits a value)
     cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
@@ -143,12 +144,10 @@ class EngineConfig:
     seed: int = 0
 
     @property
-    def kv_cache_dtype(self) -> torch.dtype:
-        """The KV cache's element type (cache_config.cache_dtype; "auto": the model's dtype)."""
+    def kv_cache_dtype(self) -> str:
+        """The KV cache's dtype by name (cache_config.cache_dtype; "auto": the model's dtype)."""
         cache_dtype = self.cache_config.cache_dtype
-        if cache_dtype == "int8":
-            return torch.int8
-        return self.dtype if cache_dtype == "auto" else _DTYPES[cache_dtype]
+        return str(self.dtype).removeprefix("torch.") if cache_dtype == "auto" else cache_dtype
 
 
 def default_dtype(device: torch.device) -> torch.dtype:

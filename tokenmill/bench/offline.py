@@ -59,7 +59,7 @@ def kv_record(llm: Any) -> dict[str, Any]:
     if eng is None:
         return {}
     cfg = eng.config
-    return {"kv_cache_dtype": str(cfg.kv_cache_dtype).removeprefix("torch."),
+    return {"kv_cache_dtype": cfg.kv_cache_dtype,
             "kv_bytes_per_token": eng.runner.kv_bytes_per_block(cfg) // cfg.cache_config.block_size}
 
 

@@ -1,18 +1,23 @@
-"""One layer's paged KV cache: K and V as [slots, kv_heads, head_dim] in the cache's dtype (kv_cache_dtype), and for
-int8 a float32 scale per slot and kv head. Tokens are quantised as they are written; readers dequantise only the
-rows they read (the C kernels a chunk at a time in L1, torch the rows it gathers), so no float copy of the cache
-is ever made. The dtype is chosen once at load; every backend reads and writes through this one noun."""
+"""One layer's paged KV cache: K and V as [slots, kv_heads, head_dim] in the cache's dtype (kv_cache_dtype): float32
+or bfloat16; int8 codes with a float32 scale per slot and kv head; or int4 codes in groups of 32 along head_dim,
+two to a byte, with a half scale and min per group (llama.cpp's q4_1 in the cache). Tokens are quantised as they
+are written; readers dequantise only the rows they read (the C kernels a chunk at a time in L1, torch the rows it
+gathers), so no float copy of the cache is ever made. The dtype is chosen once at load; every backend reads and
+writes through this one noun."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-# how tm_kv_cache.format names each storage (tokenmill.h's TM_KV_*)
-_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
-# int8: symmetric, scale = max |x| / 127 over a token's kv head
-_INT8_MAX = 127
+# the cache dtypes and how tm_kv_cache.format names them (tokenmill.h's TM_KV_*)
+FORMATS = {"float32": 0, "bfloat16": 1, "int8": 2, "int4": 3}
+# the torch dtype of each one's codes: int4's are packed two to a uint8
+_CODES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}
+_INT8_MAX = 127     # int8: symmetric, scale = max |x| / 127 over a token's kv head
+INT4_GROUP = 32     # int4: head_dim a multiple of this (tokenmill.h's TM_KV_INT4_GROUP)
 
 
 @dataclass(frozen=True)
@@ -23,28 +28,37 @@ class LayerKV:
     v_scale: Optional[torch.Tensor] = None
 
     @staticmethod
-    def allocate(slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+    def allocate(slots: int, kv_heads: int, head_dim: int, dtype: str,
                  device: torch.device = torch.device("cpu")) -> "LayerKV":
-        """Untouched memory (torch.empty): attention reads only slots that a step wrote."""
-        if dtype not in _FORMATS and device.type == "cpu":
-            raise ValueError(f"a CPU KV cache stores float32, bfloat16 or int8, not {dtype}")
-        shape = (slots, kv_heads, head_dim)
-        k, v = torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device)
-        if dtype != torch.int8:
+        """dtype: a name in FORMATS, or any torch dtype's name off CPU. Untouched memory (torch.empty): attention
+        reads only slots that a step wrote."""
+        check_kv_dtype(dtype, head_dim)
+        codes, scales = _shapes(slots, kv_heads, head_dim, dtype)
+        k, v = (torch.empty(codes, dtype=_CODES.get(dtype) or getattr(torch, dtype), device=device) for _ in "kv")
+        if scales is None:
             return LayerKV(k, v)
-        scales = [torch.empty((slots, kv_heads), dtype=torch.float32, device=device) for _ in range(2)]
-        return LayerKV(k, v, *scales)
+        scale_dtype = torch.float32 if dtype == "int8" else torch.float16
+        return LayerKV(k, v, *(torch.empty(scales, dtype=scale_dtype, device=device) for _ in "kv"))
 
     @staticmethod
-    def bytes_per_slot(kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    def bytes_per_slot(kv_heads: int, head_dim: int, dtype: str) -> int:
         """K and V of one token of one layer, scales included."""
-        elem = torch.tensor([], dtype=dtype).element_size()
-        scales = kv_heads * 4 if dtype == torch.int8 else 0
-        return 2 * (kv_heads * head_dim * elem + scales)
+        codes, scales = _shapes(1, kv_heads, head_dim, dtype)
+        n = math.prod(codes) * (_CODES.get(dtype) or getattr(torch, dtype)).itemsize
+        if scales is not None:
+            n += math.prod(scales) * (4 if dtype == "int8" else 2)
+        return 2 * n
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.k.dtype
+    def dtype(self) -> str:
+        """The cache dtype's name (FORMATS)."""
+        if self.k.dtype == torch.uint8:
+            return "int4"
+        return str(self.k.dtype).removeprefix("torch.")
+
+    @property
+    def head_dim(self) -> int:
+        return self.k.shape[2] * (2 if self.dtype == "int4" else 1)
 
     @property
     def quantized(self) -> bool:
@@ -53,7 +67,7 @@ class LayerKV:
     @property
     def format(self) -> int:
         """tm_kv_cache.format."""
-        return _FORMATS[self.k.dtype]
+        return FORMATS[self.dtype]
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
@@ -64,17 +78,35 @@ class LayerKV:
             self.k[slots] = k.to(self.k.dtype)
             self.v[slots] = v.to(self.v.dtype)
             return
+        quantize = quantize_int8 if self.dtype == "int8" else quantize_int4
         for x, codes, scale in ((k, self.k, self.k_scale), (v, self.v, self.v_scale)):
-            q, s = quantize_int8(x)
+            q, s = quantize(x)
             codes[slots] = q
             scale[slots] = s
 
     def read(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows at slots [...] as dtype: [..., KV, D] each (int8 dequantised in float32 first, as the kernels)."""
+        """The rows at slots [...] as dtype: [..., KV, D] each (quantised rows dequantised in float32 first, as the
+        kernels do)."""
         if not self.quantized:
             return self.k[slots].to(dtype), self.v[slots].to(dtype)
-        return (dequantize_int8(self.k[slots], self.k_scale[slots]).to(dtype),
-                dequantize_int8(self.v[slots], self.v_scale[slots]).to(dtype))
+        dequantize = dequantize_int8 if self.dtype == "int8" else dequantize_int4
+        return (dequantize(self.k[slots], self.k_scale[slots]).to(dtype),
+                dequantize(self.v[slots], self.v_scale[slots]).to(dtype))
+
+
+def check_kv_dtype(dtype: str, head_dim: int) -> None:
+    if dtype == "int4" and head_dim % INT4_GROUP:
+        raise ValueError(f"kv_cache_dtype='int4' quantises groups of {INT4_GROUP} along head_dim, and this model's "
+                         f"head_dim is {head_dim}; use kv_cache_dtype='int8' or 'bfloat16'")
+
+
+def _shapes(slots: int, kv_heads: int, head_dim: int, dtype: str) -> tuple[tuple, Optional[tuple]]:
+    """The codes' shape and the scales' (None for a float cache)."""
+    if dtype == "int8":
+        return (slots, kv_heads, head_dim), (slots, kv_heads)
+    if dtype == "int4":
+        return (slots, kv_heads, head_dim // 2), (slots, kv_heads, head_dim // INT4_GROUP, 2)
+    return (slots, kv_heads, head_dim), None
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,3 +120,25 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return codes.float() * scale[..., None]
+
+
+def quantize_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (codes uint8 [..., D / 2], (d, m) float16 [..., D / 32, 2]), per group of 32: m = min, d =
+    (max - min) * (1 / 15), both rounded to half, codes = round((x - m) * (1 / d)) in 0..15 from the rounded
+    values; a group's byte j holds code j (low nibble) and code j + 16. The C kernels' write, operation for
+    operation."""
+    g = x.float().unflatten(-1, (-1, INT4_GROUP))                   # [..., G, 32]
+    lo, hi = g.amin(-1), g.amax(-1)
+    d16, m16 = ((hi - lo) * (1.0 / 15)).half(), lo.half()
+    d, m = d16.float(), m16.float()
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    c = torch.round((g - m[..., None]) * inv[..., None]).clamp(0, 15).to(torch.uint8)
+    packed = c[..., :16] | (c[..., 16:] << 4)
+    return packed.flatten(-2), torch.stack([d16, m16], -1)
+
+
+def dequantize_int4(codes: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    q = codes.unflatten(-1, (-1, INT4_GROUP // 2))                  # [..., G, 16]
+    c = torch.cat([q & 15, q >> 4], -1).float()                     # [..., G, 32]
+    d, m = dm[..., 0].float(), dm[..., 1].float()
+    return (c * d[..., None] + m[..., None]).flatten(-2)

@@ -69,7 +69,7 @@ class CpuKernelBackend(AttentionBackend):
                 raise ValueError("the CPU attention kernels take a contiguous KV cache in CPU memory")
             self.kv.append(self.kernels.struct("kv_cache", k=c.k, v=c.v, k_scale=c.k_scale, v_scale=c.v_scale,
                                                num_slots=c.k.shape[0], kv_heads=c.k.shape[1],
-                                               head_dim=c.k.shape[2], format=c.format))
+                                               head_dim=c.head_dim, format=c.format))
 
     def prepare(self, meta: AttentionMetadata) -> CpuAttentionMetadata:
         decode, prefill = meta.split()

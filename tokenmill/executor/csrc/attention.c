@@ -8,7 +8,8 @@
  *   tm_write_kv       the step's K/V into their slots;
  *   tm_decode_attention  rotary + KV write + paged decode of fused qkv rows, for the one-call decode layer.
  * Math in float32 whatever the storage types: q and out float32 or bfloat16 (q_bf16), the cache float32,
- * bfloat16 or int8 with a scale per token and kv head (tm_kv_cache.format, kv_cache_dtype). With AVX-512, D a
+ * bfloat16, int8 with a scale per token and kv head, or int4 in groups of 32 (tm_kv_cache.format,
+ * kv_cache_dtype). With AVX-512, D a
  * multiple of 16 and a float cache,
  * paged_decode runs its items through decode_fast (arch/avx512/attention_fast.c) instead: a request's own positions (one query token per
  * head: little arithmetic per byte, where decode_fast's two passes spend about half of attend_rows'
@@ -26,6 +27,7 @@
 #include <string.h>
 
 #include "attention.h"
+#include "half.h"
 
 typedef float v8 __attribute__((vector_size(32)));
 
@@ -131,6 +133,17 @@ static int fold(float *s, int n, int lo, int hi, float *m, float *l, float *acc,
     return 1;
 }
 
+/* One kv head's int4 codes (D / 2 bytes) and its groups' half (d, m) pairs, as D floats: code * d + m */
+static inline void dequant_row_i4(const uint8_t *q, const uint16_t *dm, float *out, int D) {
+    for (int g = 0; g < D / TM_KV_INT4_GROUP; g++, q += 16, out += 32) {
+        const float d = tm_half_to_f32(dm[2 * g]), m = tm_half_to_f32(dm[2 * g + 1]);
+        for (int i = 0; i < 16; i++) {
+            out[i] = (float)(q[i] & 15) * d + m;
+            out[i + 16] = (float)(q[i] >> 4) * d + m;
+        }
+    }
+}
+
 /* Pointers to the K and V rows of kv head h at the chunk's slots (n8 of them, padded slots repeat a real one);
  * bfloat16 and int8 rows are converted into kbuf/vbuf (a chunk's rows, L1-resident: no float copy of the cache). */
 static void chunk_rows(const ctx_t *c, const size_t *slot, int n8, int h, const float **kr, const float **vr,
@@ -148,13 +161,16 @@ static void chunk_rows(const ctx_t *c, const size_t *slot, int n8, int h, const 
                 kbuf[j][d] = bf16_to_f32(((const uint16_t *)c->k)[idx + d]);
                 vbuf[j][d] = bf16_to_f32(((const uint16_t *)c->v)[idx + d]);
             }
-        } else {
+        } else if (c->fmt == TM_KV_INT8) {
             const int8_t *kq = (const int8_t *)c->k + idx, *vq = (const int8_t *)c->v + idx;
-            const float ks = c->ks[row], vs = c->vs[row];
+            const float ks = ((const float *)c->ks)[row], vs = ((const float *)c->vs)[row];
             for (int d = 0; d < D; d++) {
                 kbuf[j][d] = (float)kq[d] * ks;
                 vbuf[j][d] = (float)vq[d] * vs;
             }
+        } else {
+            dequant_row_i4((const uint8_t *)c->k + row * (D / 2), (const uint16_t *)c->ks + row * (D / 16), kbuf[j], D);
+            dequant_row_i4((const uint8_t *)c->v + row * (D / 2), (const uint16_t *)c->vs + row * (D / 16), vbuf[j], D);
         }
         kr[j] = kbuf[j];
         vr[j] = vbuf[j];
@@ -166,9 +182,9 @@ static void chunk_rows(const ctx_t *c, const size_t *slot, int n8, int h, const 
  * this a core waits on DRAM latency (it read K/V at ~6 GB/s). Forced inline, as every prefetch helper here:
  * GCC deletes a call to a function that only prefetches, as having no effect (see prefetch_v). */
 static inline __attribute__((always_inline)) void prefetch_rows(const ctx_t *c, int p, int n, int h0, int NH) {
-    const size_t es = kv_elem_bytes(c->fmt), bytes = (size_t)NH * c->D * es;
+    const size_t hb = kv_head_bytes(c->fmt, c->D), bytes = (size_t)NH * hb;
     for (int j = 0; j < n; j++) {
-        const size_t off = (slot_of(c, p + j) * c->KV + h0) * c->D * es;
+        const size_t off = (slot_of(c, p + j) * c->KV + h0) * hb;
         for (size_t b = 0; b < bytes; b += 64) {
             __builtin_prefetch((const char *)c->k + off + b, 0, 2);
             __builtin_prefetch((const char *)c->v + off + b, 0, 2);
@@ -372,7 +388,7 @@ static int paged_decode(const void *q, int q_stride, const tm_kv_cache *kv, void
     const int own = max_len - shared_len;       /* the longest per-request range */
     int parts = units < 2 * num_threads ? (2 * num_threads + units - 1) / units : 1;
     if (parts > own / 64) parts = own / 64 > 1 ? own / 64 : 1;
-    const int fast = HAVE_FAST && D % 16 == 0 && kv->format != TM_KV_INT8;
+    const int fast = HAVE_FAST && D % 16 == 0 && kv->format <= TM_KV_BF16;
 #if HAVE_FAST
     if (fast && parts < (own + FAST_N - 1) / FAST_N) parts = (own + FAST_N - 1) / FAST_N;
 #endif
@@ -485,7 +501,7 @@ static int paged_prefill(const void *q, int q_stride, const tm_kv_cache *kv, voi
     first_item[0] = 0;
     for (int i = 0; i < R; i++) first_item[i + 1] = first_item[i] + KV * ((count[i] + tok - 1) / tok);
     int status = 0;
-    const int fast = HAVE_FAST && D % 16 == 0 && kv->format != TM_KV_INT8;
+    const int fast = HAVE_FAST && D % 16 == 0 && kv->format <= TM_KV_BF16;
 #pragma omp parallel num_threads(num_threads)
     {
         scratch_t s;
@@ -542,6 +558,29 @@ static void quantize_row_i8(const float *x, int8_t *q, float *scale, int width) 
     for (int i = 0; i < width; i++) q[i] = (int8_t)lrintf(x[i] * inv);
 }
 
+/* One row of D values (D a multiple of 32) into int4 codes, a group of 32 at a time: m = min, d = (max - min) *
+ * (1 / 15), both rounded to half; code = round((x - m) * (1 / d)) clamped to 0..15, with the rounded d and m so
+ * the codes fit what is read back. The same float32 operations as the torch path: both write the same bytes. */
+static void quantize_row_i4(const float *x, uint8_t *q, uint16_t *dm, int D) {
+    for (int g = 0; g < D / TM_KV_INT4_GROUP; g++, x += 32, q += 16) {
+        float lo = x[0], hi = x[0];
+        for (int i = 1; i < 32; i++) {
+            lo = x[i] < lo ? x[i] : lo;
+            hi = x[i] > hi ? x[i] : hi;
+        }
+        dm[2 * g] = tm_f32_to_half((hi - lo) * (1.f / 15.f));
+        dm[2 * g + 1] = tm_f32_to_half(lo);
+        const float d = tm_half_to_f32(dm[2 * g]), m = tm_half_to_f32(dm[2 * g + 1]);
+        const float inv = d != 0.f ? 1.f / d : 0.f;
+        uint8_t c[32];
+        for (int i = 0; i < 32; i++) {
+            const long v = lrintf((x[i] - m) * inv);
+            c[i] = (uint8_t)(v < 0 ? 0 : v > 15 ? 15 : v);
+        }
+        for (int i = 0; i < 16; i++) q[i] = (uint8_t)(c[i] | (c[i + 16] << 4));
+    }
+}
+
 /* k_cache[slots[t]] = k[t] and v_cache[slots[t]] = v[t] for t < rows: KV * D float32 values per row, source rows
  * src_stride apart (views into fused qkv); stored in the cache's format (bfloat16 rounded to nearest even, as
  * torch converts; int8 a kv head at a time). Returns -3, writing nothing, for a slot outside the cache. */
@@ -561,11 +600,17 @@ static int write_kv(const float *k, const float *v, int src_stride, const tm_kv_
                 ((uint16_t *)kv->k)[at + i] = f32_to_bf16(ks[i]);
                 ((uint16_t *)kv->v)[at + i] = f32_to_bf16(vs[i]);
             }
-        } else {
+        } else if (kv->format == TM_KV_INT8) {
             for (int h = 0; h < KV; h++) {
                 const size_t row = (size_t)slots[t] * KV + h;
                 quantize_row_i8(ks + h * D, (int8_t *)kv->k + row * D, (float *)kv->k_scale + row, D);
                 quantize_row_i8(vs + h * D, (int8_t *)kv->v + row * D, (float *)kv->v_scale + row, D);
+            }
+        } else {
+            for (int h = 0; h < KV; h++) {
+                const size_t row = (size_t)slots[t] * KV + h;
+                quantize_row_i4(ks + h * D, (uint8_t *)kv->k + row * (D / 2), (uint16_t *)kv->k_scale + row * (D / 16), D);
+                quantize_row_i4(vs + h * D, (uint8_t *)kv->v + row * (D / 2), (uint16_t *)kv->v_scale + row * (D / 16), D);
             }
         }
     }
@@ -591,7 +636,8 @@ static int decode_attention(float *qkv, int qkv_stride, float *out, const float 
 /* ---- the library's entry points (tokenmill.h) ---- */
 static int kv_ok(const tm_kv_cache *kv) {
     return kv->format == TM_KV_F32 || kv->format == TM_KV_BF16
-           || (kv->format == TM_KV_INT8 && kv->k_scale && kv->v_scale);
+           || (kv->format == TM_KV_INT8 && kv->k_scale && kv->v_scale)
+           || (kv->format == TM_KV_INT4 && kv->k_scale && kv->v_scale && kv->head_dim % TM_KV_INT4_GROUP == 0);
 }
 
 TM_API int tm_paged_decode(const tm_paged_decode_args *a) {

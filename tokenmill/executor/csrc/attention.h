@@ -15,7 +15,7 @@
 /* Where one context's K/V rows live. */
 typedef struct {
     const void *k, *v;
-    const float *ks, *vs;                 /* TM_KV_INT8's scales, [slots, KV] */
+    const void *ks, *vs;                  /* the quantised formats' scales (tm_kv_cache.k_scale) */
     int fmt, KV, D, bs_shift, bs_mask;    /* fmt: TM_KV_*; block_size = 1 << bs_shift */
     const int32_t *table;
 } ctx_t;
@@ -26,9 +26,14 @@ static inline ctx_t ctx_of(const tm_kv_cache *kv, int bs_shift, int bs_mask, con
     return c;
 }
 
-/* bytes of one cached value */
+/* bytes of one cached value (the float formats, for the AVX-512 path) */
 static inline size_t kv_elem_bytes(int fmt) {
     return fmt == TM_KV_F32 ? 4 : fmt == TM_KV_BF16 ? 2 : 1;
+}
+
+/* bytes of one kv head's codes at a slot */
+static inline size_t kv_head_bytes(int fmt, int D) {
+    return fmt == TM_KV_INT4 ? (size_t)D / 2 : kv_elem_bytes(fmt) * D;
 }
 
 static inline size_t slot_of(const ctx_t *c, int pos) {

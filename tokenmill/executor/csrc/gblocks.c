@@ -11,30 +11,15 @@
 #include <math.h>
 #include <string.h>
 
+#include "half.h"
 #include "simd.h"
 #include "tokenmill.h"
 
 #define QK_K 256
 
-TM_INLINE float f32_bits(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-TM_INLINE uint32_t bits_f32(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-
-/* IEEE half to float, exact for every input (normals by rescaling the exponent, subnormals through a float add) */
+/* GGUF's little-endian half */
 TM_INLINE float fp16(const uint8_t *p) {
-    const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
-    const uint32_t w = (uint32_t)h << 16, sign = w & 0x80000000u, two_w = w + w;
-    const float normal = f32_bits((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
-    const float subnormal = f32_bits((two_w >> 17) | (126u << 23)) - 0.5f;
-    return f32_bits(sign | (two_w < (1u << 27) ? bits_f32(subnormal) : bits_f32(normal)));
+    return tm_half_to_f32((uint16_t)(p[0] | (p[1] << 8)));
 }
 
 /* ---- one block of each type -------------------------------------------------------------------------------- */
@@ -43,7 +28,7 @@ static void dq_f16(const uint8_t *b, float *y) {
 }
 
 static void dq_bf16(const uint8_t *b, float *y) {
-    for (int j = 0; j < 32; j++) y[j] = f32_bits((uint32_t)(b[2 * j] | (b[2 * j + 1] << 8)) << 16);
+    for (int j = 0; j < 32; j++) y[j] = tm_f32_bits((uint32_t)(b[2 * j] | (b[2 * j + 1] << 8)) << 16);
 }
 
 static void dq_q4_0(const uint8_t *b, float *y) {   /* d, then 16 bytes: code j low, code j + 16 high */

@@ -152,13 +152,17 @@ TM_API int tm_argmax(const tm_argmax_args *a);
 #define TM_KV_F32 0
 #define TM_KV_BF16 1
 #define TM_KV_INT8 2              /* int8 codes, symmetric, a float32 scale per (slot, kv head): code * scale */
+#define TM_KV_INT4 3              /* 4-bit codes per group of 32 with a half scale d and min m: code * d + m */
+#define TM_KV_INT4_GROUP 32       /* head_dim a multiple of this for an int4 cache */
 
 /* one layer's paged cache: slot = block * block_size + offset */
 typedef struct {
-    void *k;                      /* [num_slots, kv_heads, head_dim], in `format` */
+    void *k;                      /* [num_slots, kv_heads, head_dim] in `format`; int4: [.., head_dim / 2] bytes,
+                                   * a group's byte j holding code j (low nibble) and code j + 16 (high) */
     void *v;
-    const float *k_scale;         /* [num_slots, kv_heads] for TM_KV_INT8, else NULL */
-    const float *v_scale;
+    const void *k_scale;          /* TM_KV_INT8: float32 [num_slots, kv_heads]; TM_KV_INT4: half (d, m) pairs
+                                   * [num_slots, kv_heads, head_dim / 32]; else NULL */
+    const void *v_scale;
     int64_t num_slots;
     int kv_heads;
     int head_dim;
