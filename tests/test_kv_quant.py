@@ -63,3 +63,51 @@ def test_quantised_cache_bounded_on_the_bundled_model(dtype) -> None:
     assert q.agreement >= agreement
     assert q.disagree_in_top5 >= in_top5 * (q.positions - q.agree)
     assert q.max_logprob_gap < gap
+
+
+# ---- prefix caching, chunked prefill, preemption and sliding window on quantised blocks -------------------------
+# Each of these paths writes and reads the same quantised bytes as the plain run of the same cache dtype (a cached
+# block holds what a recompute would write), so greedy tokens are equal, as they are with a float cache.
+
+GREEDY_16 = dict(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def _run(path, prompts, kv_cache_dtype, **kw):
+    from tokenmill import LLM, SamplingParams
+    kw.setdefault("kv_cache_memory_gb", 0.02)
+    kw.setdefault("max_model_len", 256)
+    llm = LLM(path, dtype="float32", kv_cache_dtype=kv_cache_dtype, **kw)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**GREEDY_16), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """int8 on tiny_llama's shape (head_dim 8), int4 on head_dim 256 (groups of 32), int8 with a sliding window."""
+    return {"int8": build_tiny("llama", tmp_path_factory.mktemp("q8"))[0],
+            "int4": build_tiny("head_dim256", tmp_path_factory.mktemp("q4"))[0],
+            "int8-window": build_tiny("mistral_sw", tmp_path_factory.mktemp("q8sw"))[0]}
+
+
+@pytest.mark.parametrize("case", ["int8", "int4", "int8-window"])
+def test_quantised_blocks_through_every_path(models, case) -> None:
+    from tokenmill.executor.kv_cache import LayerKV
+    path, dtype = models[case], case.split("-")[0]
+    shared = random_prompts([40], seed=5)[0]
+    prompts = [shared + s for s in random_prompts([3, 30, 9, 17, 1, 25], seed=6)]
+    plain, _ = _run(path, prompts, dtype, enable_prefix_caching=False)
+    chunked, _ = _run(path, prompts, dtype, enable_prefix_caching=False, max_num_batched_tokens=7)
+    assert chunked == plain
+    hits, llm = _run(path, prompts, dtype)
+    assert hits == plain
+    # under a sliding window the engine does not cache prefixes (their early blocks are freed as it slides)
+    assert (llm.get_stats()["prefix_cache_hits"] > 0) == (llm.llm_engine.model_config.sliding_window is None)
+    eng = llm.llm_engine
+    mc = eng.model_config
+    block = mc.num_hidden_layers * 16 * LayerKV.bytes_per_slot(mc.num_key_value_heads, mc.head_dim, dtype)
+    # one block more than the fewest the engine accepts (one request's worth, a window's under a sliding window)
+    n = -(-min(128, (mc.sliding_window or 128) + 32) // 16) + 1
+    tight, llm = _run(path, prompts, dtype, enable_prefix_caching=False, max_model_len=128,
+                      kv_cache_memory_gb=n * block / 2 ** 30)
+    assert llm.llm_engine.kv.num_blocks == n and llm.get_stats()["num_preemptions"] > 0
+    assert tight == plain
