@@ -9,7 +9,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 def run(path, prompts, params=GREEDY, **kw):
     kw.setdefault("kv_cache_memory_gb", 0.02)
-    llm = LLM(path, dtype="float32", max_model_len=512, **kw)
+    kw.setdefault("max_model_len", 512)
+    llm = LLM(path, dtype="float32", **kw)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], llm
 
@@ -94,3 +95,17 @@ def test_shared_prefix_computed_once(tiny_llama):
     # 200 shared tokens = 12 full blocks (192 tokens) cached; everything else is computed per request
     assert stats["prefill_tokens"] == len(ps[0]) + sum(len(s) + 8 for s in suffixes[1:])
     assert stats["prefix_cache_hits"] == 15 * 192
+
+
+def test_sliding_window_in_the_fewest_blocks(tiny_mistral_sw):
+    """A sliding-window model's pool may be as small as its window and two blocks (4 here); prompts longer than
+    that are prefilled in chunks that fit (they used to preempt themselves forever), and the tokens are the plain
+    path's."""
+    from tokenmill.executor.kv_cache import LayerKV
+    ps = random_prompts([70, 33, 5, 48], seed=9)
+    plain, llm = run(tiny_mistral_sw[0], ps, attention_backend="torch", enable_prefix_caching=False)
+    mc = llm.llm_engine.model_config
+    block = mc.num_hidden_layers * 16 * LayerKV.bytes_per_slot(mc.num_key_value_heads, mc.head_dim, "float32")
+    toks, llm = run(tiny_mistral_sw[0], ps, max_model_len=128, kv_cache_memory_gb=4 * block / 2 ** 30)
+    assert llm.llm_engine.kv.num_blocks == 4 and llm.get_stats()["num_preemptions"] > 0
+    assert toks == plain

@@ -105,8 +105,9 @@ def test_quantised_blocks_through_every_path(models, case) -> None:
     eng = llm.llm_engine
     mc = eng.model_config
     block = mc.num_hidden_layers * 16 * LayerKV.bytes_per_slot(mc.num_key_value_heads, mc.head_dim, dtype)
-    # one block more than the fewest the engine accepts (one request's worth, a window's under a sliding window)
-    n = -(-min(128, (mc.sliding_window or 128) + 32) // 16) + 1
+    # the fewest blocks the engine accepts (one request's worth; under a sliding window, the window and two
+    # blocks, where prompts longer than that go in shorter chunks), and one more without a window
+    n = -(-min(128, (mc.sliding_window or 128) + 32) // 16) + (0 if mc.sliding_window else 1)
     tight, llm = _run(path, prompts, dtype, enable_prefix_caching=False, max_model_len=128,
                       kv_cache_memory_gb=n * block / 2 ** 30)
     assert llm.llm_engine.kv.num_blocks == n and llm.get_stats()["num_preemptions"] > 0

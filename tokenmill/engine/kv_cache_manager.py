@@ -95,6 +95,18 @@ class KVCacheManager:
         return hit, len(hit) * bs
 
     # ---- allocation ----------------------------------------------------------------------------------------
+    def can_allocate(self, req: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+        """Whether allocate_slots would succeed now, counting the blocks a sliding window would free first."""
+        table = self.req_blocks.get(req.request_id, [])
+        freed = 0
+        if self.sliding_window is not None:
+            first_needed = max(0, req.num_computed_tokens - self.sliding_window + 1)
+            freed = sum(1 for b in table[:first_needed // self.block_size] if b != NO_BLOCK)
+        total = req.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        need = self.blocks_needed(total) - len(table) - len(computed_blocks)
+        reclaimed = sum(1 for b in computed_blocks if self.blocks[b].ref_cnt == 0)
+        return need <= self.num_free_blocks + freed - reclaimed
+
     def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
         """Make room for num_new_tokens more tokens of req (after computed_blocks, a prefix hit, on first call).
 

@@ -68,7 +68,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._fit(req, min(req.num_tokens - req.num_computed_tokens, budget))
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()          # the newest request gives its blocks back
                 self._preempt(victim)
@@ -86,7 +86,7 @@ class Scheduler:
             hit_blocks, hit_tokens = ([], 0)
             if req.num_computed_tokens == 0:
                 hit_blocks, hit_tokens = self.kv.get_computed_blocks(req)
-            n = min(req.num_tokens - req.num_computed_tokens - hit_tokens, budget)
+            n = self._fit(req, min(req.num_tokens - req.num_computed_tokens - hit_tokens, budget), hit_blocks)
             if not self.kv.allocate_slots(req, n, hit_blocks):
                 break                                  # wait for running requests to free blocks
             self.waiting.popleft()
@@ -100,6 +100,16 @@ class Scheduler:
             self._add_to_batch(out, req, n)
             budget -= n
         return out
+
+    def _fit(self, req: Request, n: int, hit_blocks: list[int] = ()) -> int:
+        """n, or under a sliding window a shorter prompt chunk that fits the free blocks: a chunk needs the window's
+        blocks plus its own, so a long chunk may never fit a pool sized for a window, while a short one always
+        does (blocks before the window are freed as it moves)."""
+        if self.kv.sliding_window is None:
+            return n
+        while n > 1 and not self.kv.can_allocate(req, n, hit_blocks):
+            n //= 2
+        return n
 
     def _add_to_batch(self, out: SchedulerOutput, req: Request, n: int) -> None:
         out.reqs.append(req)
