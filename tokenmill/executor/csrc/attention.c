@@ -32,10 +32,7 @@
 typedef float v8 __attribute__((vector_size(32)));
 
 static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
+    return tm_f32_bits((uint32_t)x << 16);
 }
 
 static inline uint16_t f32_to_bf16(float f) {

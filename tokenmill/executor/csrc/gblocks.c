@@ -426,13 +426,15 @@ TM_INLINE __m128 k4_mins(__m128 off, __m128i mins, const int16_t *bs16, float dm
 }
 
 #if !defined(__AVX512BW__)
-TM_INLINE void q4k_row_i8(const uint8_t *row, int nsb, x8 x, int K, int B, float *y, size_t ystride) {
+/* Q4_K on the int8 route, and Q5_K (q5, a constant at each call: Q4_K's layout with each code's fifth bit in qh,
+ * sub-block s's in bit s of its byte, put in at bit 4 before the multiply-adds; codes 0..31) */
+TM_INLINE void k45_row_i8(const uint8_t *row, int nsb, x8 x, int K, int B, float *y, size_t ystride, const int q5) {
     __m256 acc[TM_GMATMUL_MAX_ROWS];
     __m128 off[TM_GMATMUL_MAX_ROWS];
-    const __m256i low = _mm256_set1_epi8(15);
+    const __m256i low = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(0x10);
     for (int b = 0; b < B; b++) acc[b] = _mm256_setzero_ps(), off[b] = _mm_setzero_ps();
     for (int i = 0; i < nsb; i++) {
-        const uint8_t *blk = row + (size_t)i * 144, *q = blk + 16;
+        const uint8_t *blk = row + (size_t)i * (q5 ? 176 : 144), *q = blk + (q5 ? 48 : 16);
         float d, dmin;
         uint8_t sc8[8], m8[8];
         k4_head(blk, &d, &dmin, sc8, m8);
@@ -445,52 +447,13 @@ TM_INLINE void q4k_row_i8(const uint8_t *row, int nsb, x8 x, int K, int B, float
             const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * j));
             c[2 * j] = _mm256_and_si256(v, low);
             c[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        }
-        const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)m8));
-        for (int b = 0; b < B; b++) {
-            const int8_t *xb = x.xq + (size_t)b * K + (size_t)i * QK_K;
-            __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-            for (int j = 0; j < 8; j += 2) {
-                const __m256i p0 = _mm256_maddubs_epi16(c[j], _mm256_loadu_si256((const __m256i *)(xb + 32 * j)));
-                const __m256i p1 = _mm256_maddubs_epi16(c[j + 1], _mm256_loadu_si256((const __m256i *)(xb + 32 * j + 32)));
-                s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(p0, scale[j]));
-                s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(p1, scale[j + 1]));
+            if (q5) {   /* bit s of each byte to bit 4: shifts stay inside 16-bit lanes, each byte keeps its own */
+                const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
+                const __m256i h0 = j < 2 ? _mm256_slli_epi16(qh, 4 - 2 * j) : _mm256_srli_epi16(qh, 2 * j - 4);
+                const __m256i h1 = j < 2 ? _mm256_slli_epi16(qh, 3 - 2 * j) : _mm256_srli_epi16(qh, 2 * j - 3);
+                c[2 * j] = _mm256_or_si256(c[2 * j], _mm256_and_si256(h0, bit4));
+                c[2 * j + 1] = _mm256_or_si256(c[2 * j + 1], _mm256_and_si256(h1, bit4));
             }
-            const float dx = x.dx[(size_t)b * (K / QK_K) + i];
-            acc[b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1)), _mm256_set1_ps(d * dx), acc[b]);
-            off[b] = k4_mins(off[b], mins, x.bs16 + (size_t)b * (K / 16) + (size_t)i * 16, dmin * dx);
-        }
-    }
-    for (int b = 0; b < B; b++) {
-        const __m128 o = _mm_add_ps(off[b], _mm_movehl_ps(off[b], off[b]));
-        y[(size_t)b * ystride] = hsum8(acc[b]) - _mm_cvtss_f32(_mm_add_ss(o, _mm_movehdup_ps(o)));
-    }
-}
-
-/* Q5_K on the int8 route: Q4_K's kernel with each code's fifth bit (sub-block s: bit s of qh's byte) put in
- * at bit 4 before the multiply-adds; codes 0..31 */
-TM_INLINE void q5k_row_i8(const uint8_t *row, int nsb, x8 x, int K, int B, float *y, size_t ystride) {
-    __m256 acc[TM_GMATMUL_MAX_ROWS];
-    __m128 off[TM_GMATMUL_MAX_ROWS];
-    const __m256i low = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(0x10);
-    for (int b = 0; b < B; b++) acc[b] = _mm256_setzero_ps(), off[b] = _mm_setzero_ps();
-    for (int i = 0; i < nsb; i++) {
-        const uint8_t *blk = row + (size_t)i * 176, *q = blk + 48;
-        float d, dmin;
-        uint8_t sc8[8], m8[8];
-        k4_head(blk, &d, &dmin, sc8, m8);
-        const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc8)));
-        __m256i scale[8];
-        for (int j = 0; j < 8; j++) scale[j] = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16((short)(0x0100 + 0x0202 * j)));
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
-        __m256i c[8];
-        for (int j = 0; j < 4; j++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * j));
-            /* bit s of each byte to bit 4: shifts stay inside 16-bit lanes, so each byte keeps its own bit */
-            const __m256i h0 = j < 2 ? _mm256_slli_epi16(qh, 4 - 2 * j) : _mm256_srli_epi16(qh, 2 * j - 4);
-            const __m256i h1 = j < 2 ? _mm256_slli_epi16(qh, 3 - 2 * j) : _mm256_srli_epi16(qh, 2 * j - 3);
-            c[2 * j] = _mm256_or_si256(_mm256_and_si256(v, low), _mm256_and_si256(h0, bit4));
-            c[2 * j + 1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), _mm256_and_si256(h1, bit4));
         }
         const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)m8));
         for (int b = 0; b < B; b++) {
@@ -564,16 +527,16 @@ TM_INLINE void q6k_row_i8(const uint8_t *row, int nsb, x8 x, int K, int B, float
 /* The same two kernels on 512-bit vectors: a register holds two sub-blocks' codes (Q4_K: a 32-byte chunk's low
  * and high nibbles; Q6_K: 64 consecutive positions), so each maddubs and multiply-add does twice the work and
  * meets 64 consecutive bytes of xq; the scales are put in place by one word permute each. */
-TM_INLINE void q4k_row_i8(const uint8_t *row, int nsb, x8 x, int K, int B, float *y, size_t ystride) {
+TM_INLINE void k45_row_i8(const uint8_t *row, int nsb, x8 x, int K, int B, float *y, size_t ystride, const int q5) {
     __m512 acc[TM_GMATMUL_MAX_ROWS];
     __m128 off[TM_GMATMUL_MAX_ROWS];
-    const __m512i low = _mm512_set1_epi8(15);
-    __m512i pick[4];    /* word lanes 0-15 from scale 2j, 16-31 from 2j + 1 */
+    const __m512i low = _mm512_set1_epi8(15), bit4 = _mm512_set1_epi8(0x10);
+    __m512i pick[4];    /* 2j in word lanes 0-15, 2j + 1 in 16-31: which scale, and (Q5_K) which bit of qh */
     for (int j = 0; j < 4; j++)
         pick[j] = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * j)), _mm256_set1_epi16((short)(2 * j + 1)), 1);
     for (int b = 0; b < B; b++) acc[b] = _mm512_setzero_ps(), off[b] = _mm_setzero_ps();
     for (int i = 0; i < nsb; i++) {
-        const uint8_t *blk = row + (size_t)i * 144, *q = blk + 16;
+        const uint8_t *blk = row + (size_t)i * (q5 ? 176 : 144), *q = blk + (q5 ? 48 : 16);
         float d, dmin;
         uint8_t sc8[8], m8[8];
         k4_head(blk, &d, &dmin, sc8, m8);
@@ -582,50 +545,10 @@ TM_INLINE void q4k_row_i8(const uint8_t *row, int nsb, x8 x, int K, int B, float
         for (int j = 0; j < 4; j++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * j));
             c[j] = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), low);
-            scale[j] = _mm512_permutexvar_epi16(pick[j], sc16);
-        }
-        const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)m8));
-        for (int b = 0; b < B; b++) {
-            const int8_t *xb = x.xq + (size_t)b * K + (size_t)i * QK_K;
-            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-            for (int j = 0; j < 4; j += 2) {
-                const __m512i p0 = _mm512_maddubs_epi16(c[j], _mm512_loadu_si512(xb + 64 * j));
-                const __m512i p1 = _mm512_maddubs_epi16(c[j + 1], _mm512_loadu_si512(xb + 64 * j + 64));
-                s0 = _mm512_add_epi32(s0, _mm512_madd_epi16(p0, scale[j]));
-                s1 = _mm512_add_epi32(s1, _mm512_madd_epi16(p1, scale[j + 1]));
+            if (q5) {
+                const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)));
+                c[j] = _mm512_or_si512(c[j], _mm512_and_si512(_mm512_slli_epi16(_mm512_srlv_epi16(qh, pick[j]), 4), bit4));
             }
-            const float dx = x.dx[(size_t)b * (K / QK_K) + i];
-            acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_set1_ps(d * dx), acc[b]);
-            off[b] = k4_mins(off[b], mins, x.bs16 + (size_t)b * (K / 16) + (size_t)i * 16, dmin * dx);
-        }
-    }
-    for (int b = 0; b < B; b++) {
-        const __m128 o = _mm_add_ps(off[b], _mm_movehl_ps(off[b], off[b]));
-        y[(size_t)b * ystride] = _mm512_reduce_add_ps(acc[b]) - _mm_cvtss_f32(_mm_add_ss(o, _mm_movehdup_ps(o)));
-    }
-}
-
-TM_INLINE void q5k_row_i8(const uint8_t *row, int nsb, x8 x, int K, int B, float *y, size_t ystride) {
-    __m512 acc[TM_GMATMUL_MAX_ROWS];
-    __m128 off[TM_GMATMUL_MAX_ROWS];
-    const __m512i low = _mm512_set1_epi8(15), bit4 = _mm512_set1_epi8(0x10);
-    __m512i pick[4];    /* 2j in word lanes 0-15, 2j + 1 in 16-31: which scale, and which bit of qh */
-    for (int j = 0; j < 4; j++)
-        pick[j] = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * j)), _mm256_set1_epi16((short)(2 * j + 1)), 1);
-    for (int b = 0; b < B; b++) acc[b] = _mm512_setzero_ps(), off[b] = _mm_setzero_ps();
-    for (int i = 0; i < nsb; i++) {
-        const uint8_t *blk = row + (size_t)i * 176, *q = blk + 48;
-        float d, dmin;
-        uint8_t sc8[8], m8[8];
-        k4_head(blk, &d, &dmin, sc8, m8);
-        const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc8)));
-        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)));
-        __m512i c[4], scale[4];
-        for (int j = 0; j < 4; j++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * j));
-            const __m512i h = _mm512_and_si512(_mm512_slli_epi16(_mm512_srlv_epi16(qh, pick[j]), 4), bit4);
-            c[j] = _mm512_or_si512(
-                _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), low), h);
             scale[j] = _mm512_permutexvar_epi16(pick[j], sc16);
         }
         const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)m8));
@@ -757,10 +680,10 @@ static int gmatmul_kquant(const chain *c, const float *x, int B, float *y, size_
             const int p = part_of(c, n);
             const tm_gweight *w = c->w[p];
             const uint8_t *row = w->data + (size_t)(n - c->start[p]) * w->row_bytes;
-            if (w->type == 12 && B == 1) q4k_row_i8(row, nsb, xr, K, 1, y + n, ystride);
-            else if (w->type == 12) q4k_row_i8(row, nsb, xr, K, B, y + n, ystride);
-            else if (w->type == 13 && B == 1) q5k_row_i8(row, nsb, xr, K, 1, y + n, ystride);
-            else if (w->type == 13) q5k_row_i8(row, nsb, xr, K, B, y + n, ystride);
+            if (w->type == 12 && B == 1) k45_row_i8(row, nsb, xr, K, 1, y + n, ystride, 0);
+            else if (w->type == 12) k45_row_i8(row, nsb, xr, K, B, y + n, ystride, 0);
+            else if (w->type == 13 && B == 1) k45_row_i8(row, nsb, xr, K, 1, y + n, ystride, 1);
+            else if (w->type == 13) k45_row_i8(row, nsb, xr, K, B, y + n, ystride, 1);
             else if (B == 1) q6k_row_i8(row, nsb, xr, K, 1, y + n, ystride);
             else q6k_row_i8(row, nsb, xr, K, B, y + n, ystride);
         }
