@@ -100,12 +100,15 @@ class KVCacheManager:
         table = self.req_blocks.get(req.request_id, [])
         freed = 0
         if self.sliding_window is not None:
-            first_needed = max(0, req.num_computed_tokens - self.sliding_window + 1)
-            freed = sum(1 for b in table[:first_needed // self.block_size] if b != NO_BLOCK)
+            freed = sum(1 for b in table[:self._first_needed(req) // self.block_size] if b != NO_BLOCK)
+        return self._new_blocks(req, table, num_new_tokens, computed_blocks) <= self.num_free_blocks + freed
+
+    def _new_blocks(self, req: Request, table: list[int], num_new_tokens: int, computed_blocks) -> int:
+        """Blocks the pool must supply for num_new_tokens more tokens of req: its own new ones, and the hit blocks
+        that sit in the free queue (a hit takes them out of it, so they can't be counted as free)."""
         total = req.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         need = self.blocks_needed(total) - len(table) - len(computed_blocks)
-        reclaimed = sum(1 for b in computed_blocks if self.blocks[b].ref_cnt == 0)
-        return need <= self.num_free_blocks + freed - reclaimed
+        return need + sum(1 for b in computed_blocks if self.blocks[b].ref_cnt == 0)
 
     def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
         """Make room for num_new_tokens more tokens of req (after computed_blocks, a prefix hit, on first call).
@@ -114,12 +117,10 @@ class KVCacheManager:
         table = self.req_blocks.setdefault(req.request_id, [])
         if self.sliding_window is not None:
             self._free_out_of_window(req, table)
+        if self._new_blocks(req, table, num_new_tokens, computed_blocks) > self.num_free_blocks:
+            return False
         total = req.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         need = self.blocks_needed(total) - len(table) - len(computed_blocks)
-        # hit blocks that sit in the free queue are taken out of it by the hit, so they can't be counted as free
-        reclaimed = sum(1 for b in computed_blocks if self.blocks[b].ref_cnt == 0)
-        if need > self.num_free_blocks - reclaimed:
-            return False
         for b in computed_blocks:
             blk = self.blocks[b]
             if blk.ref_cnt == 0:
@@ -158,11 +159,14 @@ class KVCacheManager:
 
     def _free_out_of_window(self, req: Request, table: list[int]) -> None:
         """Give back blocks that no future query of req can attend (all positions < next_pos - window + 1)."""
-        first_needed = max(0, req.num_computed_tokens - self.sliding_window + 1)
-        for i in range(min(first_needed // self.block_size, len(table))):
+        for i in range(min(self._first_needed(req) // self.block_size, len(table))):
             if table[i] != NO_BLOCK:
                 self._release(table[i])
                 table[i] = NO_BLOCK
+
+    def _first_needed(self, req: Request) -> int:
+        """The first position a future query of req can attend under the sliding window."""
+        return max(0, req.num_computed_tokens - self.sliding_window + 1)
 
     def _release(self, bid: int) -> None:
         blk = self.blocks[bid]
