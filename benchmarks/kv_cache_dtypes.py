@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""The KV cache's dtypes side by side on the bundled model, in one run: float32 (the reference), bfloat16, int8, int4.
+"""The KV cache's dtypes side by side on the bundled model, in one run: float32 (the reference), bfloat16, int8, int4,
+fp8_e4m3, fp8_e5m2.
 
-  .venv/bin/python benchmarks/kv_cache_dtypes.py [--dtypes float32,bfloat16,int8,int4] [--pairs 3] [--out FILE.json]
+  .venv/bin/python benchmarks/kv_cache_dtypes.py [--dtypes float32,bfloat16,int8,int4,fp8_e4m3,fp8_e5m2]
+      [--pairs 3] [--out FILE.json]
 
 Per dtype:
   - quality against the float32 cache (tokenmill.bench.kvquality): 16 passages of the bundled text as prompts,
@@ -51,7 +53,7 @@ def capacity(dtype: str, context: int = 4096, gib: float = 1.0) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dtypes", default="float32,bfloat16,int8,int4")
+    ap.add_argument("--dtypes", default="float32,bfloat16,int8,int4,fp8_e4m3,fp8_e5m2")
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()

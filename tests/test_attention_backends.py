@@ -6,9 +6,20 @@ from tests.tiny_models import random_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.executor.attention import AttentionMetadata, get_backend
 from tokenmill.executor.kernels import load, runnable_variants
-from tokenmill.executor.kv_cache import LayerKV, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+from tokenmill.executor.kv_cache import (LayerKV, dequantize_fp8, dequantize_int4, dequantize_int8, quantize_fp8,
+                                         quantize_int4, quantize_int8)
 
-QUANT = {"int8": (quantize_int8, dequantize_int8), "int4": (quantize_int4, dequantize_int4)}
+
+def _fp8(dtype: torch.dtype):
+    """(quantize, dequantize) of an fp8 cache with a different scale per kv head: values of randn / scale reach
+    e4m3's clamp at 448 for the smallest scale, its subnormals for the largest."""
+    def scales(x):
+        return torch.tensor([0.01, 0.5, 1.0, 3.0] * 8)[:x.shape[-2]]
+    return (lambda x: (quantize_fp8(x, scales(x), dtype), scales(x)), dequantize_fp8)
+
+
+QUANT = {"int8": (quantize_int8, dequantize_int8), "int4": (quantize_int4, dequantize_int4),
+         "fp8_e4m3": _fp8(torch.float8_e4m3fn), "fp8_e5m2": _fp8(torch.float8_e5m2)}
 
 # the CPU kernel backend once per kernel variant this CPU runs, each against the torch reference
 CPU = [f"cpu-{isa}" for isa in runnable_variants()]
@@ -20,7 +31,7 @@ def _backend(name: str, H: int, KV: int, D: int):
 
 
 def _cache(k: torch.Tensor, v: torch.Tensor, kv_dtype: torch.dtype) -> LayerKV:
-    """A LayerKV holding k and v [slots, KV, D] in kv_dtype: a torch float dtype, or "int8"/"int4" (quantised,
+    """A LayerKV holding k and v [slots, KV, D] in kv_dtype: a torch float dtype, or a name in QUANT (quantised,
     with their scales)."""
     if kv_dtype not in QUANT:
         return LayerKV(k.to(kv_dtype).contiguous(), v.to(kv_dtype).contiguous())
@@ -92,24 +103,24 @@ def test_cpu_kernels_take_the_shapes_of_their_limits(backend, case, shape):
     _compare_with_reference(backend, None, torch.float32, case, *shape)
 
 
-# kv_cache_dtype="bfloat16", "int8" or "int4" under a float32 model: q float32, the cache rounded or quantised; every
+# kv_cache_dtype="bfloat16", "int8", "int4" or "fp8_e4m3" under a float32 model: q float32, the cache rounded or quantised; every
 # backend reads the same K/V (the reference dequantises the rows it gathers, the kernels a chunk at a time in L1),
 # so they agree as closely as float32 caches do
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("shape", [(6, 2, 32), (9, 3, 64)])
 @pytest.mark.parametrize("backend", ["batched", *CPU])
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, "int8", "int4"])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, "int8", "int4", "fp8_e4m3"])
 def test_rounded_kv_cache_matches_reference(kv_dtype, backend, shape, window, case):
     _compare_with_reference(backend, window, torch.float32, case, *shape, kv_dtype=kv_dtype)
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("kv_dtype", list(QUANT))
 @pytest.mark.parametrize("backend", ["batched", *CPU])
 def test_quantised_cache_attends_the_dequantised_values(backend, kv_dtype):
-    """An int8 or int4 cache's attention equals float32 attention over its dequantised K/V, to float32 rounding."""
+    """A quantised cache's attention equals float32 attention over its dequantised K/V, to float32 rounding."""
     quantize, dequantize = QUANT[kv_dtype]
-    H, KV, D, bs, nblocks = 6, 2, 32, 4, 300
+    H, KV, D, bs, nblocks = 12, 4, 32, 4, 300
     ctx, qn, _ = CASES["mixed"]
     torch.manual_seed(3)
     k, v = torch.randn(nblocks * bs, KV, D), torch.randn(nblocks * bs, KV, D)
@@ -151,7 +162,7 @@ def _compare_with_reference(backend, window, dtype, case, H, KV, D, kv_dtype=Non
     torch.testing.assert_close(outs[backend], outs["torch"], atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "int8", "fp8"])
 def test_cpu_backend_token_exact(tiny_llama, kv_cache_dtype):
     prompts = random_prompts([5, 33, 70, 12, 1, 48], seed=11)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -164,14 +175,14 @@ def test_cpu_backend_token_exact(tiny_llama, kv_cache_dtype):
     assert res["cpu"] == res["torch"]
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, "int8", "int4"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, *QUANT])
 @pytest.mark.parametrize("ctx", [[45], [1, 9, 37, 64, 17, 50]])
 @pytest.mark.parametrize("isa", runnable_variants())
 def test_decode_attention_kernel_matches_rotary_then_reference(isa, ctx, kv_dtype):
     """tm_decode_attention (rotary + KV write + attention from the fused qkv rows, inside the one-call decode
     layer) against rotating in torch and the reference backend: same output, same caches."""
     from tokenmill.executor.layers.rotary import apply_rotary
-    H, KV, D, bs, nblocks = 6, 2, 32, 4, 200
+    H, KV, D, bs, nblocks = 12, 4, 32, 4, 200
     torch.manual_seed(1)
     T = len(ctx)
     qkv = torch.randn(T, (H + 2 * KV) * D)
@@ -193,7 +204,8 @@ def test_decode_attention_kernel_matches_rotary_then_reference(isa, ctx, kv_dtyp
     want = ref.forward(0, qk[:, :H], qk[:, H:], v, ref.prepare(_meta(ctx, [1] * T, bs, None, nblocks)), D ** -0.5)
     # a bfloat16 or quantised cache: C and torch rotate k with float32 rounding differences, which can round an
     # element to a neighbouring bfloat16 (one step is 2^-8 relative) or code (one step is the row's or group's
-    # scale; int4's min moves with its group's too)
+    # scale; int4's min moves with its group's too; an fp8 step is 2^-3 (e4m3) or 2^-2 (e5m2) of the value, or the
+    # smallest subnormal)
     close = dict(atol=1e-5, rtol=1e-5) if kv_dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(got, want, **close)
     kg, vg = got_cache.read(torch.arange(nblocks * bs), torch.float32)
@@ -204,6 +216,10 @@ def test_decode_attention_kernel_matches_rotary_then_reference(isa, ctx, kv_dtyp
     elif kv_dtype == "int4":
         step = got_cache.k_scale[..., 0].float().repeat_interleave(32, -1) * 2.01
         assert ((kg - kw).abs() <= step).all()
+    elif kv_dtype in ("fp8_e4m3", "fp8_e5m2"):
+        rel, sub = (2 ** -3, 2 ** -9) if kv_dtype == "fp8_e4m3" else (2 ** -2, 2 ** -16)
+        step = (kw.abs() * rel + got_cache.k_scale[:, None] * sub) * 1.01
+        assert ((kg - kw).abs() <= step).all()
     else:
         torch.testing.assert_close(kg, kw, **(dict(atol=1e-6, rtol=1e-6) if kv_dtype == torch.float32
                                               else dict(atol=0, rtol=2 ** -8)))
@@ -213,10 +229,10 @@ def test_decode_attention_kernel_matches_rotary_then_reference(isa, ctx, kv_dtyp
 def test_int8_cache_holds_about_four_times_the_tokens(tiny_llama):
     """The engine sizes the cache from the budget in the dtype's bytes per token, scales included, as kv-calc
     counts them: int8 is D + 4 bytes a token's head against float32's 4 D (3.8x at head_dim 64; this tiny model's
-    head_dim is smaller, so less)."""
+    head_dim is smaller, so less); fp8 is D bytes."""
     from tokenmill.bench.kvcalc import kv_calc
     blocks = {}
-    for dt in ("float32", "int8"):
+    for dt in ("float32", "int8", "fp8"):
         llm = LLM(tiny_llama[0], dtype="float32", kv_cache_memory_gb=0.02, kv_cache_dtype=dt)
         eng = llm.llm_engine
         blocks[dt] = eng.stats.kv_blocks_total
@@ -225,3 +241,4 @@ def test_int8_cache_holds_about_four_times_the_tokens(tiny_llama):
     D = LLM(tiny_llama[0], dtype="float32", kv_cache_memory_gb=0.02).llm_engine.model_config.head_dim
     want = 4 * D / (D + 4)
     assert abs(blocks["int8"] / blocks["float32"] - want) < 0.05 * want
+    assert abs(blocks["fp8"] / blocks["float32"] - 4) < 0.05 * 4      # fp8's scales are the layer's, not a token's

@@ -306,7 +306,7 @@ def test_faulting_in_joins_its_thread_when_the_body_ends() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("isa", VARIANTS)
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "int8", "int4"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "int8", "int4", "fp8_e4m3"])
 def test_fused_decode_layer_matches_layer_by_layer(isa, kv_cache_dtype) -> None:
     """The bundled Q4_1 GGUF qualifies for the one-call decode layer; with it and without it (the same kernels
     called one by one from Python), greedy ids are equal and logprobs agree; with quantised KV caches too."""

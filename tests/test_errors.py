@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 
 from tokenmill import LLM, SamplingParams
 
@@ -50,8 +51,30 @@ def test_kv_budget_too_small(tiny_llama):
 
 
 def test_unknown_kv_cache_dtype(tiny_llama):
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, float32, int8, int4; got 'fp8'"):
-        LLM(tiny_llama[0], dtype="float32", kv_cache_memory_gb=0.01, kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, float32, int8, int4, fp8, "
+                                         "fp8_e4m3, fp8_e5m2; got 'q8_0'"):
+        LLM(tiny_llama[0], dtype="float32", kv_cache_memory_gb=0.01, kv_cache_dtype="q8_0")
+
+
+def test_kv_cache_dtype_a_backend_cannot_serve(tiny_llama, monkeypatch):
+    """A cache dtype the chosen attention backend cannot store is refused at start, naming the backend and what it
+    does store, never served from a float cache instead. The CPU kernels say what they store by the format
+    constants of the header they were built from; one built before fp8 lacks those (a copy of the library with
+    them taken out stands for it). The engine asks the backend it picked."""
+    import copy
+    from tokenmill.executor.attention import get_backend
+    from tokenmill.executor.attention.backend import TorchReferenceBackend
+    from tokenmill.executor.kernels import load
+    lib = load("generic")
+    assert get_backend("cpu", torch.device("cpu"), 4, 2, 32, lib).kv_cache_dtype_error("fp8_e5m2", "cpu") is None
+    old = copy.copy(lib)
+    old.limits = {k: v for k, v in lib.limits.items() if "FP8" not in k}
+    why = get_backend("cpu", torch.device("cpu"), 4, 2, 32, old).kv_cache_dtype_error("fp8_e5m2", "cpu")
+    assert why == "the CPU kernels (generic) store K/V only as float32, bfloat16, int8, int4"
+    monkeypatch.setattr(TorchReferenceBackend, "kv_cache_dtype_error", lambda self, dtype, device: "no fp8 here")
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' cannot be served by the 'torch' attention backend: "
+                                         "no fp8 here; choose another kv_cache_dtype"):
+        LLM(tiny_llama[0], dtype="float32", kv_cache_memory_gb=0.01, kv_cache_dtype="fp8", attention_backend="torch")
 
 
 def test_max_model_len_over_model(tiny_llama):

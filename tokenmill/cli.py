@@ -22,7 +22,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     from tokenmill.config import KV_CACHE_DTYPES
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="auto: the model's dtype; bfloat16 halves the KV cache's bytes (K/V rounded); int8 about "
-                        "quarters them (a scale per token per kv head); int4 groups of 32 with a scale and min")
+                        "quarters them (a scale per token per kv head); int4 groups of 32 with a scale and min; "
+                        "fp8 (= fp8_e4m3) and fp8_e5m2 8-bit floats with a scale per kv head")
     p.add_argument("--cpu-kernels", default="auto",
                    help="auto (TOKENMILL_CPU_ISA, else the best for this CPU) | avx512 | avx2 | neon | generic | "
                         "reference (plain torch)")

@@ -88,7 +88,7 @@ class ModelConfig:
         return self.num_hidden_layers
 
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "int4", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,8 @@ class CacheConfig:
     # "bfloat16" halves the cache's bytes (twice the tokens in the same memory, half the bytes decode reads),
     # K/V rounded to bfloat16 while the math stays float32; "int8" stores int8 codes with a float32 scale per
     # token per kv head (a quarter of float32's bytes plus the scales); "int4" 4-bit codes per group of 32 with a
-    # half scale and min (llama.cpp's q4_1 layout: 5 bits a value)
+    # half scale and min (llama.cpp's q4_1 layout: 5 bits a value); "fp8" (= "fp8_e4m3") and "fp8_e5m2" 8-bit
+    # floats times a scale per kv head for the whole layer (vLLM's fp8 cache)
     cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
@@ -147,7 +148,9 @@ class EngineConfig:
     def kv_cache_dtype(self) -> str:
         """The KV cache's dtype by name (cache_config.cache_dtype; "auto": the model's dtype)."""
         cache_dtype = self.cache_config.cache_dtype
-        return str(self.dtype).removeprefix("torch.") if cache_dtype == "auto" else cache_dtype
+        if cache_dtype == "auto":
+            return str(self.dtype).removeprefix("torch.")
+        return "fp8_e4m3" if cache_dtype == "fp8" else cache_dtype
 
 
 def default_dtype(device: torch.device) -> torch.dtype:

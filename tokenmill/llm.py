@@ -26,7 +26,8 @@ class LLM:
 
     Engine options keep vLLM's names: dtype, block_size, max_num_seqs, max_num_batched_tokens, max_model_len,
     enable_prefix_caching, kv_cache_dtype ("auto"; "bfloat16": half the KV bytes, K/V rounded; "int8": about a
-    quarter, a scale per token per kv head; "int4": groups of 32 with a scale and min), device, seed;
+    quarter, a scale per token per kv head; "int4": groups of 32 with a scale and min; "fp8" / "fp8_e4m3" /
+    "fp8_e5m2": 8-bit floats with a scale per kv head), device, seed;
     kv_cache_memory_gb sizes the paged KV cache (default: a share of free memory); attention_backend picks the
     attention kernels; a GGUF's matrices stay in their quantised blocks (quantized_kernels=False dequantises them
     to float at load, the plain path); quantization="int8" or "int4" quantises a float checkpoint at load;

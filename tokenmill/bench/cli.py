@@ -55,8 +55,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-gb", type=float, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="bfloat16: half the KV cache's bytes (K/V rounded); int8: about a quarter; int4: about a "
-                        "sixth")
+                   help="bfloat16: half the KV cache's bytes (K/V rounded); int8 and fp8 (fp8_e4m3, fp8_e5m2): "
+                        "about a quarter; int4: about a sixth")
     p.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=True,
                    help="Q4_K/Q5_K/Q6_K matmuls take activations rounded to int8 per 256, as llama.cpp's (default)")
     p.add_argument("--no-warmup", action="store_true", help="time the first (cold) call too")

@@ -1,6 +1,7 @@
 """One layer's paged KV cache: K and V as [slots, kv_heads, head_dim] in the cache's dtype (kv_cache_dtype): float32
-or bfloat16; int8 codes with a float32 scale per slot and kv head; or int4 codes in groups of 32 along head_dim,
-two to a byte, with a half scale and min per group (llama.cpp's q4_1 in the cache). Tokens are quantised as they
+or bfloat16; int8 codes with a float32 scale per slot and kv head; int4 codes in groups of 32 along head_dim,
+two to a byte, with a half scale and min per group (llama.cpp's q4_1 in the cache); or fp8 codes (e4m3 or e5m2)
+with a float32 scale per kv head for the whole layer, as vLLM's fp8 cache (1.0 unless set). Tokens are quantised as they
 are written; readers dequantise only the rows they read (the C kernels a chunk at a time in L1, torch the rows it
 gathers), so no float copy of the cache is ever made. The dtype is chosen once at load; every backend reads and
 writes through this one noun."""
@@ -13,18 +14,22 @@ from typing import Optional
 import torch
 
 # the cache dtypes and how tm_kv_cache.format names them (tokenmill.h's TM_KV_*)
-FORMATS = {"float32": 0, "bfloat16": 1, "int8": 2, "int4": 3}
+FORMATS = {"float32": 0, "bfloat16": 1, "int8": 2, "int4": 3, "fp8_e4m3": 4, "fp8_e5m2": 5}
 # the torch dtype of each one's codes: int4's are packed two to a uint8
-_CODES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8}
+_CODES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8,
+          "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+_NAMES = {t: name for name, t in _CODES.items() if name != "int4"}
 _INT8_MAX = 127     # int8: symmetric, scale = max |x| / 127 over a token's kv head
 INT4_GROUP = 32     # int4: head_dim a multiple of this (tokenmill.h's TM_KV_INT4_GROUP)
+FP8 = ("fp8_e4m3", "fp8_e5m2")
+_FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}    # the largest finite code: writes clamp to it
 
 
 @dataclass(frozen=True)
 class LayerKV:
     k: torch.Tensor                           # [slots, KV, D]
     v: torch.Tensor
-    k_scale: Optional[torch.Tensor] = None    # [slots, KV] float32, for int8
+    k_scale: Optional[torch.Tensor] = None    # int8 [slots, KV] float32; int4 [slots, KV, D / 32, 2] half; fp8 [KV]
     v_scale: Optional[torch.Tensor] = None
 
     @staticmethod
@@ -35,6 +40,8 @@ class LayerKV:
         check_kv_dtype(dtype, head_dim)
         codes, scales = _shapes(slots, kv_heads, head_dim, dtype)
         k, v = (torch.empty(codes, dtype=_CODES.get(dtype) or getattr(torch, dtype), device=device) for _ in "kv")
+        if dtype in FP8:      # vLLM's default scale where a checkpoint brings none
+            return LayerKV(k, v, *(torch.ones(kv_heads, dtype=torch.float32, device=device) for _ in "kv"))
         if scales is None:
             return LayerKV(k, v)
         scale_dtype = torch.float32 if dtype == "int8" else torch.float16
@@ -42,7 +49,7 @@ class LayerKV:
 
     @staticmethod
     def bytes_per_slot(kv_heads: int, head_dim: int, dtype: str) -> int:
-        """K and V of one token of one layer, scales included."""
+        """K and V of one token of one layer, its scales included (fp8's are the layer's, not a token's)."""
         codes, scales = _shapes(1, kv_heads, head_dim, dtype)
         n = math.prod(codes) * (_CODES.get(dtype) or getattr(torch, dtype)).itemsize
         if scales is not None:
@@ -54,7 +61,7 @@ class LayerKV:
         """The cache dtype's name (FORMATS)."""
         if self.k.dtype == torch.uint8:
             return "int4"
-        return str(self.k.dtype).removeprefix("torch.")
+        return _NAMES.get(self.k.dtype) or str(self.k.dtype).removeprefix("torch.")
 
     @property
     def head_dim(self) -> int:
@@ -78,6 +85,10 @@ class LayerKV:
             self.k[slots] = k.to(self.k.dtype)
             self.v[slots] = v.to(self.v.dtype)
             return
+        if self.dtype in FP8:
+            self.k[slots] = quantize_fp8(k, self.k_scale, self.k.dtype)
+            self.v[slots] = quantize_fp8(v, self.v_scale, self.v.dtype)
+            return
         quantize = quantize_int8 if self.dtype == "int8" else quantize_int4
         for x, codes, scale in ((k, self.k, self.k_scale), (v, self.v, self.v_scale)):
             q, s = quantize(x)
@@ -89,6 +100,9 @@ class LayerKV:
         kernels do)."""
         if not self.quantized:
             return self.k[slots].to(dtype), self.v[slots].to(dtype)
+        if self.dtype in FP8:
+            return (dequantize_fp8(self.k[slots], self.k_scale).to(dtype),
+                    dequantize_fp8(self.v[slots], self.v_scale).to(dtype))
         dequantize = dequantize_int8 if self.dtype == "int8" else dequantize_int4
         return (dequantize(self.k[slots], self.k_scale[slots]).to(dtype),
                 dequantize(self.v[slots], self.v_scale[slots]).to(dtype))
@@ -101,9 +115,11 @@ def check_kv_dtype(dtype: str, head_dim: int) -> None:
 
 
 def _shapes(slots: int, kv_heads: int, head_dim: int, dtype: str) -> tuple[tuple, Optional[tuple]]:
-    """The codes' shape and the scales' (None for a float cache)."""
+    """The codes' shape and the per-slot scales' (None for a float or fp8 cache)."""
     if dtype == "int8":
         return (slots, kv_heads, head_dim), (slots, kv_heads)
+    if dtype in FP8:
+        return (slots, kv_heads, head_dim), None
     if dtype == "int4":
         return (slots, kv_heads, head_dim // 2), (slots, kv_heads, head_dim // INT4_GROUP, 2)
     return (slots, kv_heads, head_dim), None
@@ -142,3 +158,14 @@ def dequantize_int4(codes: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
     c = torch.cat([q & 15, q >> 4], -1).float()                     # [..., G, 32]
     d, m = dm[..., 0].float(), dm[..., 1].float()
     return (c * d[..., None] + m[..., None]).flatten(-2)
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x [..., KV, D] -> fp8 codes of dtype (torch.float8_e4m3fn or float8_e5m2) with scale [KV]: x * (1 / scale)
+    clamped to the largest finite code, to nearest even; the C kernels' write, operation for operation."""
+    hi = _FP8_MAX[_NAMES[dtype]]
+    return (x.float() * (1.0 / scale)[:, None]).clamp(-hi, hi).to(dtype)
+
+
+def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return codes.float() * scale[:, None]

@@ -33,6 +33,11 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.backend = get_backend(config.attention_backend, self.device, mc.num_attention_heads,
                                    mc.num_key_value_heads, mc.head_dim, model.ops.kernels)
+        why_not = self.backend.kv_cache_dtype_error(config.kv_cache_dtype, self.device)
+        if why_not is not None:
+            raise ValueError(f"kv_cache_dtype={config.cache_config.cache_dtype!r} cannot be served by the "
+                             f"{self.backend.name!r} attention backend: {why_not}; choose another kv_cache_dtype "
+                             f"('auto' always works)")
         # one LayerKV per layer: K and V [num_blocks * block_size, kv_heads, head_dim] (flat slots), int8's scales.
         # Untouched memory: start-up does not wait for the whole budget to be touched (faulting_in_kv_cache touches
         # what it can on an idle core while the engine loads the tokenizer);

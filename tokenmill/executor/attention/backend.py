@@ -17,7 +17,7 @@ from typing import Optional, TypeVar
 import torch
 import torch.nn.functional as F
 
-from tokenmill.executor.kv_cache import LayerKV
+from tokenmill.executor.kv_cache import INT4_GROUP, LayerKV
 
 
 @dataclass
@@ -82,6 +82,17 @@ class AttentionBackend:
 
     def __init__(self) -> None:
         self.kv_caches: list[LayerKV] = []
+
+    def kv_cache_dtype_error(self, dtype: str, device: torch.device) -> Optional[str]:
+        """None when this backend reads and writes a cache of dtype (kv_cache.FORMATS, or a torch dtype's name off
+        CPU) on device, else why not. The torch backends go through LayerKV's torch ops: they need the codes'
+        dtype on the device."""
+        try:
+            LayerKV.allocate(1, 1, INT4_GROUP, dtype, device).read(torch.zeros(1, dtype=torch.long, device=device),
+                                                                   torch.float32)
+        except (AttributeError, RuntimeError, TypeError) as e:
+            return f"this torch ({torch.__version__}) cannot hold it on {device}: {e}"
+        return None
 
     def bind_kv_cache(self, caches: list[LayerKV]) -> None:
         """One LayerKV per layer, K and V [slots, KV, D] (a flat view of [num_blocks, block_size, KV, D])."""

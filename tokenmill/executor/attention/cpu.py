@@ -15,9 +15,12 @@ import torch
 
 from tokenmill.executor.attention.backend import AttentionBackend, AttentionMetadata, _window_start, extend
 from tokenmill.executor.kernels import KernelLibrary
-from tokenmill.executor.kv_cache import LayerKV
+from tokenmill.executor.kv_cache import FORMATS, LayerKV
 
 _Q_DTYPES = {torch.float32: 0, torch.bfloat16: 1}     # q_bf16
+# each cache dtype's tm_kv_cache.format constant (tokenmill.h)
+_KV_FORMATS = {"float32": "TM_KV_F32", "bfloat16": "TM_KV_BF16", "int8": "TM_KV_INT8", "int4": "TM_KV_INT4",
+               "fp8_e4m3": "TM_KV_FP8_E4M3", "fp8_e5m2": "TM_KV_FP8_E5M2"}
 
 
 def kernel_fits(kernels: KernelLibrary, num_heads: int, num_kv_heads: int, head_dim: int) -> Optional[str]:
@@ -60,6 +63,13 @@ class CpuKernelBackend(AttentionBackend):
         super().__init__()
         self.kernels = kernels
         self.kv: list[ctypes.Structure] = []
+
+    def kv_cache_dtype_error(self, dtype: str, device: torch.device) -> Optional[str]:
+        const = _KV_FORMATS.get(dtype)
+        if const is None or self.kernels.limits.get(const) != FORMATS[dtype]:
+            served = [d for d, c in _KV_FORMATS.items() if self.kernels.limits.get(c) == FORMATS[d]]
+            return f"the CPU kernels ({self.kernels.isa}) store K/V only as {', '.join(served)}"
+        return None
 
     def bind_kv_cache(self, caches: list[LayerKV]) -> None:
         super().bind_kv_cache(caches)

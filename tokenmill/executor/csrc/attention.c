@@ -8,10 +8,9 @@
  *   tm_write_kv       the step's K/V into their slots;
  *   tm_decode_attention  rotary + KV write + paged decode of fused qkv rows, for the one-call decode layer.
  * Math in float32 whatever the storage types: q and out float32 or bfloat16 (q_bf16), the cache float32,
- * bfloat16, int8 with a scale per token and kv head, or int4 in groups of 32 (tm_kv_cache.format,
- * kv_cache_dtype). With AVX-512, D a
- * multiple of 16 and a float cache,
- * paged_decode runs its items through decode_fast (arch/avx512/attention_fast.c) instead: a request's own positions (one query token per
+ * bfloat16, int8 with a scale per token and kv head, int4 in groups of 32, or fp8 (e4m3, e5m2) with a scale per
+ * kv head (tm_kv_cache.format, kv_cache_dtype). With AVX-512, D a multiple of 16 and a float cache, paged_decode
+ * runs its items through decode_fast (arch/avx512/attention_fast.c) instead: a request's own positions (one query token per
  * head: little arithmetic per byte, where decode_fast's two passes spend about half of attend_rows'
  * instructions) and the cascade's shared prefix (a tile's 48 rows, without per-chunk rescaling); so does
  * paged_prefill for contexts up to FAST_N (a tile of 16 tokens x G rows, causal masks in the softmax).
@@ -27,6 +26,7 @@
 #include <string.h>
 
 #include "attention.h"
+#include "fp8.h"
 #include "half.h"
 
 typedef float v8 __attribute__((vector_size(32)));
@@ -141,8 +141,18 @@ static inline void dequant_row_i4(const uint8_t *q, const uint16_t *dm, float *o
     }
 }
 
+/* Each fp8 code's value, e4m3's then e5m2's: a read is one L1 lookup. Filled as the library loads. */
+static float fp8_values[2][256];
+
+__attribute__((constructor)) static void fill_fp8_values(void) {
+    for (int c = 0; c < 256; c++) {
+        fp8_values[0][c] = tm_fp8_to_f32((uint8_t)c, 0);
+        fp8_values[1][c] = tm_fp8_to_f32((uint8_t)c, 1);
+    }
+}
+
 /* Pointers to the K and V rows of kv head h at the chunk's slots (n8 of them, padded slots repeat a real one);
- * bfloat16 and int8 rows are converted into kbuf/vbuf (a chunk's rows, L1-resident: no float copy of the cache). */
+ * rows of the other formats are converted into kbuf/vbuf (a chunk's rows, L1-resident: no float copy of the cache). */
 static void chunk_rows(const ctx_t *c, const size_t *slot, int n8, int h, const float **kr, const float **vr,
                        float (*kbuf)[MAX_D], float (*vbuf)[MAX_D]) {
     const int D = c->D;
@@ -164,6 +174,14 @@ static void chunk_rows(const ctx_t *c, const size_t *slot, int n8, int h, const 
             for (int d = 0; d < D; d++) {
                 kbuf[j][d] = (float)kq[d] * ks;
                 vbuf[j][d] = (float)vq[d] * vs;
+            }
+        } else if (c->fmt >= TM_KV_FP8_E4M3) {
+            const uint8_t *kq = (const uint8_t *)c->k + idx, *vq = (const uint8_t *)c->v + idx;
+            const float *lut = fp8_values[c->fmt == TM_KV_FP8_E5M2];
+            const float ks = ((const float *)c->ks)[h], vs = ((const float *)c->vs)[h];
+            for (int d = 0; d < D; d++) {
+                kbuf[j][d] = lut[kq[d]] * ks;
+                vbuf[j][d] = lut[vq[d]] * vs;
             }
         } else {
             dequant_row_i4((const uint8_t *)c->k + row * (D / 2), (const uint16_t *)c->ks + row * (D / 16), kbuf[j], D);
@@ -578,6 +596,16 @@ static void quantize_row_i4(const float *x, uint8_t *q, uint16_t *dm, int D) {
     }
 }
 
+/* One row of width values into fp8 codes of a kv head with scale `scale`: code = fp8(clamp(x * (1 / scale))), to
+ * nearest even; the same float32 operations as the torch path, so both write the same bytes. */
+static void quantize_row_fp8(const float *x, uint8_t *q, float scale, int width, int e5m2) {
+    const float inv = 1.f / scale, hi = TM_FP8_MAX(e5m2);
+    for (int i = 0; i < width; i++) {
+        const float y = x[i] * inv;
+        q[i] = tm_f32_to_fp8(y > hi ? hi : y < -hi ? -hi : y, e5m2);
+    }
+}
+
 /* k_cache[slots[t]] = k[t] and v_cache[slots[t]] = v[t] for t < rows: KV * D float32 values per row, source rows
  * src_stride apart (views into fused qkv); stored in the cache's format (bfloat16 rounded to nearest even, as
  * torch converts; int8 a kv head at a time). Returns -3, writing nothing, for a slot outside the cache. */
@@ -602,6 +630,13 @@ static int write_kv(const float *k, const float *v, int src_stride, const tm_kv_
                 const size_t row = (size_t)slots[t] * KV + h;
                 quantize_row_i8(ks + h * D, (int8_t *)kv->k + row * D, (float *)kv->k_scale + row, D);
                 quantize_row_i8(vs + h * D, (int8_t *)kv->v + row * D, (float *)kv->v_scale + row, D);
+            }
+        } else if (kv->format >= TM_KV_FP8_E4M3) {
+            const int e5m2 = kv->format == TM_KV_FP8_E5M2;
+            for (int h = 0; h < KV; h++) {
+                const size_t row = (size_t)slots[t] * KV + h;
+                quantize_row_fp8(ks + h * D, (uint8_t *)kv->k + row * D, ((const float *)kv->k_scale)[h], D, e5m2);
+                quantize_row_fp8(vs + h * D, (uint8_t *)kv->v + row * D, ((const float *)kv->v_scale)[h], D, e5m2);
             }
         } else {
             for (int h = 0; h < KV; h++) {
@@ -633,7 +668,8 @@ static int decode_attention(float *qkv, int qkv_stride, float *out, const float 
 /* ---- the library's entry points (tokenmill.h) ---- */
 static int kv_ok(const tm_kv_cache *kv) {
     return kv->format == TM_KV_F32 || kv->format == TM_KV_BF16
-           || (kv->format == TM_KV_INT8 && kv->k_scale && kv->v_scale)
+           || ((kv->format == TM_KV_INT8 || kv->format == TM_KV_FP8_E4M3 || kv->format == TM_KV_FP8_E5M2)
+               && kv->k_scale && kv->v_scale)
            || (kv->format == TM_KV_INT4 && kv->k_scale && kv->v_scale && kv->head_dim % TM_KV_INT4_GROUP == 0);
 }
 

@@ -154,6 +154,8 @@ TM_API int tm_argmax(const tm_argmax_args *a);
 #define TM_KV_INT8 2              /* int8 codes, symmetric, a float32 scale per (slot, kv head): code * scale */
 #define TM_KV_INT4 3              /* 4-bit codes per group of 32 with a half scale d and min m: code * d + m */
 #define TM_KV_INT4_GROUP 32       /* head_dim a multiple of this for an int4 cache */
+#define TM_KV_FP8_E4M3 4          /* 8-bit floats (OCP E4M3FN) times a float32 scale per kv head: code * scale */
+#define TM_KV_FP8_E5M2 5          /* the same with E5M2 codes */
 
 /* one layer's paged cache: slot = block * block_size + offset */
 typedef struct {
@@ -161,7 +163,8 @@ typedef struct {
                                    * a group's byte j holding code j (low nibble) and code j + 16 (high) */
     void *v;
     const void *k_scale;          /* TM_KV_INT8: float32 [num_slots, kv_heads]; TM_KV_INT4: half (d, m) pairs
-                                   * [num_slots, kv_heads, head_dim / 32]; else NULL */
+                                   * [num_slots, kv_heads, head_dim / 32]; TM_KV_FP8_*: float32 [kv_heads], the
+                                   * same for every slot; else NULL */
     const void *v_scale;
     int64_t num_slots;
     int kv_heads;
