@@ -9,7 +9,7 @@
  *   tm_decode_attention  rotary + KV write + paged decode of fused qkv rows, for the one-call decode layer.
  * Math in float32 whatever the storage types: q and out float32 or bfloat16 (q_bf16), the cache float32,
  * bfloat16, int8 with a scale per token and kv head, int4 in groups of 32, or fp8 (e4m3, e5m2) with a scale per
- * kv head (tm_kv_cache.format, kv_cache_dtype). With AVX-512, D a multiple of 16 and a float cache, paged_decode
+ * kv head (tm_kv_cache.format, kv_cache_dtype). With AVX-512 and D a multiple of 16, paged_decode
  * runs its items through decode_fast (arch/avx512/attention_fast.c) instead: a request's own positions (one query token per
  * head: little arithmetic per byte, where decode_fast's two passes spend about half of attend_rows'
  * instructions) and the cascade's shared prefix (a tile's 48 rows, without per-chunk rescaling); so does
@@ -403,7 +403,7 @@ static int paged_decode(const void *q, int q_stride, const tm_kv_cache *kv, void
     const int own = max_len - shared_len;       /* the longest per-request range */
     int parts = units < 2 * num_threads ? (2 * num_threads + units - 1) / units : 1;
     if (parts > own / 64) parts = own / 64 > 1 ? own / 64 : 1;
-    const int fast = HAVE_FAST && D % 16 == 0 && kv->format <= TM_KV_BF16;
+    const int fast = HAVE_FAST && D % 16 == 0;
 #if HAVE_FAST
     if (fast && parts < (own + FAST_N - 1) / FAST_N) parts = (own + FAST_N - 1) / FAST_N;
 #endif
@@ -516,7 +516,7 @@ static int paged_prefill(const void *q, int q_stride, const tm_kv_cache *kv, voi
     first_item[0] = 0;
     for (int i = 0; i < R; i++) first_item[i + 1] = first_item[i] + KV * ((count[i] + tok - 1) / tok);
     int status = 0;
-    const int fast = HAVE_FAST && D % 16 == 0 && kv->format <= TM_KV_BF16;
+    const int fast = HAVE_FAST && D % 16 == 0;
 #pragma omp parallel num_threads(num_threads)
     {
         scratch_t s;

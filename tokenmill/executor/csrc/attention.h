@@ -26,7 +26,7 @@ static inline ctx_t ctx_of(const tm_kv_cache *kv, int bs_shift, int bs_mask, con
     return c;
 }
 
-/* bytes of one cached value (the float formats, for the AVX-512 path) */
+/* bytes of one cached value (int4: see kv_head_bytes) */
 static inline size_t kv_elem_bytes(int fmt) {
     return fmt == TM_KV_F32 ? 4 : fmt == TM_KV_BF16 ? 2 : 1;
 }

@@ -1,5 +1,6 @@
 /* The AVX-512 decode path of the paged attention kernels (attention.c): for a work item's positions, all scores
- * first, then one exact softmax per row, then the weighted sum of V, with K and V asked for ahead of use. */
+ * first, then one exact softmax per row, then the weighted sum of V, with K and V asked for ahead of use. Every
+ * cache format (tm_kv_cache.format) is read in place, 16 values at a time dequantised in registers. */
 #include <float.h>
 #include <immintrin.h>
 #include <stdint.h>
@@ -26,10 +27,16 @@ static inline __m256 reduce8(const __m512 *a) {
     return _mm512_castps512_ps256(_mm512_permutexvar_ps(order, y));
 }
 
+/* byte offset of dimension d in a cache row (int4: two codes a byte) */
+static inline size_t dim_bytes(int d, const int fmt) {
+    return fmt == TM_KV_INT4 ? (size_t)d / 2 : (size_t)d * kv_elem_bytes(fmt);
+}
+
 /* K rows of heads h0 .. h0+NH-1 at a slot, to L1. (Asking for V here as well, to L2, ran slower; the value
  * pass asks for its own rows, prefetch_v.) */
-static inline __attribute__((always_inline)) void prefetch_k(const ctx_t *c, size_t slot, int h0, int NH) {
-    const size_t es = kv_elem_bytes(c->fmt), off = (slot * c->KV + h0) * c->D * es, bytes = (size_t)NH * c->D * es;
+static inline __attribute__((always_inline)) void prefetch_k(const ctx_t *c, size_t slot, int h0, int NH,
+                                                             const int fmt) {
+    const size_t hb = kv_head_bytes(fmt, c->D), off = (slot * c->KV + h0) * hb, bytes = (size_t)NH * hb;
     for (size_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)c->k + off + b, _MM_HINT_T0);
 }
 
@@ -38,17 +45,44 @@ static inline __attribute__((always_inline)) void prefetch_k(const ctx_t *c, siz
  * the pool that the hardware prefetcher follows poorly (cold, the whole kernel read ~11% slower without this).
  * Forced inline: written as a plain static inline helper, GCC left it out of decode_fast and then deleted the
  * call, a function whose only effect is a prefetch counting as one with none (objdump: 4 prefetcht0, not 52). */
-static inline __attribute__((always_inline)) void prefetch_v(const void *V, size_t idx, int DV, const int kv16) {
-    const char *p = (const char *)V + idx * (kv16 ? 2 : 4);
-    for (int b = 0; b < DV * (kv16 ? 32 : 64); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+static inline __attribute__((always_inline)) void prefetch_v(const ctx_t *c, size_t slot, int h, int d0, int DV,
+                                                             const int fmt) {
+    const char *p = (const char *)c->v + (slot * c->KV + h) * kv_head_bytes(fmt, c->D) + dim_bytes(d0, fmt);
+    const int bytes = (int)dim_bytes(16 * DV, fmt);
+    for (int b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
 
-/* 16 cache values from element idx, as float32 (bfloat16 is the top half of a float32) */
-static inline __m512 load_kv(const void *base, size_t idx, int kv16) {
-    if (kv16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + idx))), 16));
-    return _mm512_loadu_ps((const float *)base + idx);
+/* 16 values of kv head h's row at a slot from dimension d (a multiple of 16), as float32, from K (base c->k,
+ * scales c->ks) or V: bfloat16 is the top half of a float32; int8 codes times the row's scale; an fp8 code
+ * widened to the half with the same sign, exponent and mantissa (exact: e5m2 is a half's top byte, e4m3's
+ * exponent sits 8 below a half's) times its head's scale; int4 nibbles times their group's d plus its m. */
+static inline __attribute__((always_inline)) __m512 load_kv(const ctx_t *c, const void *base, const void *scales,
+                                                            size_t slot, int h, int d, const int fmt) {
+    const size_t row = slot * c->KV + h;
+    const char *p = (const char *)base + row * kv_head_bytes(fmt, c->D) + dim_bytes(fmt == TM_KV_INT4 ? d & ~31 : d, fmt);
+    if (fmt == TM_KV_F32) return _mm512_loadu_ps((const float *)p);
+    if (fmt == TM_KV_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    const __m128i b = _mm_loadu_si128((const __m128i *)p);
+    if (fmt == TM_KV_INT8)
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(((const float *)scales)[row]));
+    if (fmt == TM_KV_FP8_E5M2)
+        return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8)),
+                             _mm512_set1_ps(((const float *)scales)[h]));
+    if (fmt == TM_KV_FP8_E4M3) {
+        const __m256i w = _mm256_cvtepu8_epi16(b);
+        const __m256i hbits = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7),
+                                              _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+        return _mm512_mul_ps(_mm512_cvtph_ps(hbits), _mm512_set1_ps(((const float *)scales)[h] * 256.f));
+    }
+    /* int4: p is the group's 16 bytes; dimensions d .. d+15 are their low nibbles in the group's first half,
+     * the high ones in its second */
+    const __m512i w = _mm512_cvtepu8_epi32(b);
+    const __m512i q = d & 16 ? _mm512_srli_epi32(w, 4) : _mm512_and_si512(w, _mm512_set1_epi32(15));
+    uint32_t dm;
+    memcpy(&dm, (const uint16_t *)scales + (row * (c->D / TM_KV_INT4_GROUP) + d / TM_KV_INT4_GROUP) * 2, 4);
+    const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_broadcastss_ps(f), _mm512_broadcastss_ps(_mm_movehdup_ps(f)));
 }
 
 /* e^x for 16 floats, to about 1 ulp: x = k ln2 + r with |r| <= ln2 / 2 (ln2 split in two for an exact k ln2),
@@ -75,13 +109,13 @@ static inline __m512 exp16(__m512 x) {
 /* kt[d][j] = K row of kv head h at slot[j], d < D, j < nj (<= KT_POS); 16 x 16 squares turned round in
  * registers. Groups of 16 positions past nj are left as they were: their scores are never read. */
 static inline __attribute__((always_inline)) void k_turned(const ctx_t *c, int h, const size_t *slot, int nj,
-                                                           float *kt, const int kv16) {
+                                                           float *kt, const int fmt) {
     const int D = c->D;
     for (int jb = 0; jb < nj; jb += 16)
         for (int d0 = 0; d0 < D; d0 += 16) {
             __m512 r[16];
             for (int i = 0; i < 16; i++)   /* a short last group repeats its last position */
-                r[i] = load_kv(c->k, (slot[jb + i < nj ? jb + i : nj - 1] * c->KV + h) * D + d0, kv16);
+                r[i] = load_kv(c, c->k, c->ks, slot[jb + i < nj ? jb + i : nj - 1], h, d0, fmt);
             transpose16(r);
             for (int i = 0; i < 16; i++) _mm512_store_ps(kt + (size_t)(d0 + i) * KT_POS + jb, r[i]);
         }
@@ -92,10 +126,10 @@ static inline __attribute__((always_inline)) void k_turned(const ctx_t *c, int h
  * accumulators, per d four loads of kt and six broadcasts of q feed 24 FMAs, no horizontal sums. */
 static inline __attribute__((always_inline)) void scores_many(const ctx_t *c, int h, int G, float (*qs)[MAX_D],
                                                                int n, float *sbuf, const size_t *slot, float *kt,
-                                                               const int kv16) {
+                                                               const int fmt) {
     const int D = c->D;
     for (int j0 = 0; j0 < n; j0 += KT_POS) {
-        k_turned(c, h, slot + j0, n - j0 < KT_POS ? n - j0 : KT_POS, kt, kv16);
+        k_turned(c, h, slot + j0, n - j0 < KT_POS ? n - j0 : KT_POS, kt, fmt);
         for (int r0 = 0; r0 < G; r0 += 6) {
 #define QK_GEMM(NR)                                                                                       \
             {                                                                                             \
@@ -132,15 +166,14 @@ static inline __attribute__((always_inline)) void scores_many(const ctx_t *c, in
  * with K asked for PF_AHEAD positions ahead. */
 static inline __attribute__((always_inline)) void scores_few(const ctx_t *c, int h0, int NH, int G,
                                                               float (*qs)[MAX_D], int n, float *sbuf,
-                                                              const size_t *slot, const int kv16) {
-    const int D = c->D, KV = c->KV;
-    const void *K = c->k;
-    for (int j = 0; j < PF_AHEAD && j < n; j++) prefetch_k(c, slot[j], h0, NH);
+                                                              const size_t *slot, const int fmt) {
+    const int D = c->D;
+    for (int j = 0; j < PF_AHEAD && j < n; j++) prefetch_k(c, slot[j], h0, NH, fmt);
     for (int j0 = 0; j0 < n; j0 += 8) {
-        for (int j = j0 + PF_AHEAD; j < j0 + 8 + PF_AHEAD && j < n; j++) prefetch_k(c, slot[j], h0, NH);
+        for (int j = j0 + PF_AHEAD; j < j0 + 8 + PF_AHEAD && j < n; j++) prefetch_k(c, slot[j], h0, NH, fmt);
         for (int h = 0; h < NH; h++) {
-            size_t kr[8];   /* element offsets of the 8 K rows */
-            for (int j = 0; j < 8; j++) kr[j] = (slot[j0 + j < n ? j0 + j : n - 1] * KV + h0 + h) * D;
+            size_t kr[8];   /* the 8 K rows' slots */
+            for (int j = 0; j < 8; j++) kr[j] = slot[j0 + j < n ? j0 + j : n - 1];
             for (int g0 = 0; g0 < G; g0 += 3) {
                 const int row = h * G + g0;
 #define QK_BLOCK(NR)                                                                                      \
@@ -152,7 +185,7 @@ static inline __attribute__((always_inline)) void scores_few(const ctx_t *c, int
                         __m512 q[NR];                                                                     \
                         for (int r = 0; r < NR; r++) q[r] = _mm512_loadu_ps(qs[row + r] + d);             \
                         for (int j = 0; j < 8; j++) {                                                     \
-                            const __m512 kv = load_kv(K, kr[j] + d, kv16);                                \
+                            const __m512 kv = load_kv(c, c->k, c->ks, kr[j], h0 + h, d, fmt);            \
                             for (int r = 0; r < NR; r++) a[r][j] = _mm512_fmadd_ps(q[r], kv, a[r][j]);   \
                         }                                                                                 \
                     }                                                                                     \
@@ -169,7 +202,7 @@ static inline __attribute__((always_inline)) void scores_few(const ctx_t *c, int
 }
 
 /* Attention of rows (h - h0) * G + g (qs, scaled) over positions p0 .. p0+n-1 (n <= FAST_N) of a float32
- * (kv16 = 0) or bfloat16 (kv16 = 1) cache, D a multiple of 16, in two passes: all scores first (scores_few, or
+ * cache of format fmt (TM_KV_*), D a multiple of 16, in two passes: all scores first (scores_few, or
  * scores_many for many rows of one kv head), then one exact softmax per row (row r only over [begin[r], end[r])
  * where begin/end are given: a causal prompt tile), then the weighted sum of V (up to 4 rows, 6 for many rows,
  * x 64 dims of accumulators; 16-wide tails of D one vector at a time). Leaves m (max), l (sum of e^(s - m))
@@ -178,13 +211,12 @@ static inline __attribute__((always_inline)) void decode_fast(const ctx_t *c, in
                                                                float (*qs)[MAX_D], int p0, int n, float *m,
                                                                float *l, float (*acc)[MAX_D], float *sbuf,
                                                                size_t *slot, float *kt, const int *begin,
-                                                               const int *end, const int kv16) {
-    const int D = c->D, KV = c->KV;
-    const void *V = c->v;
+                                                               const int *end, const int fmt) {
+    const int D = c->D;
     for (int j = 0; j < n; j++) slot[j] = slot_of(c, p0 + j);
     const int many = NH == 1 && G >= GEMM_ROWS;
-    if (many) scores_many(c, h0, G, qs, n, sbuf, slot, kt, kv16);
-    else scores_few(c, h0, NH, G, qs, n, sbuf, slot, kv16);
+    if (many) scores_many(c, h0, G, qs, n, sbuf, slot, kt, fmt);
+    else scores_few(c, h0, NH, G, qs, n, sbuf, slot, fmt);
     /* One exact softmax per row over the positions it attends, [lo, hi) of the n (row r's [begin, end) where
      * given, as a causal prompt tile has; the rest weigh 0), 16 at a time */
     const int rows = NH * G;
@@ -220,10 +252,9 @@ static inline __attribute__((always_inline)) void decode_fast(const ctx_t *c, in
                 for (int r = 0; r < NR; r++)                                                              \
                     for (int i = 0; i < DV; i++) a[r][i] = _mm512_setzero_ps();                           \
                 for (int j = 0; j < n; j++) {                                                             \
-                    const size_t vr = (slot[j] * KV + h0 + h) * D + d0;                                   \
-                    if (j + PF_AHEAD < n) prefetch_v(V, (slot[j + PF_AHEAD] * KV + h0 + h) * D + d0, DV, kv16); \
+                    if (j + PF_AHEAD < n) prefetch_v(c, slot[j + PF_AHEAD], h0 + h, d0, DV, fmt);         \
                     for (int i = 0; i < DV; i++) {                                                        \
-                        const __m512 vv = load_kv(V, vr + 16 * i, kv16);                                  \
+                        const __m512 vv = load_kv(c, c->v, c->vs, slot[j], h0 + h, d0 + 16 * i, fmt);    \
                         for (int r = 0; r < NR; r++)                                                      \
                             a[r][i] = _mm512_fmadd_ps(_mm512_set1_ps(sbuf[(size_t)(row + r) * FAST_N + j]), \
                                                       vv, a[r][i]);                                       \
@@ -255,10 +286,18 @@ static inline __attribute__((always_inline)) void decode_fast(const ctx_t *c, in
         }
 }
 
-/* decode_fast for the cache's dtype (kv16 a constant in each call, so the loads compile without a branch) */
+/* decode_fast for the cache's format (a constant in each call, so the loads compile without a branch) */
 void decode_fast_any(const ctx_t *c, int h0, int NH, int G, float (*qs)[MAX_D], int p0, int n, float *m,
                             float *l, float (*acc)[MAX_D], float *sbuf, size_t *slot, float *kt, const int *begin,
                             const int *end) {
-    if (c->fmt == TM_KV_BF16) decode_fast(c, h0, NH, G, qs, p0, n, m, l, acc, sbuf, slot, kt, begin, end, 1);
-    else decode_fast(c, h0, NH, G, qs, p0, n, m, l, acc, sbuf, slot, kt, begin, end, 0);
+#define FAST(FMT) decode_fast(c, h0, NH, G, qs, p0, n, m, l, acc, sbuf, slot, kt, begin, end, FMT)
+    switch (c->fmt) {
+        case TM_KV_F32: FAST(TM_KV_F32); break;
+        case TM_KV_BF16: FAST(TM_KV_BF16); break;
+        case TM_KV_INT8: FAST(TM_KV_INT8); break;
+        case TM_KV_INT4: FAST(TM_KV_INT4); break;
+        case TM_KV_FP8_E4M3: FAST(TM_KV_FP8_E4M3); break;
+        default: FAST(TM_KV_FP8_E5M2); break;
+    }
+#undef FAST
 }
