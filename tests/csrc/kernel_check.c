@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fp8.h"
 #include "tokenmill.h"
 
 /* ---- the two libraries ------------------------------------------------------------------------------------ */
@@ -627,20 +628,57 @@ static void check_touch_pages(void) {
 
 /* ---- the paged KV cache ----------------------------------------------------------------------------------- */
 
-/* B contexts in one paged cache. Each context's blocks are scattered over the pool (shuffled ids, a few spare
- * blocks nobody owns); the first `shared_blocks` blocks of every table are the same (cascade). Blocks wholly
- * before starts[b] (a sliding window) and padding entries are block 0, as the backend passes freed and padding
- * entries. The cache's values are random, unused slots included. */
+/* B contexts in one paged cache of format fmt (TM_KV_*). Each context's blocks are scattered over the pool
+ * (shuffled ids, a few spare blocks nobody owns); the first `shared_blocks` blocks of every table are the same
+ * (cascade). Blocks wholly before starts[b] (a sliding window) and padding entries are block 0, as the backend
+ * passes freed and padding entries. The cache's values are random, unused slots included: float values, or
+ * random codes with random scales (fp8: codes of values in [-1, 1], subnormals among them; from all codes,
+ * values up to 448 give scores whose float32 rounding alone exceeds the tolerances). */
 typedef struct {
-    int B, KV, D, bs, bf16, max_blocks, max_len;
+    int B, KV, D, bs, fmt, max_blocks, max_len;
     int32_t *lens, *starts, *tables;
     int64_t num_slots;
     tm_kv_cache kv;
 } context;
 
-static context make_context(int B, const int *lens, const int *starts, int KV, int D, int bs, int bf16,
+/* bytes of one kv head's codes at a slot, and of a cache's scales (k's or v's) */
+static size_t head_bytes(int fmt, int D) {
+    return fmt == TM_KV_F32 ? 4 * (size_t)D : fmt == TM_KV_BF16 ? 2 * (size_t)D : fmt == TM_KV_INT4 ? (size_t)D / 2 : (size_t)D;
+}
+static size_t scale_bytes(int fmt, int64_t slots, int KV, int D) {
+    if (fmt == TM_KV_INT8) return (size_t)slots * KV * 4;
+    if (fmt == TM_KV_INT4) return (size_t)slots * KV * (D / TM_KV_INT4_GROUP) * 4;
+    return fmt >= TM_KV_FP8_E4M3 ? (size_t)KV * 4 : 0;
+}
+
+static void *random_codes(int fmt, int64_t slots, int KV, int D) {
+    const size_t n = (size_t)slots * KV * head_bytes(fmt, D);
+    if (fmt <= TM_KV_BF16) return random_values(n / head_bytes(fmt, 1), fmt == TM_KV_BF16, -1.f, 1.f);
+    uint8_t *p = NEW(uint8_t, n);
+    for (size_t i = 0; i < n; i++)
+        p[i] = fmt >= TM_KV_FP8_E4M3 ? tm_f32_to_fp8(uni(-1.f, 1.f), fmt == TM_KV_FP8_E5M2) : (uint8_t)below(256);
+    return p;
+}
+
+static void *random_scales(int fmt, int64_t slots, int KV, int D) {
+    const size_t n = scale_bytes(fmt, slots, KV, D) / 4;
+    if (!n) return NULL;
+    if (fmt != TM_KV_INT4) {
+        float *f = NEW(float, n);
+        fill(f, n, fmt == TM_KV_INT8 ? 0.004f : 0.5f, fmt == TM_KV_INT8 ? 0.012f : 2.f);
+        return f;
+    }
+    uint16_t *dm = NEW(uint16_t, 2 * n);   /* (d, m) pairs: codes * d + m spans about [-1, 1] */
+    for (size_t i = 0; i < n; i++) {
+        dm[2 * i] = tm_f32_to_half(uni(0.05f, 0.14f));
+        dm[2 * i + 1] = tm_f32_to_half(uni(-1.1f, -0.9f));
+    }
+    return dm;
+}
+
+static context make_context(int B, const int *lens, const int *starts, int KV, int D, int bs, int fmt,
                             int shared_blocks) {
-    context c = {.B = B, .KV = KV, .D = D, .bs = bs, .bf16 = bf16};
+    context c = {.B = B, .KV = KV, .D = D, .bs = bs, .fmt = fmt};
     c.lens = NEW(int32_t, B);
     c.starts = NEW(int32_t, B);
     int blocks = shared_blocks + 3;
@@ -666,22 +704,34 @@ static context make_context(int B, const int *lens, const int *starts, int KV, i
         }
     }
     c.num_slots = (int64_t)blocks * bs;
-    const size_t n = (size_t)c.num_slots * KV * D;
-    c.kv = (tm_kv_cache){.k = random_values(n, bf16, -1.f, 1.f), .v = random_values(n, bf16, -1.f, 1.f),
-                         .num_slots = c.num_slots, .kv_heads = KV, .head_dim = D,
-                         .format = bf16 ? TM_KV_BF16 : TM_KV_F32};
+    c.kv = (tm_kv_cache){.k = random_codes(fmt, c.num_slots, KV, D), .v = random_codes(fmt, c.num_slots, KV, D),
+                         .k_scale = random_scales(fmt, c.num_slots, KV, D),
+                         .v_scale = random_scales(fmt, c.num_slots, KV, D), .num_slots = c.num_slots,
+                         .kv_heads = KV, .head_dim = D, .format = fmt};
     return c;
 }
 
 static size_t cache_values(const context *c) { return (size_t)c->num_slots * c->KV * c->D; }
+static size_t code_bytes(const context *c) { return (size_t)c->num_slots * c->KV * head_bytes(c->fmt, c->D); }
 
-/* A second cache with the same contents, for a kernel that writes into it. */
+/* A second cache with the same contents (scales too), for a kernel that writes into it. */
 static tm_kv_cache copy_cache(const context *c) {
     tm_kv_cache kv = c->kv;
-    const size_t bytes = cache_values(c) * (c->bf16 ? 2 : 4);
+    const size_t bytes = code_bytes(c), sb = scale_bytes(c->fmt, c->num_slots, c->KV, c->D);
     kv.k = copy_of(c->kv.k, bytes);
     kv.v = copy_of(c->kv.v, bytes);
+    if (sb) {
+        kv.k_scale = copy_of(c->kv.k_scale, sb);
+        kv.v_scale = copy_of(c->kv.v_scale, sb);
+    }
     return kv;
+}
+
+/* two caches of a context hold the same bytes, codes and scales */
+static int same_cache(const context *c, const tm_kv_cache *a, const tm_kv_cache *b) {
+    const size_t bytes = code_bytes(c), sb = scale_bytes(c->fmt, c->num_slots, c->KV, c->D);
+    return !memcmp(a->k, b->k, bytes) && !memcmp(a->v, b->v, bytes)
+           && (!sb || (!memcmp(a->k_scale, b->k_scale, sb) && !memcmp(a->v_scale, b->v_scale, sb)));
 }
 
 static int64_t slot_of(const context *c, int b, int pos) {
@@ -690,7 +740,7 @@ static int64_t slot_of(const context *c, int b, int pos) {
 
 static double cache_err(const context *c, const tm_kv_cache kv[2]) {
     const size_t n = cache_values(c);
-    return max2(rel_err(kv[0].k, kv[1].k, c->bf16, n, NULL), rel_err(kv[0].v, kv[1].v, c->bf16, n, NULL));
+    return max2(rel_err(kv[0].k, kv[1].k, c->fmt, n, NULL), rel_err(kv[0].v, kv[1].v, c->fmt, n, NULL));
 }
 
 /* ---- tm_write_kv ------------------------------------------------------------------------------------------ */
@@ -700,19 +750,22 @@ static void check_write_kv(void) {
      * above halfway, the largest float (rounds to infinity), infinities, NaNs, a subnormal */
     static const uint32_t special[] = {0x3f808000u, 0x3f818000u, 0x3f808001u, 0x7f7fffffu, 0x7f800000u,
                                        0xff800000u, 0x7fc00000u, 0xffc00001u, 0x00000001u, 0x80000000u};
+    static const char *const fmt_names[] = {"f32", "bf16", "int8", "int4", "fp8e4m3", "fp8e5m2"};
     int case_no = 0;
-    for (int bf16 = 0; bf16 <= 1; bf16++)
+    for (int fmt = TM_KV_F32; fmt <= TM_KV_FP8_E5M2; fmt++)
         for (int rows = 1; rows <= 5; rows += 4) {
             char name[64];
-            snprintf(name, sizeof name, "%s rows%d", bf16 ? "bf16" : "f32", rows);
+            snprintf(name, sizeof name, "%s rows%d", fmt_names[fmt], rows);
             seed(700 + case_no++);
             const int lens[1] = {64};
-            const context c = make_context(1, lens, NULL, 2, 24, 16, bf16, 0);
+            const context c = make_context(1, lens, NULL, 2, fmt == TM_KV_INT4 ? 64 : 24, 16, fmt, 0);
             const int width = c.KV * c.D, stride = width + 8;   /* rows of a wider source (fused qkv) */
             float *k = NEW(float, (size_t)rows * stride), *v = NEW(float, (size_t)rows * stride);
             fill(k, (size_t)rows * stride, -3.f, 3.f);
             fill(v, (size_t)rows * stride, -3.f, 3.f);
-            for (size_t i = 0; i < sizeof special / sizeof *special; i++) {
+            if (fmt >= TM_KV_FP8_E4M3)   /* past e4m3's largest code (clamped), and into both subnormal ranges */
+                for (int i = 0; i < width; i += 3) k[i] *= i % 2 ? 300.f : 1e-4f;
+            for (size_t i = 0; fmt <= TM_KV_BF16 && i < sizeof special / sizeof *special; i++) {
                 k[i] = bits_float(special[i]);
                 v[(size_t)(rows - 1) * stride + i] = bits_float(special[i]);
             }
@@ -729,14 +782,13 @@ static void check_write_kv(void) {
                                             .rows = rows};
                 st[x] = lib[x].write_kv(&a);
             }
-            /* a copy: equal bits, NaN payloads and all */
-            const size_t bytes = cache_values(&c) * (bf16 ? 2 : 4);
+            /* a copy or the same quantisation: equal bits, NaN payloads and scales and all */
             if (statuses("write_kv", name, st, 0)) {
-                if (!memcmp(kv[0].k, kv[1].k, bytes) && !memcmp(kv[0].v, kv[1].v, bytes)) verdict("write_kv", name, 0, 0);
+                if (same_cache(&c, &kv[0], &kv[1])) verdict("write_kv", name, 0, 0);
                 else fail("write_kv", name, "caches differ");
             }
             /* a slot outside the cache: -3, and nothing written (not even the rows before it) */
-            snprintf(name, sizeof name, "%s rows%d slot outside the cache", bf16 ? "bf16" : "f32", rows);
+            snprintf(name, sizeof name, "%s rows%d slot outside the cache", fmt_names[fmt], rows);
             slots[rows - 1] = c.num_slots;
             for (int x = 0; x < 2; x++) {
                 kv[x] = copy_cache(&c);
@@ -746,8 +798,7 @@ static void check_write_kv(void) {
             }
             if (statuses("write_kv", name, st, -3)) {
                 int same = 1;
-                for (int x = 0; x < 2; x++)
-                    same &= !memcmp(kv[x].k, c.kv.k, bytes) && !memcmp(kv[x].v, c.kv.v, bytes);
+                for (int x = 0; x < 2; x++) same &= same_cache(&c, &kv[x], &c.kv);
                 if (same) verdict("write_kv", name, 0, 0);
                 else fail("write_kv", name, "wrote into the cache");
             }
@@ -759,7 +810,7 @@ static void check_write_kv(void) {
 
 typedef struct {
     const char *name;
-    int KV, G, D, bs, bf16, B;
+    int KV, G, D, bs, fmt, B;   /* fmt: the cache's TM_KV_* (0 float32, 1 bfloat16) */
     int lens[8];
     int window;       /* > 0: request b attends only its last `window` positions (starts > 0) */
     int shared_len;   /* cascade: every table starts with the same blocks, every start is 0 */
@@ -793,6 +844,15 @@ static const decode_case decode_cases[] = {
     {"long cascade f32 d64 g3", 1, 3, 64, 16, 0, 4, {1400, 1200, 1100, 1090}, .shared_len = 1088},
     {"q bf16 f32 cache d64 g3", 2, 3, 64, 16, 0, 3, {5, 50, 120}, .q_bf16 = 1, .strided = 1},
     {"q bf16 bf16 cache d128 g8", 1, 8, 128, 16, 1, 2, {33, 1200}, .q_bf16 = 1},
+    /* quantised caches: both variants read the same codes, so float32 tolerances */
+    {"int8 d64 g3 batch6", 2, 3, 64, 16, TM_KV_INT8, 6, {12, 1, 70, 33, 128, 5}, .strided = 1},
+    {"int8 d24 g16", 1, 16, 24, 16, TM_KV_INT8, 2, {40, 90}},
+    {"int4 d64 g3", 2, 3, 64, 16, TM_KV_INT4, 3, {1, 17, 100}},
+    {"int4 d128 g8 cascade", 1, 8, 128, 16, TM_KV_INT4, 6, {72, 81, 100, 150, 96, 200}, .shared_len = 72},
+    {"fp8e4m3 d80 g8 window", 1, 8, 80, 8, TM_KV_FP8_E4M3, 5, {7, 8, 9, 100, 64}, .window = 20},
+    {"fp8e4m3 long d64 g3", 2, 3, 64, 16, TM_KV_FP8_E4M3, 2, {1100, 2100}, .q_bf16 = 1},
+    {"fp8e5m2 d128 g1 kv4", 4, 1, 128, 16, TM_KV_FP8_E5M2, 8, {1, 2, 3, 15, 16, 17, 63, 200}},
+    {"int8 cascade d64 g3 bs8", 2, 3, 64, 8, TM_KV_INT8, 5, {65, 94, 164, 64, 71}, .shared_len = 64},
 };
 
 static void check_paged_decode(void) {
@@ -802,7 +862,7 @@ static void check_paged_decode(void) {
         const int B = dc->B, H = dc->KV * dc->G, D = dc->D;
         int starts[8] = {0};
         for (int b = 0; b < B; b++) starts[b] = dc->window && dc->lens[b] > dc->window ? dc->lens[b] - dc->window : 0;
-        const context c = make_context(B, dc->lens, starts, dc->KV, D, dc->bs, dc->bf16,
+        const context c = make_context(B, dc->lens, starts, dc->KV, D, dc->bs, dc->fmt,
                                        (dc->shared_len + dc->bs - 1) / dc->bs);
         const int q_stride = (dc->strided ? H + 2 * dc->KV : H) * D;
         const void *q = random_values((size_t)B * q_stride, dc->q_bf16, -4.f, 4.f);
@@ -852,7 +912,7 @@ static void check_paged_decode(void) {
 
 typedef struct {
     const char *name;
-    int KV, G, D, bs, bf16, R;
+    int KV, G, D, bs, fmt, R;
     int count[4];      /* query tokens of each request */
     int computed[4];   /* positions already in the cache before them */
     int window;
@@ -870,6 +930,10 @@ static const prefill_case prefill_cases[] = {
     {"long f32 d64 g3", 2, 3, 64, 16, 0, 2, {10, 3}, {1200, 1030}},
     {"long window f32 d64 g1", 1, 1, 64, 16, 0, 1, {50}, {1500}, .window = 100},
     {"q bf16 d64 g3", 2, 3, 64, 16, 0, 2, {6, 13}, {40, 0}, .q_bf16 = 1, .strided = 1},
+    {"int8 d64 g3", 2, 3, 64, 16, TM_KV_INT8, 2, {5, 20}, {0, 30}},
+    {"int4 d64 g1 bs8", 2, 1, 64, 8, TM_KV_INT4, 3, {1, 60, 7}, {100, 0, 12}},
+    {"fp8e4m3 d128 g8 window", 1, 8, 128, 16, TM_KV_FP8_E4M3, 2, {16, 40}, {50, 10}, .window = 24},
+    {"fp8e5m2 d24 g16", 1, 16, 24, 16, TM_KV_FP8_E5M2, 2, {7, 4}, {3, 60}},
 };
 
 static void check_paged_prefill(void) {
@@ -888,7 +952,7 @@ static void check_paged_prefill(void) {
             computed[i] = pc->computed[i];
             tokens += pc->count[i];
         }
-        const context c = make_context(R, lens, starts, pc->KV, D, pc->bs, pc->bf16, 0);
+        const context c = make_context(R, lens, starts, pc->KV, D, pc->bs, pc->fmt, 0);
         const int q_stride = (pc->strided ? H + 2 * pc->KV : H) * D;
         const void *q = random_values((size_t)tokens * q_stride, pc->q_bf16, -4.f, 4.f);
         void *out[2];
@@ -932,7 +996,7 @@ static void check_decode_attention(void) {
         const int B = dc->B, H = dc->KV * dc->G, D = dc->D, width = (H + 2 * dc->KV) * D, stride = width + 8;
         int starts[8] = {0};
         for (int b = 0; b < B; b++) starts[b] = dc->window && dc->lens[b] > dc->window ? dc->lens[b] - dc->window : 0;
-        const context c = make_context(B, dc->lens, starts, dc->KV, D, dc->bs, dc->bf16,
+        const context c = make_context(B, dc->lens, starts, dc->KV, D, dc->bs, dc->fmt,
                                        (dc->shared_len + dc->bs - 1) / dc->bs);
         float *qkv0 = NEW(float, (size_t)B * stride), *cos_t = NEW(float, (size_t)B * D), *sin_t = NEW(float, (size_t)B * D);
         int64_t *slots = NEW(int64_t, B);
@@ -961,7 +1025,7 @@ static void check_decode_attention(void) {
         }
         /* q and k rotated in place, k and v written into the cache, the output. Into a bfloat16 cache the new
          * values may round one step apart, and the output moves with them. */
-        const double tol = dc->bf16 ? TOL_BF16 : TOL;
+        const double tol = dc->fmt == TM_KV_BF16 ? TOL_BF16 : TOL;
         margin m = {0, 1};
         within(&m, rel_err(qkv[0], qkv[1], 0, (size_t)B * stride, NULL), TOL);
         within(&m, cache_err(&c, kv), tol);
