@@ -189,6 +189,16 @@ BAD_BODIES = [
     ({"model": MODEL, "prompt": ""}, "prompt"),
     ({"model": MODEL, "prompt": [10 ** 7]}, "prompt"),
     ({"model": MODEL}, "prompt"),
+    # OpenAI's ranges, and numbers of the right kind
+    ({"model": MODEL, "prompt": "x", "temperature": 1e9}, "temperature"),
+    ({"model": MODEL, "prompt": "x", "temperature": 2.5}, "temperature"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": True}, "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "n": 2.0}, "n"),
+    ({"model": MODEL, "prompt": "x", "n": 129}, "n"),
+    ({"model": MODEL, "prompt": "x", "seed": 2 ** 70}, "seed"),
+    ({"model": MODEL, "prompt": "x", "seed": "7"}, "seed"),
+    ({"model": MODEL, "prompt": "x", "presence_penalty": 3}, "presence_penalty"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"5": 500}}, "logit_bias.5"),
 ]
 
 
@@ -207,6 +217,39 @@ def test_invalid_completion_params_are_400(live_server, body, param):
 def test_invalid_chat_params_are_400(live_server, body):
     _expect(post(live_server, "/v1/chat/completions", body), 400)
     assert httpx.get(live_server.url + "/health").status_code == 200
+
+
+IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+AUDIO = {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}
+
+
+@pytest.mark.parametrize("message,param,says", [
+    ({"role": "user", "content": [{"type": "text", "text": "what is this?"}, IMAGE]}, "messages.0.content.1",
+     "content parts of type 'image_url' are not supported: this model takes text only"),
+    ({"role": "user", "content": [AUDIO]}, "messages.0.content.0", "this model takes text only"),
+    ({"role": "user"}, "messages.0", "a user message needs content"),
+    ({"role": "system", "content": None}, "messages.0", "a system message needs content"),
+    ({"role": "user", "content": [{"type": "text"}]}, "messages.0.content.0", "needs its text"),
+], ids=["image", "audio", "missing-content", "null-content", "text-part-without-text"])
+def test_chat_content_that_is_not_text_is_400(live_server, message, param, says):
+    err = _expect(post(live_server, "/v1/chat/completions", {"model": MODEL, "messages": [message]}), 400, param)
+    assert says in err["message"], err
+
+
+def test_openai_fields_without_effect_are_accepted(live_server, openai_client):
+    """metadata, store, service_tier, prediction, parallel_tool_calls and user are accepted and change nothing
+    (protocol.IGNORED, as vLLM does); the largest 64-bit seed is a seed."""
+    from tokenmill.server.protocol import IGNORED
+    extra = {"metadata": {"run": "7"}, "store": False, "service_tier": "auto", "user": "u1",
+             "prediction": {"type": "content", "content": "Paris"}, "parallel_tool_calls": False}
+    assert set(extra) == set(IGNORED)
+    msgs = [{"role": "user", "content": "Name a city."}]
+    plain = openai_client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
+    got = openai_client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0,
+                                                seed=2 ** 63 - 1, **extra)
+    assert got.choices[0].message.content == plain.choices[0].message.content
+    r = post(live_server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, **extra})
+    assert r.status_code == 200, r.text
 
 
 def test_error_statuses(live_server, openai_client):

@@ -122,13 +122,16 @@ def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError) -> Response:
-        err = e.errors()[0] if e.errors() else {}
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        # a value error is one of ours (protocol.py's validators), more telling than the union branches that
+        # also failed; a branch's tag ("list[ContentPart]") is not a field
+        errs = e.errors()
+        err = next((x for x in errs if x.get("type") == "value_error"), errs[0] if errs else {})
+        loc = [str(x) for x in err.get("loc", ()) if x != "body" and "[" not in str(x)]
         if err.get("type") == "json_invalid":
             why = err.get("ctx", {}).get("error", "")
             return _error_response(ApiError(400, f"the request body is not valid JSON ({why})"))
         where = ".".join(loc)
-        msg = err.get("msg", "invalid request")
+        msg = err.get("msg", "invalid request").removeprefix("Value error, ")
         if err.get("type") == "extra_forbidden":
             msg = f"unknown field {where!r}: tokenmill does not support it (it would otherwise be ignored)"
         elif where:

@@ -1,14 +1,16 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and their translation into SamplingParams.
 
 Unknown fields are rejected (400) rather than dropped, so a client never believes an option took effect
-when it did not. vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ...) are accepted as well.
-Responses are plain dicts built in completions.py / chat.py.
+when it did not; OpenAI's fields that change nothing a model computes (IGNORED) are accepted and ignored, as vLLM
+does. vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ...) are accepted as well. Numbers are
+strict (JSON true is not 1) and held to OpenAI's ranges. Responses are plain dicts built in completions.py /
+chat.py.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
 from tokenmill.sampling_params import SamplingParams
 
@@ -30,6 +32,13 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+Int = Annotated[int, Strict()]        # JSON true is not 1, nor 2.0 an integer
+Float = Annotated[float, Strict()]    # any JSON number, but not a boolean
+MAX_N = 128                           # OpenAI's cap on n: one request cannot take the whole engine
+# OpenAI request fields that are accepted and have no effect here (README: "OpenAI fields")
+IGNORED = ("metadata", "store", "service_tier", "prediction", "parallel_tool_calls", "user")
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
@@ -43,28 +52,34 @@ class _Sampling(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions. Optional ones take null as "the default"
     (some clients send nulls for options they leave unset)."""
     model: Optional[str] = None
-    n: Optional[int] = 1
-    temperature: Optional[float] = 1.0       # OpenAI's default
-    top_p: Optional[float] = 1.0
-    seed: Optional[int] = None
+    n: Optional[Int] = Field(default=1, ge=1, le=MAX_N)
+    temperature: Optional[Float] = Field(default=1.0, ge=0, le=2)      # OpenAI's default and range
+    top_p: Optional[Float] = Field(default=1.0, ge=0, le=1)
+    seed: Optional[Int] = Field(default=None, ge=-2 ** 63, le=2 ** 63 - 1)
     stop: Optional[Union[str, list[str]]] = None
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
-    presence_penalty: Optional[float] = 0.0
-    frequency_penalty: Optional[float] = 0.0
-    logit_bias: Optional[dict[str, float]] = None
-    user: Optional[str] = None               # metadata only
+    presence_penalty: Optional[Float] = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: Optional[Float] = Field(default=0.0, ge=-2, le=2)
+    logit_bias: Optional[dict[str, Annotated[Float, Field(ge=-100, le=100)]]] = None
+    # accepted and ignored (IGNORED)
+    user: Optional[str] = None
+    metadata: Optional[dict[str, str]] = None
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
+    prediction: Optional[dict[str, Any]] = None
+    parallel_tool_calls: Optional[bool] = None
     # vLLM's extras
-    top_k: Optional[int] = 0
-    min_p: Optional[float] = 0.0
-    repetition_penalty: Optional[float] = 1.0
-    min_tokens: Optional[int] = 0
-    stop_token_ids: Optional[list[int]] = None
+    top_k: Optional[Int] = 0
+    min_p: Optional[Float] = 0.0
+    repetition_penalty: Optional[Float] = 1.0
+    min_tokens: Optional[Int] = 0
+    stop_token_ids: Optional[list[Int]] = None
     include_stop_str_in_output: Optional[bool] = False
     ignore_eos: Optional[bool] = False
     skip_special_tokens: Optional[bool] = True
     bad_words: Optional[list[str]] = None
-    allowed_token_ids: Optional[list[int]] = None
+    allowed_token_ids: Optional[list[Int]] = None
     return_token_ids: Optional[bool] = False  # choices also carry token_ids (and prompt_token_ids)
 
     def to_sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
@@ -101,11 +116,11 @@ class _Sampling(_Strict):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = 16           # OpenAI's default for completions
-    logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    prompt: Union[str, list[str], list[Int], list[list[Int]]]
+    max_tokens: Optional[Int] = 16           # OpenAI's default for completions
+    logprobs: Optional[Int] = Field(default=None, ge=0, le=20)
     echo: Optional[bool] = False
-    best_of: Optional[int] = None
+    best_of: Optional[Int] = Field(default=None, ge=1, le=MAX_N)
     suffix: Optional[str] = None
 
     def prompts(self) -> list[Union[str, list[int]]]:
@@ -117,15 +132,34 @@ class CompletionRequest(_Sampling):
         return list(p)  # type: ignore[arg-type]
 
 
-class ContentPart(_Strict):
-    type: Literal["text"]
-    text: str
+class ContentPart(BaseModel):
+    """A text part. Image, audio and file parts are refused by name, so a client learns the model is text-only
+    rather than that its field is unknown."""
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> "ContentPart":
+        if self.type != "text":
+            raise ValueError(f"content parts of type {self.type!r} are not supported: this model takes text only")
+        if self.model_extra:
+            raise ValueError(f"unknown field(s) {', '.join(sorted(self.model_extra))} in a text content part")
+        if self.text is None:
+            raise ValueError("a text content part needs its text")
+        return self
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: Optional[Union[str, list[ContentPart]]] = None
     name: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _has_content(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content: a string or a list of text parts")
+        return self
 
     def as_template_dict(self) -> dict[str, str]:
         c = self.content
@@ -139,10 +173,10 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
+    max_tokens: Optional[Int] = None
+    max_completion_tokens: Optional[Int] = None
     logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    top_logprobs: Optional[Int] = Field(default=None, ge=0, le=20)
     add_generation_prompt: Optional[bool] = True
 
 
@@ -156,4 +190,4 @@ class TokenizeRequest(_Strict):
 
 class DetokenizeRequest(_Strict):
     model: Optional[str] = None
-    tokens: list[int]
+    tokens: list[Int]
