@@ -1,5 +1,6 @@
-"""A quantised KV cache (kv_cache_dtype="int8", "int4", "fp8_e4m3", "fp8_e5m2") cannot be token-exact, so its error is bounded: against the float
-cache, over 256-token greedy continuations of 16 prompts, scored with the same prefixes (tokenmill.bench.kvquality).
+"""A quantised KV cache (kv_cache_dtype="int8", "int4", "fp8_e4m3", "fp8_e5m2") cannot be token-exact, so its
+error is bounded: against the float cache, over 256-token greedy continuations of 16 prompts, scored with the same
+prefixes (tokenmill.bench.kvquality).
 Kernel-level equality (attention over an int8 cache = attention over its dequantised values) is in
 test_attention_backends.py."""
 import pytest
