@@ -30,6 +30,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=True,
                    help="Q4_K/Q5_K/Q6_K decode multiplies activations rounded to int8 per 256, as llama.cpp does (the "
                         "default); --no-int8-activations keeps them float32, exact against the dequantised model")
+    p.add_argument("--pooling-type", default="LAST", choices=["LAST", "MEAN"],
+                   help="what an embedding pools (vLLM's pooler config): the last prompt token's hidden state, or "
+                        "the mean over the prompt")
     p.add_argument("--quantization", "-q", default=None,
                    help="quantise a float checkpoint's matrices at load: int8 (Q8_0) | int4 (Q4_1) | q4_0 | q5_0 | "
                         "q5_1 | q8_0")
@@ -40,7 +43,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_memory_gb,
                 enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
-                cpu_kernels=args.cpu_kernels, quantization=args.quantization, int8_activations=args.int8_activations)
+                cpu_kernels=args.cpu_kernels, quantization=args.quantization, int8_activations=args.int8_activations,
+                pooling_type=args.pooling_type)
 
 
 def _pct(xs: list[float], q: float) -> float:

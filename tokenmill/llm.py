@@ -1,14 +1,16 @@
-"""The offline Python API, with vLLM's names: LLM(...).generate / .chat / .generate_stream."""
+"""The offline Python API, with vLLM's names: LLM(...).generate / .chat / .generate_stream / .embed."""
 from __future__ import annotations
 
 import itertools
 from typing import Any, Iterator, NamedTuple, Optional, Sequence, Union
 
 from tokenmill.engine.engine import LLMEngine, PromptType
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import EmbeddingRequestOutput, RequestOutput
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 ParamsArg = Union[SamplingParams, Sequence[SamplingParams], None]
+PoolingArg = Union[PoolingParams, Sequence[PoolingParams], None]
 
 
 class StreamOutput(NamedTuple):
@@ -33,7 +35,8 @@ class LLM:
     to float at load, the plain path); quantization="int8" or "int4" quantises a float checkpoint at load;
     Q4_K/Q5_K/Q6_K weights multiply activations rounded to int8 per 256, as llama.cpp does (int8_activations=False
     keeps them float32, exact against the dequantised model);
-    cpu_kernels picks the CPU kernel variant (auto, avx512, avx2, neon, generic) or "reference" (plain torch)."""
+    cpu_kernels picks the CPU kernel variant (auto, avx512, avx2, neon, generic) or "reference" (plain torch);
+    pooling_type ("LAST" or "MEAN") is what embed() pools over the prompt."""
 
     def __init__(self, model: Optional[str] = None, **engine_args: Any):
         self.llm_engine = LLMEngine(model, **engine_args)
@@ -50,17 +53,23 @@ class LLM:
         return self.llm_engine.stats.as_dict()
 
     # ---- submission ------------------------------------------------------------------------------------------
-    def _submit(self, prompts: Union[PromptType, Sequence[PromptType]], params: ParamsArg) -> list[str]:
+    def _submit(self, prompts: Union[PromptType, Sequence[PromptType]], params: Union[ParamsArg, PoolingArg],
+                kind: type = SamplingParams) -> list[str]:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if params is None:
             params = SamplingParams()
-        if isinstance(params, SamplingParams):
+        if isinstance(params, (SamplingParams, PoolingParams)):
             params = [params] * len(prompts)
         elif len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
+            raise ValueError(f"got {len(params)} {kind.__name__} for {len(prompts)} prompts; "
                              f"pass one, or one per prompt")
+        wrong = next((p for p in params if not isinstance(p, kind)), None)
+        if wrong is not None:
+            use = ("embed() takes PoolingParams (generate() generates)" if kind is PoolingParams
+                   else "generate() takes SamplingParams (embed() pools)")
+            raise ValueError(f"{use}; got a {type(wrong).__name__}")
         ids = []
         try:
             for prompt, p in zip(prompts, params):
@@ -75,9 +84,19 @@ class LLM:
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]], sampling_params: ParamsArg = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Outputs in input order. A progress bar shows for more than a few prompts (use_tqdm=False: none)."""
-        ids = self._submit(prompts, sampling_params)
+        return self._run(self._submit(prompts, sampling_params), use_tqdm)
+
+    def embed(self, prompts: Union[PromptType, Sequence[PromptType]], pooling_params: PoolingArg = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in input order: the final-norm hidden states pooled as the engine's pooling_type
+        says (LAST token or MEAN over the prompt), L2-normalised unless PoolingParams(normalize=False)."""
+        ids = self._submit(prompts, PoolingParams() if pooling_params is None else pooling_params, PoolingParams)
+        return [EmbeddingRequestOutput.from_base(o) for o in self._run(ids, use_tqdm)]
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[Any]:
+        """Step until the requests ids finish; their final outputs in the order of ids."""
         order = {rid: i for i, rid in enumerate(ids)}
-        results: list[Optional[RequestOutput]] = [None] * len(ids)
+        results: list[Any] = [None] * len(ids)
         bar = None
         if use_tqdm and len(ids) > 4:
             from tqdm.auto import tqdm

@@ -1,8 +1,12 @@
-"""What the engine hands back: vLLM's RequestOutput / CompletionOutput shapes, plus per-request timings."""
+"""What the engine hands back: vLLM's RequestOutput / CompletionOutput shapes (PoolingRequestOutput /
+EmbeddingRequestOutput for pooling requests), plus per-request timings."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:       # `import tokenmill` stays light: torch only for the annotation
+    import torch
 
 
 @dataclass
@@ -86,3 +90,43 @@ class RequestOutput:
     metrics: Optional[RequestMetrics] = None
     prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
     num_cached_tokens: int = 0
+
+
+@dataclass
+class PoolingOutput:
+    data: torch.Tensor                       # the pooled (and, if asked, normalised) vector: float32 on the CPU
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What the engine hands back for a request made with PoolingParams (vLLM's shape)."""
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+    prompt: Optional[str] = None
+    metrics: Optional[RequestMetrics] = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """LLM.embed's result: `.outputs.embedding` is a list of floats (vLLM's shape)."""
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+
+    @staticmethod
+    def from_base(out: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        return EmbeddingRequestOutput(out.request_id, EmbeddingOutput(out.outputs.data.tolist()),
+                                      out.prompt_token_ids, out.finished)

@@ -24,7 +24,8 @@ from tokenmill.executor.models.decoder import DecoderForCausalLM
 from tokenmill.executor.ops import make_ops
 from tokenmill.executor.runner import ModelRunner, RunnerOutput
 from tokenmill.executor.sampler import bad_words_to_token_ids, check_params_for_vocab, make_generator
-from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
+from tokenmill.pooling_params import PoolingParams, check_pooling_type
 from tokenmill.sampling_params import SamplingParams
 
 PromptType = Union[str, list[int], dict]
@@ -106,7 +107,9 @@ class LLMEngine:
                  enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto", use_kv_cache: bool = True,
                  attention_backend: str = "auto", quantized_kernels: bool = True, cpu_kernels: str = "auto",
                  quantization: Optional[str] = None, int8_activations: bool = True, seed: int = 0,
-                 tokenizer: Any = "auto"):
+                 tokenizer: Any = "auto", pooling_type: str = "LAST"):
+        # pooling_type: which prompt rows a PoolingParams request pools (vLLM's pooler config): LAST or MEAN
+        self.pooling_type = check_pooling_type(pooling_type)
         path = resolve_model_path(model)
         dev = pick_device(device)
         torch_dtype = resolve_dtype(dtype, dev)
@@ -200,20 +203,29 @@ class LLMEngine:
             return None, list(prompt)
         raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
-    def add_request(self, request_id: str, prompt: PromptType, params: Optional[SamplingParams] = None,
-                    arrival_time: Optional[float] = None) -> None:
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+    def _checked_prompt(self, request_id: str, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         if request_id in self.requests or request_id in self.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
-        mc, sc = self.model_config, self.config.scheduler_config
         if not ids:
             raise ValueError("the prompt is empty; give at least one token")
-        bad = [t for t in ids if not 0 <= t < mc.vocab_size]
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {mc.vocab_size})")
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return text, ids
+
+    def add_request(self, request_id: str, prompt: PromptType,
+                    params: Union[SamplingParams, PoolingParams, None] = None,
+                    arrival_time: Optional[float] = None) -> None:
+        """Queue a request: to generate (SamplingParams, the default) or to pool its prompt (PoolingParams)."""
+        params = params or SamplingParams()
+        if isinstance(params, PoolingParams):
+            return self._add_pooling_request(request_id, prompt, params, arrival_time)
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams or a PoolingParams, got {type(params).__name__}")
+        text, ids = self._checked_prompt(request_id, prompt)
+        mc, sc = self.model_config, self.config.scheduler_config
         if len(ids) >= sc.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens but max_model_len is {sc.max_model_len}; "
                              f"shorten the prompt (it must leave room for at least one new token) "
@@ -241,6 +253,26 @@ class LLMEngine:
             self.parents[request_id] = children
             self.child_parent.update((c, request_id) for c in children)
 
+    def _add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams,
+                             arrival_time: Optional[float]) -> None:
+        text, ids = self._checked_prompt(request_id, prompt)
+        mc, max_len = self.model_config, self.config.scheduler_config.max_model_len
+        if len(ids) > max_len:      # no new token follows, so the prompt may fill max_model_len
+            raise ValueError(f"the prompt has {len(ids)} tokens but max_model_len is {max_len}; shorten the prompt "
+                             f"or raise max_model_len")
+        if params.dimensions is not None and params.dimensions != mc.hidden_size:
+            raise ValueError(f"dimensions={params.dimensions}: this model's embeddings have {mc.hidden_size} "
+                             f"dimensions and it is not trained for shorter ones (matryoshka); leave dimensions out "
+                             f"or set it to {mc.hidden_size}")
+        if mc.sliding_window is None and self.kv.blocks_needed(len(ids)) > self.kv.num_blocks:
+            raise ValueError(f"the prompt needs {self.kv.blocks_needed(len(ids))} KV blocks but the cache has "
+                             f"{self.kv.num_blocks}; shorten the prompt or raise kv_cache_memory_gb")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        req = Request(request_id, ids, None, arrival, 0, mc.eos_token_ids, text, pooling_params=params,
+                      pooling_type=self.pooling_type)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+
     def abort_request(self, request_ids: Union[str, Iterable[str]]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         for rid in ids:
@@ -257,7 +289,7 @@ class LLMEngine:
         return len(self.scheduler.waiting) + len(self.scheduler.running)
 
     # ---- the step --------------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[Union[RequestOutput, PoolingRequestOutput]]:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
@@ -268,11 +300,16 @@ class LLMEngine:
         self._record(sched, time.perf_counter() - t0)
         return outputs
 
-    def _process(self, reqs: list[Request], out: RunnerOutput) -> list[RequestOutput]:
-        """Stop checks and outputs for the requests that got a token this step."""
+    def _process(self, reqs: list[Request], out: RunnerOutput) -> list[Union[RequestOutput, PoolingRequestOutput]]:
+        """Stop checks and outputs for the requests that got a token this step, and the pooling requests that
+        finished their prompt."""
         now = time.monotonic()
         touched: dict[str, None] = {}
         for req in reqs:
+            if req.is_pooling:
+                if not req.is_finished and self._pool(req, *out.pooled[req.request_id], now):
+                    touched[req.request_id] = None
+                continue
             if req.request_id in out.prompt_logprobs:
                 req.prompt_logprobs.extend(out.prompt_logprobs[req.request_id])
             tok = out.sampled.get(req.request_id)
@@ -295,6 +332,20 @@ class LLMEngine:
                 self.scheduler.finish(req, status)
             touched[self.child_parent.get(req.request_id, req.request_id)] = None
         return [self._request_output(rid) for rid in touched]
+
+    def _pool(self, req: Request, start: int, part: torch.Tensor, now: float) -> bool:
+        """Add this step's chunk to req's pooled vector; once the whole prompt is computed, finish req (its blocks go
+        back) with the final vector. A chunk at position 0 starts over (a preempted request is recomputed)."""
+        req.pooled = part if req.pooling_type == "LAST" or start == 0 else req.pooled + part
+        if req.num_computed_tokens < req.num_prompt_tokens:
+            return False
+        v = req.pooled / req.num_prompt_tokens if req.pooling_type == "MEAN" else req.pooled
+        if req.pooling_params.normalize:
+            v = torch.nn.functional.normalize(v, dim=0)
+        req.pooled = v.cpu()
+        req.metrics.finished_time = now
+        self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+        return True
 
     def _check_stop(self, req: Request, tok: int) -> Optional[RequestStatus]:
         p = req.params
@@ -324,8 +375,13 @@ class LLMEngine:
             logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
             finish_reason=req.status.value if req.is_finished else None, stop_reason=req.stop_reason)
 
-    def _request_output(self, rid: str) -> RequestOutput:
+    def _request_output(self, rid: str) -> Union[RequestOutput, PoolingRequestOutput]:
         """The (cumulative) output of user-visible request rid (for n > 1, of all its children)."""
+        req = self.requests.get(rid)
+        if req is not None and req.is_pooling:      # only finished ones get here: forget it
+            del self.requests[rid]
+            return PoolingRequestOutput(rid, PoolingOutput(req.pooled), req.prompt_token_ids, True, req.prompt,
+                                        req.metrics, max(req.num_cached_tokens, 0))
         parent = rid if rid in self.parents else None
         ids = self.parents[parent] if parent else [rid]
         reqs = [self.requests[c] for c in ids]

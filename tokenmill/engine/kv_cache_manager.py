@@ -75,8 +75,9 @@ class KVCacheManager:
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
         """Cached blocks covering a prefix of req's tokens, and how many tokens they cover.
 
-        Never covers the last token: its logits are needed to sample."""
-        if not self.enable_caching:
+        Never covers the last token: its logits are needed to sample. None for a request that must compute every
+        token (MEAN pooling: vLLM's skip_reading_prefix_cache); its blocks are still cached for others."""
+        if not self.enable_caching or req.skip_reading_prefix_cache:
             return [], 0
         max_blocks = (req.num_tokens - 1) // self.block_size
         hashes = self._hashes(req, max_blocks)

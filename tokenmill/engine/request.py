@@ -7,6 +7,7 @@ from typing import Any, Optional
 import torch
 
 from tokenmill.outputs import Logprob, RequestMetrics
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -24,13 +25,18 @@ class RequestStatus(enum.Enum):
 
 
 class Request:
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float,
-                 max_tokens: int, eos_token_ids: tuple[int, ...], prompt: Optional[str] = None,
-                 bad_words_token_ids: Optional[list[list[int]]] = None):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: Optional[SamplingParams],
+                 arrival_time: float, max_tokens: int, eos_token_ids: tuple[int, ...], prompt: Optional[str] = None,
+                 bad_words_token_ids: Optional[list[list[int]]] = None,
+                 pooling_params: Optional[PoolingParams] = None, pooling_type: str = "LAST"):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
-        self.params = params
+        self.params = params                              # None for a pooling request: it samples nothing
+        # a pooling request runs its prompt as a prefill and finishes when the last prompt token is computed
+        self.pooling_params = pooling_params
+        self.pooling_type = pooling_type
+        self.pooled: Optional[torch.Tensor] = None        # MEAN: the sum of the rows so far; LAST: the last row
         self.max_tokens = max_tokens                      # params.max_tokens, capped by max_model_len
         self.eos_token_ids = eos_token_ids
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -59,6 +65,15 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooling_params is not None
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """vLLM's flag: a prefix hit skips computing tokens, and MEAN pooling needs the hidden state of every one."""
+        return self.pooling_params is not None and self.pooling_type == "MEAN"
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

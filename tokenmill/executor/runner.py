@@ -1,4 +1,5 @@
-"""ModelRunner: a SchedulerOutput becomes one flattened batch, one forward pass, one sampler call."""
+"""ModelRunner: a SchedulerOutput becomes one flattened batch, one forward pass, one sampler call (and, for pooling
+requests, their rows of the final-norm hidden states reduced per request)."""
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
@@ -22,6 +23,9 @@ class RunnerOutput:
     sampled: dict[str, int]                                        # request id -> new token
     logprobs: dict[str, dict[int, Logprob]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[Optional[dict[int, Logprob]]]] = field(default_factory=dict)
+    # pooling request id -> (first position of this chunk, float32 [hidden]: MEAN the chunk's row sum, LAST its
+    # last row); the engine accumulates the chunks
+    pooled: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -75,6 +79,7 @@ class ModelRunner:
         sample_rows: list[int] = []        # row of each sampling request's last token
         sample_reqs = []
         prompt_lp_reqs = []                # (request, first row, number of rows) wanting prompt logprobs
+        pool_reqs = []                     # (request, first row, number of rows) of pooling requests
         bs = self.block_size
         for req, n, table in zip(sched.reqs, sched.num_scheduled, block_tables):
             start = req.num_computed_tokens
@@ -85,6 +90,9 @@ class ModelRunner:
             qsl.append(qsl[-1] + n)
             num_computed.append(start)
             seq_lens.append(end)
+            if req.is_pooling:                 # no logits: its rows of the hidden states are the output
+                pool_reqs.append((req, qsl[-2], n))
+                continue
             if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1 \
                     and not req.output_token_ids:
                 prompt_lp_reqs.append((req, qsl[-2], min(end, req.num_prompt_tokens - 1) - start))
@@ -100,6 +108,10 @@ class ModelRunner:
         hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
                             torch.tensor(pos, dtype=torch.long, device=dev), self.backend, meta)
         out = RunnerOutput({})
+        for req, row, count in pool_reqs:
+            rows = hidden[row:row + count]
+            part = rows.float().sum(0) if req.pooling_type == "MEAN" else rows[-1].float()
+            out.pooled[req.request_id] = (req.num_computed_tokens, part)
         for req, row, count in prompt_lp_reqs:
             logits = self.model.compute_logits(hidden[row:row + count])
             start = req.num_computed_tokens

@@ -24,9 +24,11 @@ from tokenmill.engine.engine import LLMEngine
 from tokenmill.server.chat import create_chat_completion, render_messages
 from tokenmill.server.common import ServerContext, now
 from tokenmill.server.completions import create_completion
+from tokenmill.server.embeddings import EmbeddingRequest, create_embedding
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        TokenizeRequest)
+from tokenmill.server.responses import ResponsesRequest, ResponseStore, create_response
 
 log = logging.getLogger("tokenmill.server")
 STATIC = os.path.join(os.path.dirname(__file__), "static")
@@ -140,7 +142,17 @@ def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> Response:
-        return _error_response(ApiError(e.status_code, str(e.detail), code=None))
+        # the router's own 404/405 name what was asked and what is served, so a client sees what to change
+        what, msg, code = f"{request.method} {request.url.path}", str(e.detail), None
+        if e.status_code == 404 and not request.url.path.startswith("/static/"):
+            served = ", ".join(f"{m} {r.path}" for r in app.routes if r.path.startswith("/v1/")
+                               for m in sorted(getattr(r, "methods", ()) or ()) if m != "HEAD")
+            msg, code = f"{what} is not implemented by this server; it serves {served}", "unknown_endpoint"
+        elif e.status_code == 405:
+            allowed = (e.headers or {}).get("Allow", "another method")
+            msg, code = f"{what} is not allowed; {request.url.path} takes {allowed}", "method_not_allowed"
+        return JSONResponse(ApiError(e.status_code, msg, code=code).body(), status_code=e.status_code,
+                            headers=e.headers)
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, e: ClientDisconnected) -> Response:
@@ -159,6 +171,16 @@ def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(ctx, body, request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        return await create_embedding(ctx, body, request)
+
+    response_store = ResponseStore()      # what previous_response_id can continue
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await create_response(ctx, response_store, body, request)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

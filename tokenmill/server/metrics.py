@@ -58,7 +58,8 @@ class ServerMetrics:
     def on_iteration(self, outputs: list[RequestOutput], aborted: list[str], state: EngineState) -> None:
         """The AsyncLLM hook (engine thread)."""
         for out in outputs:
-            n = sum(len(c.token_ids) for c in out.outputs)
+            # a pooling (embedding) request generates nothing: only its prompt and its end count
+            n = sum(len(c.token_ids) for c in out.outputs) if isinstance(out, RequestOutput) else 0
             before = self._seen.get(out.request_id)
             if before is None:
                 self.prompt_tokens.inc(len(out.prompt_token_ids))
@@ -83,7 +84,7 @@ class ServerMetrics:
                                  prefix_cache_hits=state.prefix_cache_hits)
 
     def _observe_finished(self, out: RequestOutput) -> None:
-        reason = out.outputs[0].finish_reason or "stop"
+        reason = (out.outputs[0].finish_reason if isinstance(out, RequestOutput) else None) or "stop"
         self._success.labels(self._model, reason).inc()
         m = out.metrics
         if m is None:
