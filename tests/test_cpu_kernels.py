@@ -8,6 +8,7 @@ import mmap
 import os
 import sys
 import threading
+import time
 
 import gguf
 import numpy as np
@@ -22,7 +23,7 @@ from tokenmill.executor.layers.linear import Linear
 from tokenmill.executor.layers.quant import pack_ggml
 from tokenmill.executor.kv_cache import LayerKV
 from tokenmill.executor.layers.rotary import apply_rotary
-from tokenmill.executor.memory import faulting_in, touch_pages
+from tokenmill.executor.memory import PageToucher, touch_pages
 from tokenmill.executor.ops import CpuKernelOps, ReferenceOps
 
 QTYPES = ["Q4_0", "Q4_1", "Q8_0"]
@@ -272,36 +273,51 @@ def _resident_pages(t: torch.Tensor) -> tuple[int, int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore(2) as Linux has it")
-def test_touch_pages_faults_in_every_page_and_honours_stop() -> None:
+def test_touch_pages_faults_in_every_page_keeps_contents_and_resumes() -> None:
     # fresh, untouched pages from anonymous maps of their own (after an engine's keep_freed_memory even a large
     # torch.empty may reuse resident heap); not a whole number of chunks
     maps = [mmap.mmap(-1, (40 << 20) + 4000) for _ in range(3)]
     ts = [torch.frombuffer(m, dtype=torch.float32) for m in maps]
     nbytes = ts[0].numel() * 4
+    ts[1][:5] = 7.0                                  # a step wrote here already: the touch must keep it
+    ts[2][-3:] = -1.5
     lib = load(VARIANTS[0])
     stop = ctypes.c_int(1)
     args, keep = touch_pages(lib, ts, 2 << 20, stop)
     assert lib.call("touch_pages", args) == 0                    # stopped before it began
-    resident, total = _resident_pages(ts[2])
+    resident, total = _resident_pages(ts[0])
     assert resident < total
     stop.value = 0
+    args, keep = touch_pages(lib, ts, 2 << 20, stop, start=20 << 20)
+    assert lib.call("touch_pages", args) == nbytes
+    resident, total = _resident_pages(ts[0])
+    assert total // 3 < resident < total                         # from the start offset on only
+    args, keep = touch_pages(lib, ts, 2 << 20, stop)
     assert lib.call("touch_pages", args) == nbytes
     for t in ts:
         resident, total = _resident_pages(t)
         assert resident == total
-    ts[1][:5] = 7.0                                  # the memory stays usable (and writable) afterwards
-    assert ts[1][:5].tolist() == [7.0] * 5
+    assert ts[1][:5].tolist() == [7.0] * 5 and ts[2][-3:].tolist() == [-1.5] * 3
+    assert not ts[0].any() and not ts[1][5:].any()
 
 
-def test_faulting_in_joins_its_thread_when_the_body_ends() -> None:
+def test_page_toucher_resumes_and_joins_its_thread() -> None:
     ts = [torch.empty(1 << 24) for _ in range(4)]     # 256 MB: far more than the empty body leaves time for
-    lib = load(VARIANTS[0])
-    with faulting_in(lib, ts):
+    pages = PageToucher(load(VARIANTS[0]), ts)
+    with pages.running():
         assert any(t.name == "tokenmill-fault-in" for t in threading.enumerate())
     assert not any(t.name == "tokenmill-fault-in" for t in threading.enumerate())
+    reached = pages.offset
+    assert 0 <= reached < pages.total and not pages.done
+    with pages.running():
+        time.sleep(0.3)
+    assert pages.offset > reached
+    while not pages.done:
+        with pages.running():
+            time.sleep(0.05)
+    assert pages.offset == pages.total and pages.resident_bytes == 4 << 26
     with pytest.raises(ValueError, match="one size"):
-        with faulting_in(lib, [torch.empty(10), torch.empty(11)]):
-            pass
+        PageToucher(load(VARIANTS[0]), [torch.empty(10), torch.empty(11)])
 
 
 @pytest.mark.slow

@@ -30,6 +30,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=True,
                    help="Q4_K/Q5_K/Q6_K decode multiplies activations rounded to int8 per 256, as llama.cpp does (the "
                         "default); --no-int8-activations keeps them float32, exact against the dequantised model")
+    p.add_argument("--threads", "-t", type=int, default=None, dest="num_threads",
+                   help="compute threads (default: the cores this process may use, by affinity and cgroup quota, "
+                        "fewer while other processes hold some of them)")
     p.add_argument("--pooling-type", default="LAST", choices=["LAST", "MEAN"],
                    help="what an embedding pools (vLLM's pooler config): the last prompt token's hidden state, or "
                         "the mean over the prompt")
@@ -44,7 +47,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_memory_gb,
                 enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
                 cpu_kernels=args.cpu_kernels, quantization=args.quantization, int8_activations=args.int8_activations,
-                pooling_type=args.pooling_type)
+                pooling_type=args.pooling_type, num_threads=args.num_threads)
 
 
 def _pct(xs: list[float], q: float) -> float:

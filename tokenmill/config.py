@@ -143,6 +143,9 @@ class EngineConfig:
     # "neon", "generic", or "reference" (plain torch for every op)
     cpu_kernels: str = "auto"
     seed: int = 0
+    # compute threads: None = the cores this process may use (affinity, cgroup quota), fewer while other
+    # processes hold some of them (executor/cpus.py); N = exactly N
+    num_threads: Optional[int] = None
 
     @property
     def kv_cache_dtype(self) -> str:

@@ -59,13 +59,16 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "about a quarter; int4: about a sixth")
     p.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=True,
                    help="Q4_K/Q5_K/Q6_K matmuls take activations rounded to int8 per 256, as llama.cpp's (default)")
+    p.add_argument("--threads", "-t", type=int, default=None, dest="num_threads",
+                   help="compute threads (default: the cores available, fewer while other processes hold some)")
     p.add_argument("--no-warmup", action="store_true", help="time the first (cold) call too")
 
 
 def _engine_kw(args: argparse.Namespace, use_kv_cache: bool = True) -> dict[str, Any]:
     kw = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_memory_gb,
-              kv_cache_dtype=args.kv_cache_dtype, int8_activations=args.int8_activations)
+              kv_cache_dtype=args.kv_cache_dtype, int8_activations=args.int8_activations,
+              num_threads=args.num_threads)
     if args.no_prefix_caching:
         kw["enable_prefix_caching"] = False
     if not use_kv_cache:

@@ -1,6 +1,8 @@
 """AsyncLLM: the engine stepping in a background thread while requests are in flight, one async stream per request.
 
-The engine is not thread-safe, so one thread owns it. Adds, aborts and any other engine call travel to that
+The engine is not thread-safe, so one thread owns it. Built on that thread too (from_engine_args): OpenMP keeps
+one worker pool per thread that runs parallel regions, and two pools on two cores make libgomp stop spinning
+between regions, which doubled the time of a small decode step. Adds, aborts and any other engine call travel to that
 thread through a command queue and run between steps; outputs travel back to each request's event loop with
 loop.call_soon_threadsafe. Requests from all clients share the engine's batch (continuous batching), and a
 request that is aborted (client gone, handler cancelled) leaves the batch at the next step and frees its blocks.
@@ -15,10 +17,11 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar, Union
 
 from tokenmill.engine.engine import LLMEngine, PromptType
 from tokenmill.outputs import RequestOutput
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 log = logging.getLogger("tokenmill.async_engine")
@@ -114,10 +117,10 @@ class RequestStream:
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine, max_waiting: Optional[int] = None):
-        self.engine = engine
+    def __init__(self, engine: Union[LLMEngine, Callable[[], LLMEngine]], max_waiting: Optional[int] = None):
+        """engine: a built LLMEngine, or a function that builds one, called on the engine thread (preferred:
+        see the module's docstring). Errors of the build are raised here."""
         self.max_waiting = max_waiting          # None: unbounded; else QueueFullError beyond it
-        self.state = EngineState(kv_blocks_total=engine.kv.num_blocks)
         self.hooks: list[IterationHook] = []
         self.error: Optional[str] = None        # why the loop stopped; None while it runs
         self._cmds: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
@@ -127,8 +130,18 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._closed = False                             # no more commands: the loop has stopped
         self._lock = threading.RLock()                   # re-entrant: shutdown() may run in a signal handler
-        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
+        self.state = EngineState()
+        built: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(engine, built), name="tokenmill-engine",
+                                        daemon=True)
         self._thread.start()
+        self.engine: LLMEngine = built.result()
+
+    @classmethod
+    def from_engine_args(cls, model: Optional[str] = None, max_waiting: Optional[int] = None,
+                         **engine_args: Any) -> "AsyncLLM":
+        """vLLM's constructor: the engine built on its own thread from LLMEngine's arguments."""
+        return cls(lambda: LLMEngine(model, **engine_args), max_waiting=max_waiting)
 
     @property
     def tokenizer(self) -> Any:
@@ -139,7 +152,7 @@ class AsyncLLM:
         return self.error is None and self._thread.is_alive()
 
     # ---- the event loop's side ---------------------------------------------------------------------------------
-    async def add_request(self, prompt: PromptType, params: SamplingParams,
+    async def add_request(self, prompt: PromptType, params: Union[SamplingParams, PoolingParams],
                           request_id: Optional[str] = None) -> RequestStream:
         """Queue a request; returns its stream once the engine accepted it. Raises ValueError (bad input, from
         the engine), QueueFullError or EngineDeadError."""
@@ -192,7 +205,17 @@ class AsyncLLM:
             fut.set_exception(EngineDeadError(self.error or "the engine loop has stopped"))
 
     # ---- the engine thread ----------------------------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, engine: Union[LLMEngine, Callable[[], LLMEngine]], built: concurrent.futures.Future) -> None:
+        try:
+            self.engine = engine if isinstance(engine, LLMEngine) else engine()
+        except BaseException as e:
+            self.error = f"the engine could not be built: {e}"
+            with self._lock:
+                self._closed = True
+            built.set_exception(e)
+            return
+        self.state.kv_blocks_total = self.engine.kv.num_blocks
+        built.set_result(self.engine)
         try:
             self._loop()
         except BaseException as e:      # the loop itself broke: say so (health turns 503), fail what is in flight
@@ -213,11 +236,16 @@ class AsyncLLM:
         stalled = False
         while True:
             cmds = []
-            if stalled or not eng.has_unfinished_requests():
-                try:     # idle (or nothing schedulable): sleep until there is something to do
-                    cmds.append(self._cmds.get(timeout=0.01 if stalled else None))
+            if stalled:
+                try:     # nothing schedulable: wait a little for a command that changes that
+                    cmds.append(self._cmds.get(timeout=0.01))
                 except queue.Empty:
                     pass
+            elif not eng.has_unfinished_requests():
+                # idle: sleep until there is something to do, faulting in the KV cache's pages meanwhile, so the
+                # memory it reserves is resident before load needs it (stopped before the next step)
+                with eng.runner.faulting_in_kv_cache():
+                    cmds.append(self._cmds.get())
             while True:
                 try:
                     cmds.append(self._cmds.get_nowait())

@@ -19,6 +19,7 @@ from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler, SchedulerStats
+from tokenmill.executor.cpus import thread_policy
 from tokenmill.executor.loader import Checkpoint, open_checkpoint, quantized_at_load, resolve_model_path
 from tokenmill.executor.models.decoder import DecoderForCausalLM
 from tokenmill.executor.ops import make_ops
@@ -55,6 +56,31 @@ class EngineStats:
         d = {k: v for k, v in dataclasses.asdict(self).items() if k != "last_step"}
         d["mean_batch_size"] = self.mean_batch_size
         return d
+
+
+@dataclass(frozen=True)
+class KVCacheInfo:
+    """What the KV cache reserves, for an operator to plan with (the server's start line and /metrics)."""
+    num_blocks: int
+    block_size: int
+    cache_dtype: str
+    bytes: int
+    max_model_len: int
+    enable_prefix_caching: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def max_concurrency(self) -> float:
+        """Requests of max_model_len tokens the cache holds at once (vLLM's "maximum concurrency")."""
+        return self.num_tokens / self.max_model_len
+
+    def describe(self) -> str:
+        return (f"KV cache {self.bytes / 2 ** 30:.2f} GiB: {self.num_blocks:,} blocks of {self.block_size} tokens "
+                f"({self.num_tokens:,} tokens, {self.cache_dtype}); {self.max_concurrency:.1f} requests of "
+                f"max_model_len {self.max_model_len:,} at once")
 
 
 def pick_device(device: Optional[str]) -> torch.device:
@@ -107,7 +133,7 @@ class LLMEngine:
                  enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto", use_kv_cache: bool = True,
                  attention_backend: str = "auto", quantized_kernels: bool = True, cpu_kernels: str = "auto",
                  quantization: Optional[str] = None, int8_activations: bool = True, seed: int = 0,
-                 tokenizer: Any = "auto", pooling_type: str = "LAST"):
+                 tokenizer: Any = "auto", pooling_type: str = "LAST", num_threads: Optional[int] = None):
         # pooling_type: which prompt rows a PoolingParams request pools (vLLM's pooler config): LAST or MEAN
         self.pooling_type = check_pooling_type(pooling_type)
         path = resolve_model_path(model)
@@ -130,14 +156,15 @@ class LLMEngine:
         cache_cfg = CacheConfig(block_size, kv_cache_memory_gb, enable_prefix_caching=enable_prefix_caching,
                                 cache_dtype=kv_cache_dtype)
         self.config = EngineConfig(path, mc, cache_cfg, sched_cfg, torch_dtype, dev, attention_backend,
-                                   quantized_kernels, cpu_kernels, seed)
+                                   quantized_kernels, cpu_kernels, seed, num_threads)
+        threads = thread_policy(num_threads)      # before the load: it computes too
         self.model_config = mc
         torch.manual_seed(seed)
 
         self.model = load_model(path, mc, torch_dtype, dev, max_model_len, ckpt, quantized_kernels, cpu_kernels,
                                 int8_activations)
         num_blocks = self._size_kv_cache()
-        self.runner = ModelRunner(self.config, self.model, num_blocks)
+        self.runner = ModelRunner(self.config, self.model, num_blocks, threads)
         # the tokenizer loads on one core (the bundled GGUF's: ~2.4 s); the other faults in the KV cache meanwhile
         with self.runner.faulting_in_kv_cache():
             self.tokenizer = self._load_tokenizer(path) if tokenizer == "auto" else tokenizer
@@ -157,6 +184,12 @@ class LLMEngine:
             return None       # weights only: prompts must come as token ids, outputs carry no text
         from tokenmill.tokenizer import load_tokenizer
         return load_tokenizer(path)
+
+    def kv_cache_info(self) -> KVCacheInfo:
+        cfg = self.config
+        return KVCacheInfo(self.kv.num_blocks, cfg.cache_config.block_size, cfg.kv_cache_dtype,
+                           self.kv.num_blocks * ModelRunner.kv_bytes_per_block(cfg),
+                           cfg.scheduler_config.max_model_len, cfg.cache_config.enable_prefix_caching)
 
     def _size_kv_cache(self) -> int:
         cfg = self.config

@@ -36,38 +36,61 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
 
 
 def touch_pages(kernels: KernelLibrary, tensors: list[torch.Tensor], chunk_bytes: int,
-                stop: ctypes.c_int) -> tuple[ctypes.Structure, list]:
+                stop: ctypes.c_int, start: int = 0) -> tuple[ctypes.Structure, list]:
     """The tm_touch_pages_args for these equal-sized CPU tensors, and what it points into (keep both alive)."""
     nbytes = tensors[0].numel() * tensors[0].element_size()
     if any(t.numel() * t.element_size() != nbytes for t in tensors):
-        raise ValueError("faulting_in() takes tensors of one size")
+        raise ValueError("a PageToucher takes tensors of one size")
     ptrs = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
-    args = kernels.struct("touch_pages_args", bufs=ptrs, n=len(tensors), bytes=nbytes, chunk=chunk_bytes, stop=stop)
+    args = kernels.struct("touch_pages_args", bufs=ptrs, n=len(tensors), start=start, bytes=nbytes,
+                          chunk=chunk_bytes, stop=stop)
     return args, [ptrs, stop, tensors]
 
 
-@contextmanager
-def faulting_in(kernels: Optional[KernelLibrary], tensors: list[torch.Tensor],
-                chunk_bytes: int = 2 << 20) -> Iterator[None]:
-    """While the body runs, fault in the pages of these equal-sized CPU tensors on a background thread
-    (csrc/pages.c: a zero written into each page), `chunk_bytes` of each in turn, lowest offsets first; when
-    the body ends it stops where it got to and is joined. Only for tensors nothing uses yet: the zeros land
-    in them. For the KV cache at start-up (why, and why by stores: csrc/pages.c). Does nothing without the
-    kernel library."""
-    if kernels is None or not tensors or any(t.device.type != "cpu" for t in tensors):
-        yield
-        return
-    stop = ctypes.c_int(0)
-    args, keep = touch_pages(kernels, tensors, chunk_bytes, stop)
-    # ctypes drops the GIL for the call: the thread costs the body nothing but the other core's time
-    worker = threading.Thread(target=kernels.call, args=("touch_pages", args), name="tokenmill-fault-in")
-    worker.start()
-    try:
-        yield
-    finally:
-        stop.value = 1      # checked before each chunk of each tensor: the join waits for one chunk at most
-        worker.join()
-        del keep
+class PageToucher:
+    """Faults in the pages of equal-sized CPU tensors on a background thread, a chunk of each in turn, lowest
+    offsets first, while a `running()` body runs; it resumes where the last body stopped it. Contents are
+    kept (csrc/pages.c). For the KV cache: during start-up, and in a server between requests, so what the cache
+    will use becomes resident before load needs it. Does nothing without the kernel library or off CPU."""
+
+    def __init__(self, kernels: Optional[KernelLibrary], tensors: list[torch.Tensor], chunk_bytes: int = 2 << 20):
+        usable = kernels is not None and tensors and all(t.device.type == "cpu" for t in tensors)
+        self.kernels, self.tensors, self.chunk_bytes = kernels, tensors, chunk_bytes
+        self.total = tensors[0].numel() * tensors[0].element_size() if usable else 0   # bytes of each tensor
+        if usable and any(t.numel() * t.element_size() != self.total for t in tensors):
+            raise ValueError("a PageToucher takes tensors of one size")
+        self.offset = 0                  # every tensor is resident below it
+
+    @property
+    def done(self) -> bool:
+        return self.offset >= self.total
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.offset * len(self.tensors)
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        if self.done:
+            yield
+            return
+        assert self.kernels is not None
+        stop = ctypes.c_int(0)
+        args, keep = touch_pages(self.kernels, self.tensors, self.chunk_bytes, stop, self.offset)
+        kernels = self.kernels
+
+        def touch() -> None:
+            self.offset = kernels.call("touch_pages", args)
+
+        # ctypes drops the GIL for the call: the thread costs the body nothing but the other core's time
+        worker = threading.Thread(target=touch, name="tokenmill-fault-in", daemon=True)
+        worker.start()
+        try:
+            yield
+        finally:
+            stop.value = 1      # checked before each chunk of each tensor: the join waits for one chunk at most
+            worker.join()
+            del keep
 
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3

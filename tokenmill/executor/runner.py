@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.scheduler import SchedulerOutput
-from tokenmill.executor.memory import advise_huge_pages, faulting_in, keep_freed_memory
+from tokenmill.executor.cpus import FixedThreads, ThreadGovernor
+from tokenmill.executor.memory import PageToucher, advise_huge_pages, keep_freed_memory
 from tokenmill.executor.attention import AttentionMetadata, get_backend
 from tokenmill.executor.kv_cache import LayerKV
 from tokenmill.executor.models.decoder import DecoderForCausalLM
@@ -29,7 +30,8 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: DecoderForCausalLM, num_blocks: int):
+    def __init__(self, config: EngineConfig, model: DecoderForCausalLM, num_blocks: int,
+                 threads: Union[ThreadGovernor, FixedThreads, None] = None):
         self.config = config
         self.model = model
         self.device = config.device
@@ -43,8 +45,8 @@ class ModelRunner:
                              f"{self.backend.name!r} attention backend: {why_not}; choose another kv_cache_dtype "
                              f"('auto' always works)")
         # one LayerKV per layer: K and V [num_blocks * block_size, kv_heads, head_dim] (flat slots), int8's scales.
-        # Untouched memory: start-up does not wait for the whole budget to be touched (faulting_in_kv_cache touches
-        # what it can on an idle core while the engine loads the tokenizer);
+        # Untouched memory: start-up does not wait for the whole budget to be touched (kv_pages faults it in while
+        # the engine loads the tokenizer, and in a server between requests);
         # attention reads only slots that this or an earlier step wrote (padding repeats a real slot)
         self.kv_caches = [LayerKV.allocate(num_blocks * self.block_size, mc.num_key_value_heads, mc.head_dim,
                                            config.kv_cache_dtype, self.device)
@@ -55,13 +57,16 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory()
         self.backend.bind_kv_cache(self.kv_caches)
+        self.kv_pages = PageToucher(model.ops.kernels, [t for kv in self.kv_caches for t in (kv.k, kv.v)])
         self.sampler = Sampler(mc.vocab_size, set(mc.eos_token_ids), model.ops.argmax)
+        self.threads = threads or FixedThreads(torch.get_num_threads())
 
     def faulting_in_kv_cache(self) -> AbstractContextManager:
         """A context during which the KV cache's pages are faulted in on a background thread, the first blocks of
-        every layer first (blocks are handed out from the lowest id up): for start-up work that leaves a core
-        idle, before any step has used the cache. A no-op off CPU, or without the kernel library."""
-        return faulting_in(self.model.ops.kernels, [t for kv in self.kv_caches for t in (kv.k, kv.v)])
+        every layer first (blocks are handed out from the lowest id up), resuming where the last one stopped: for
+        work that leaves a core idle (start-up, a server waiting for requests). A no-op off CPU, or without the
+        kernel library."""
+        return self.kv_pages.running()
 
     @staticmethod
     def kv_bytes_per_block(config: EngineConfig) -> int:
@@ -127,4 +132,5 @@ class ModelRunner:
                 out.sampled[r.request_id] = tok
                 if lp is not None:
                     out.logprobs[r.request_id] = lp
+        self.threads.tick()
         return out

@@ -104,7 +104,7 @@ def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional
     eng = llm.engine
     ctx = ServerContext(llm, model_name or default_model_name(eng.config.model),
                         eng.config.scheduler_config.max_model_len)
-    metrics = ServerMetrics(ctx.model_name)
+    metrics = ServerMetrics(ctx.model_name, eng.kv_cache_info())
     llm.hooks.append(metrics.on_iteration)
 
     @asynccontextmanager

@@ -47,7 +47,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tokenmill.cli import engine_kwargs
-    from tokenmill.engine.engine import LLMEngine
+    from tokenmill.engine.async_engine import AsyncLLM
     from tokenmill.server.app import build_app
 
     if args.max_queue is not None and args.max_queue < 0:
@@ -55,10 +55,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_body_bytes < 1:
         raise ValueError("--max-body-bytes must be >= 1")
     sock = _bind(args.host, args.port)
-    engine = LLMEngine(args.model, **engine_kwargs(args))
-    app = build_app(engine, model_name=args.served_model_name, api_key=args.api_key, max_queue=args.max_queue,
+    llm = AsyncLLM.from_engine_args(args.model, **engine_kwargs(args))
+    engine = llm.engine
+    app = build_app(llm, model_name=args.served_model_name, api_key=args.api_key, max_queue=args.max_queue,
                     max_body_bytes=args.max_body_bytes)
-    llm = app.state.llm
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
@@ -73,8 +73,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     ops = engine.model.ops
     print(f"tokenmill: {ops.name} plan ({engine.config.dtype}, attention backend "
           f"{engine.runner.backend.name}):\n" + "\n".join(plan_lines(ops)), flush=True)
+    print(f"tokenmill: {engine.kv_cache_info().describe()}; its memory becomes resident while the server "
+          f"idles", flush=True)
     print(f"tokenmill: serving {app.state.ctx.model_name} on {engine.config.device}\n"
           f"  OpenAI API:  {url}/v1{key}\n  playground:  {url}/\n  metrics:     {url}/metrics\n"
           f"  Ctrl-C stops.", flush=True)
-    Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)).run(sockets=[sock])
+    try:
+        Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)).run(sockets=[sock])
+    finally:
+        llm.shutdown(wait=True)
     return 0

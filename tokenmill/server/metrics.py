@@ -9,6 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tokenmill.engine.async_engine import EngineState
+from tokenmill.engine.engine import KVCacheInfo
 from tokenmill.outputs import RequestOutput
 
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -19,7 +20,7 @@ _REQUEST = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, kv_info: KVCacheInfo):
         self.registry = CollectorRegistry()
         r, m = self.registry, model_name
 
@@ -48,6 +49,12 @@ class ServerMetrics:
         self.pc_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self._success = Counter("tokenmill:request_success", "Finished requests by reason.",
                                 ["model_name", "finished_reason"], registry=r)
+        # what the KV cache reserves at start, so resident memory that grows towards it is not read as a leak
+        Gauge("tokenmill:cache_config_info", "The KV cache's configuration (vLLM's info metric).",
+              ["model_name", "block_size", "cache_dtype", "num_gpu_blocks", "enable_prefix_caching"],
+              registry=r).labels(m, str(kv_info.block_size), kv_info.cache_dtype, str(kv_info.num_blocks),
+                                 str(kv_info.enable_prefix_caching)).set(1)
+        gauge("kv_cache_reserved_bytes", "Bytes of memory the KV cache reserves.").set(kv_info.bytes)
         self._model = m
         self._seen: dict[str, int] = {}      # request id -> tokens generated so far (engine thread only)
         self._last = EngineState()

@@ -283,13 +283,14 @@ TM_API int tm_decode_layer(const tm_decode_layer_args *a);
 
 /* ---- faulting in fresh memory (pages.c) ------------------------------------------------------------------- */
 typedef struct {
-    void *bufs;                   /* void *[n]: equal-sized buffers nothing uses yet */
+    void *bufs;                   /* void *[n]: equal-sized buffers (their contents are kept) */
     int n;
+    int64_t start;                /* the offset to resume from: what an earlier call returned */
     int64_t bytes;
     int64_t chunk;
     int *stop;                    /* checked before each chunk */
 } tm_touch_pages_args;
-/* returns the bytes of each buffer faulted in */
+/* returns the offset reached: every buffer is faulted in below it */
 TM_API int64_t tm_touch_pages(const tm_touch_pages_args *a);
 
 #endif
