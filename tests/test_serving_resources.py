@@ -1,6 +1,6 @@
 """What a server takes from its host: the cores it may use (affinity, cgroup quota) and the compute threads it
-runs on them, the engine built on the thread that steps it, and the KV cache's memory reserved and visible at
-start."""
+runs on them, the engine built on the thread that steps it, the KV cache's memory reserved and visible at
+start, and the batch's seats shared between requests when one asks for many sequences."""
 from __future__ import annotations
 
 import ctypes
@@ -228,3 +228,26 @@ def test_metrics_and_start_line_show_the_kv_reservation(live_server) -> None:
         live_server.llm.engine.config)
     line = info.describe()
     assert f"{info.num_blocks:,} blocks of {info.block_size} tokens" in line and "GiB" in line
+
+
+# ---------------------------------------------------------------- seats for many sequences
+
+def test_a_request_with_large_n_does_not_hold_every_seat(tiny_llama) -> None:
+    eng = LLMEngine(tiny_llama[0], dtype="float32", device="cpu", max_model_len=64, kv_cache_memory_gb=0.01,
+                    max_num_seqs=4)
+    many = SamplingParams(n=12, max_tokens=6, temperature=1.0, seed=1, ignore_eos=True)
+    eng.add_request("many", {"prompt_token_ids": [5, 6, 7, 8]}, many)
+    eng.step()
+    eng.add_request("one", {"prompt_token_ids": [9, 10, 11]}, SamplingParams(max_tokens=6, ignore_eos=True))
+    finished_at: dict[str, int] = {}
+    step = 0
+    while eng.has_unfinished_requests():
+        step += 1
+        for out in eng.step():
+            if out.finished:
+                finished_at[out.request_id] = step
+        assert len(eng.scheduler.running) <= 4
+    # arrival order alone would seat all twelve sequences first (three waves of four); "one" goes in the second
+    assert finished_at["one"] < finished_at["many"]
+    eng.kv.check_integrity()
+    assert eng.kv.num_used_blocks == 0

@@ -277,6 +277,7 @@ class LLMEngine:
             p = params if params.n == 1 else dataclasses.replace(
                 params, n=1, seed=None if params.seed is None else params.seed + i)
             req = Request(cid, ids, p, arrival, max_tokens, mc.eos_token_ids, text, bad_words)
+            req.group_id = request_id
             req.generator = make_generator(p.seed, self.config.device)
             if self.tokenizer is not None and p.detokenize:
                 req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, p)

@@ -30,6 +30,7 @@ class Request:
                  bad_words_token_ids: Optional[list[list[int]]] = None,
                  pooling_params: Optional[PoolingParams] = None, pooling_type: str = "LAST"):
         self.request_id = request_id
+        self.group_id = request_id        # the user's request this sequence is one of (n > 1: the parent's id)
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params                              # None for a pooling request: it samples nothing

@@ -4,10 +4,14 @@ Every request has num_tokens and num_computed_tokens; a step gives each schedule
 difference. A decode is one token, a prompt is many, a prompt that does not fit the budget is chunked,
 a prefix-cache hit starts num_computed_tokens past zero. When the KV pool runs dry the newest running
 request is preempted: its blocks are returned and it is recomputed later from its tokens so far.
+
+Waiting requests are admitted in arrival order, except that the n sequences of one request (a group) queue
+behind any other request that has fewer sequences running: one client's n=128 cannot hold the batch's seats
+while another's n=1 waits for all of them.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 import time
 
@@ -80,16 +84,18 @@ class Scheduler:
             self._add_to_batch(out, req, n)
             budget -= n
             i += 1
-        # 2. waiting requests, in arrival order (preempted ones were put back at the front)
+        # 2. waiting requests, in arrival order (preempted ones were put back at the front), groups taking turns
+        seats = Counter(r.group_id for r in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
-            req = self.waiting[0]
+            req = self._next_waiting(seats)
             hit_blocks, hit_tokens = ([], 0)
             if req.num_computed_tokens == 0:
                 hit_blocks, hit_tokens = self.kv.get_computed_blocks(req)
             n = self._fit(req, min(req.num_tokens - req.num_computed_tokens - hit_tokens, budget), hit_blocks)
             if not self.kv.allocate_slots(req, n, hit_blocks):
                 break                                  # wait for running requests to free blocks
-            self.waiting.popleft()
+            self.waiting.remove(req)
+            seats[req.group_id] += 1
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit_tokens
             req.num_computed_tokens += hit_tokens
@@ -100,6 +106,23 @@ class Scheduler:
             self._add_to_batch(out, req, n)
             budget -= n
         return out
+
+    def _next_waiting(self, seats: Counter, scan: int = 512) -> Request:
+        """The first waiting request whose group has the fewest sequences running (of the first `scan`: the
+        search stops at the first with none, so one-sequence requests stay in plain arrival order). A preempted
+        request goes first: it held its seat already."""
+        first = self.waiting[0]
+        if first.status is RequestStatus.PREEMPTED or seats[first.group_id] == 0:
+            return first
+        best = first
+        for i, req in enumerate(self.waiting):
+            if i >= scan:
+                break
+            if seats[req.group_id] < seats[best.group_id]:
+                best = req
+                if seats[req.group_id] == 0:
+                    break
+        return best
 
     def _fit(self, req: Request, n: int, hit_blocks: list[int] = ()) -> int:
         """n, or under a sliding window a shorter prompt chunk that fits the free blocks: a chunk needs the window's
