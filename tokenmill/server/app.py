@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import tokenmill
@@ -29,6 +29,10 @@ from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        TokenizeRequest)
 from tokenmill.server.responses import ResponsesRequest, ResponseStore, create_response
+from tokenmill.server.schemas import (ChatCompletionChunk, ChatCompletionResponse, CompletionChunk,
+                                      CompletionResponse, DetokenizeResponse, EmbeddingResponse, Health, ModelList,
+                                      ResponseObject, ResponseStreamEvent, TokenizeResponse, Version, document, errors,
+                                      stream_or)
 
 log = logging.getLogger("tokenmill.server")
 STATIC = os.path.join(os.path.dirname(__file__), "static")
@@ -116,6 +120,7 @@ def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional
     app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan)
     app.state.llm, app.state.ctx, app.state.metrics = llm, ctx, metrics
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    document(app, api_key=bool(api_key), protected=_PROTECTED)
 
     # ---- errors in OpenAI's shape ----
     @app.exception_handler(ApiError)
@@ -164,32 +169,37 @@ def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional
         return _error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}"))
 
     # ---- OpenAI endpoints ----
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=CompletionResponse,
+              responses={**stream_or(CompletionResponse, CompletionChunk), **errors(400, 404, 503)})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(ctx, body, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses={**stream_or(ChatCompletionResponse, ChatCompletionChunk), **errors(400, 404, 503)})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(ctx, body, request)
 
-    @app.post("/v1/embeddings")
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=errors(400, 404, 503))
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         return await create_embedding(ctx, body, request)
 
     response_store = ResponseStore()      # what previous_response_id can continue
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", response_model=ResponseObject, responses={
+        **stream_or(ResponseObject, ResponseStreamEvent, done=False),
+        **errors(400, 404, 503, why={404: "The model named is not the one served, or previous_response_id names no "
+                                           "response stored here."})})
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         return await create_response(ctx, response_store, body, request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": ctx.model_name, "object": "model", "created": now(),
                                             "owned_by": "tokenmill", "root": eng.config.model,
                                             "max_model_len": ctx.max_model_len}]}
 
     # ---- vLLM's extras ----
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=errors(400, 404))
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -202,7 +212,7 @@ def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional
             ids = list(ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
         return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=errors(400, 404))
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         ctx.check_model(body.model)
         if ctx.tokenizer is None:
@@ -213,17 +223,17 @@ def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional
             raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
         return {"prompt": ctx.tokenizer.decode(body.tokens)}
 
-    @app.get("/health")
+    @app.get("/health", response_model=Health, responses=errors(503, why={503: "The engine has stopped."}))
     async def health() -> Response:
         if not llm.is_running:
             return _error_response(ApiError(503, f"the engine is not running: {llm.error}"))
         return JSONResponse({"status": "ok"})
 
-    @app.get("/version")
+    @app.get("/version", response_model=Version)
     async def version() -> dict[str, str]:
         return {"version": tokenmill.__version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 

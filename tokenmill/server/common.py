@@ -16,7 +16,7 @@ from starlette.types import Receive, Scope, Send
 from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestStream
 from tokenmill.outputs import Logprob, RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.protocol import ApiError
+from tokenmill.server.protocol import ApiError, invalid_params
 
 DONE = "data: [DONE]\n\n"
 
@@ -72,6 +72,9 @@ async def submit(ctx: ServerContext, prompt: Union[str, list[int], dict], params
     except EngineDeadError as e:
         raise unavailable(e)
     except (ValueError, TypeError) as e:
+        # SamplingParams' token ids meet the vocabulary only here, at submission; name the field as the request does
+        if str(e).startswith("SamplingParams."):
+            raise invalid_params(e)
         raise ApiError(400, str(e), "prompt" if "prompt" in str(e) else None)
 
 

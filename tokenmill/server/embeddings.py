@@ -13,13 +13,13 @@ from starlette.responses import JSONResponse, Response
 from tokenmill.engine.async_engine import RequestStream
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.server.common import ServerContext, final_outputs, new_id, now, submit
-from tokenmill.server.protocol import ApiError, Int, _Strict
+from tokenmill.server.protocol import ApiError, Int, _Strict, prompt_schema
 
 MAX_INPUTS = 2048        # OpenAI's cap on the items of one request
 
 
 class EmbeddingRequest(_Strict):
-    input: Union[str, list[str], list[Int], list[list[Int]]]
+    input: Union[str, list[str], list[Int], list[list[Int]]] = Field(json_schema_extra=prompt_schema(MAX_INPUTS))
     model: Optional[str] = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Optional[Int] = Field(default=None, ge=1)

@@ -3,8 +3,8 @@
 Unknown fields are rejected (400) rather than dropped, so a client never believes an option took effect
 when it did not; OpenAI's fields that change nothing a model computes (IGNORED) are accepted and ignored, as vLLM
 does. vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ...) are accepted as well. Numbers are
-strict (JSON true is not 1) and held to OpenAI's ranges. Responses are plain dicts built in completions.py /
-chat.py.
+strict (JSON true is not 1) and held to OpenAI's ranges and SamplingParams' rules, so that /openapi.json shows them.
+Responses are plain dicts built in completions.py / chat.py, described for /openapi.json in schemas.py.
 """
 from __future__ import annotations
 
@@ -34,14 +34,38 @@ class _Strict(BaseModel):
 
 Int = Annotated[int, Strict()]        # JSON true is not 1, nor 2.0 an integer
 Float = Annotated[float, Strict()]    # any JSON number, but not a boolean
+TokenId = Annotated[int, Strict(), Field(ge=0)]
+StopString = Annotated[str, Field(min_length=1)]
+Stop = Optional[Union[StopString, list[StopString]]]
+# token id (as a JSON key must be a string) -> bias; without additionalProperties the schema would let other keys by
+LogitBias = Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[Float, Field(ge=-100, le=100)]],
+                      Field(json_schema_extra={"additionalProperties": False})]
 MAX_N = 128                           # OpenAI's cap on n: one request cannot take the whole engine
 # OpenAI request fields that are accepted and have no effect here (README: "OpenAI fields")
 IGNORED = ("metadata", "store", "service_tier", "prediction", "parallel_tool_calls", "user")
 
 
+def prompt_schema(max_prompts: Optional[int] = None) -> dict[str, Any]:
+    """The JSON schema of a prompt field (a string, strings, token ids or lists of them), none empty. Shown rather
+    than enforced by pydantic: the engine refuses an empty prompt or a token outside the vocabulary with a message
+    that names the prompt, where the union's own errors would name one of its branches."""
+    ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+    many = {"maxItems": max_prompts} if max_prompts else {}
+    return {"anyOf": [{"type": "string", "minLength": 1},
+                      {"type": "array", "minItems": 1, **many, "items": {"type": "string", "minLength": 1}}, ids,
+                      {"type": "array", "minItems": 1, **many, "items": ids}]}
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+def invalid_params(e: Exception) -> ApiError:
+    """A 400 for SamplingParams' refusal ("SamplingParams.top_p must be ..."), naming the field as the request does."""
+    msg = str(e)
+    param = msg.split(".", 1)[1].split(" ", 1)[0] if msg.startswith("SamplingParams.") else None
+    return ApiError(400, msg.replace("SamplingParams.", ""), param)
 
 
 def _or(value: Any, default: Any) -> Any:
@@ -54,14 +78,14 @@ class _Sampling(_Strict):
     model: Optional[str] = None
     n: Optional[Int] = Field(default=1, ge=1, le=MAX_N)
     temperature: Optional[Float] = Field(default=1.0, ge=0, le=2)      # OpenAI's default and range
-    top_p: Optional[Float] = Field(default=1.0, ge=0, le=1)
+    top_p: Optional[Float] = Field(default=1.0, gt=0, le=1)
     seed: Optional[Int] = Field(default=None, ge=-2 ** 63, le=2 ** 63 - 1)
-    stop: Optional[Union[str, list[str]]] = None
+    stop: Stop = None
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     presence_penalty: Optional[Float] = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: Optional[Float] = Field(default=0.0, ge=-2, le=2)
-    logit_bias: Optional[dict[str, Annotated[Float, Field(ge=-100, le=100)]]] = None
+    logit_bias: Optional[LogitBias] = None
     # accepted and ignored (IGNORED)
     user: Optional[str] = None
     metadata: Optional[dict[str, str]] = None
@@ -70,26 +94,21 @@ class _Sampling(_Strict):
     prediction: Optional[dict[str, Any]] = None
     parallel_tool_calls: Optional[bool] = None
     # vLLM's extras
-    top_k: Optional[Int] = 0
-    min_p: Optional[Float] = 0.0
-    repetition_penalty: Optional[Float] = 1.0
-    min_tokens: Optional[Int] = 0
-    stop_token_ids: Optional[list[Int]] = None
+    top_k: Optional[Int] = Field(default=0, ge=-1)           # 0 or -1: off
+    min_p: Optional[Float] = Field(default=0.0, ge=0, le=1)
+    repetition_penalty: Optional[Float] = Field(default=1.0, gt=0)
+    min_tokens: Optional[Int] = Field(default=0, ge=0)
+    stop_token_ids: Optional[list[TokenId]] = None
     include_stop_str_in_output: Optional[bool] = False
     ignore_eos: Optional[bool] = False
     skip_special_tokens: Optional[bool] = True
     bad_words: Optional[list[str]] = None
-    allowed_token_ids: Optional[list[Int]] = None
+    allowed_token_ids: Optional[list[TokenId]] = Field(default=None, min_length=1)
     return_token_ids: Optional[bool] = False  # choices also carry token_ids (and prompt_token_ids)
 
     def to_sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
                            prompt_logprobs: Optional[int] = None) -> SamplingParams:
-        bias = None
-        if self.logit_bias is not None:
-            try:
-                bias = {int(k): v for k, v in self.logit_bias.items()}
-            except ValueError:
-                raise ApiError(400, "logit_bias keys must be token ids (integers as strings)", "logit_bias")
+        bias = None if self.logit_bias is None else {int(k): v for k, v in self.logit_bias.items()}
         try:
             return SamplingParams(
                 n=_or(self.n, 1), temperature=_or(self.temperature, 1.0), top_p=_or(self.top_p, 1.0),
@@ -102,9 +121,7 @@ class _Sampling(_Strict):
                 logit_bias=bias, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
                 skip_special_tokens=_or(self.skip_special_tokens, True))
         except (ValueError, TypeError) as e:
-            msg = str(e)
-            param = msg.split(".", 1)[1].split(" ", 1)[0] if msg.startswith("SamplingParams.") else None
-            raise ApiError(400, msg.replace("SamplingParams.", ""), param)
+            raise invalid_params(e)
 
     @property
     def num_choices(self) -> int:
@@ -116,8 +133,8 @@ class _Sampling(_Strict):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[Int], list[list[Int]]]
-    max_tokens: Optional[Int] = 16           # OpenAI's default for completions
+    prompt: Union[str, list[str], list[Int], list[list[Int]]] = Field(json_schema_extra=prompt_schema())
+    max_tokens: Optional[Int] = Field(default=16, ge=1)     # OpenAI's default for completions
     logprobs: Optional[Int] = Field(default=None, ge=0, le=20)
     echo: Optional[bool] = False
     best_of: Optional[Int] = Field(default=None, ge=1, le=MAX_N)
@@ -135,7 +152,10 @@ class CompletionRequest(_Sampling):
 class ContentPart(BaseModel):
     """A text part. Image, audio and file parts are refused by name, so a client learns the model is text-only
     rather than that its field is unknown."""
-    model_config = ConfigDict(extra="allow")
+    # the schema shows what passes _text_only; the model takes any type so that it can refuse media by name
+    model_config = ConfigDict(extra="allow", json_schema_extra={
+        "properties": {"type": {"const": "text"}, "text": {"type": "string"}}, "required": ["type", "text"],
+        "additionalProperties": False})
     type: str
     text: Optional[str] = None
 
@@ -151,6 +171,10 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(_Strict):
+    # _has_content's rule, for the schema: content (not null) unless the role is assistant
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"role": {"not": {"const": "assistant"}}}},
+        "then": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}})
     role: Literal["system", "developer", "user", "assistant"]
     content: Optional[Union[str, list[ContentPart]]] = None
     name: Optional[str] = None
@@ -173,14 +197,18 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[Int] = None
-    max_completion_tokens: Optional[Int] = None
+    max_tokens: Optional[Int] = Field(default=None, ge=1)
+    max_completion_tokens: Optional[Int] = Field(default=None, ge=1)
     logprobs: Optional[bool] = False
     top_logprobs: Optional[Int] = Field(default=None, ge=0, le=20)
     add_generation_prompt: Optional[bool] = True
 
 
 class TokenizeRequest(_Strict):
+    # exactly one of prompt and messages, not null (the handler checks it)
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
@@ -190,4 +218,4 @@ class TokenizeRequest(_Strict):
 
 class DetokenizeRequest(_Strict):
     model: Optional[str] = None
-    tokens: list[Int]
+    tokens: list[TokenId]

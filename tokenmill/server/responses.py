@@ -23,7 +23,7 @@ from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.chat import chat_logprobs, render_messages
 from tokenmill.server.common import ServerContext, SSEResponse, final_outputs, now, submit, unavailable
-from tokenmill.server.protocol import ApiError, ChatMessage, Float, Int, _or, _Strict
+from tokenmill.server.protocol import ApiError, ChatMessage, Float, Int, Stop, TokenId, _or, _Strict
 
 DEFAULT_STORE_SIZE = 4096
 _MEDIA_PARTS = ("input_image", "input_file", "input_audio")
@@ -33,7 +33,11 @@ _LOGPROBS = "message.output_text.logprobs"
 class InputPart(BaseModel):
     """An input_text part, or an output_text part of an assistant turn a client sends back (its annotations and
     logprobs are ignored). Media parts are refused by name: the models are text only."""
-    model_config = ConfigDict(extra="allow")
+    # the schema shows what passes _text_only; the model takes any type so that it can refuse media by name
+    model_config = ConfigDict(extra="allow", json_schema_extra={
+        "properties": {"type": {"enum": ["input_text", "output_text"]}, "text": {"type": "string"},
+                       "annotations": {}, "logprobs": {}, "prompt_cache_breakpoint": {}},
+        "required": ["type", "text"], "additionalProperties": False})
     type: str
     text: Optional[str] = None
 
@@ -81,7 +85,7 @@ class ResponsesRequest(_Strict):
     previous_response_id: Optional[str] = None
     max_output_tokens: Optional[Int] = Field(default=None, ge=1)
     temperature: Optional[Float] = Field(default=None, ge=0, le=2)
-    top_p: Optional[Float] = Field(default=None, ge=0, le=1)
+    top_p: Optional[Float] = Field(default=None, gt=0, le=1)
     top_logprobs: Optional[Int] = Field(default=None, ge=0, le=20)
     include: Optional[list[str]] = None        # only message.output_text.logprobs changes anything here
     stream: Optional[bool] = False
@@ -106,14 +110,14 @@ class ResponsesRequest(_Strict):
     max_tool_calls: Optional[Int] = None
     stream_options: Optional[dict[str, Any]] = None
     # vLLM's extra sampling fields, as on the other endpoints
-    top_k: Optional[Int] = 0
-    min_p: Optional[Float] = 0.0
-    repetition_penalty: Optional[Float] = 1.0
+    top_k: Optional[Int] = Field(default=0, ge=-1)           # 0 or -1: off
+    min_p: Optional[Float] = Field(default=0.0, ge=0, le=1)
+    repetition_penalty: Optional[Float] = Field(default=1.0, gt=0)
     presence_penalty: Optional[Float] = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: Optional[Float] = Field(default=0.0, ge=-2, le=2)
     seed: Optional[Int] = Field(default=None, ge=-2 ** 63, le=2 ** 63 - 1)
-    stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[Int]] = None
+    stop: Stop = None
+    stop_token_ids: Optional[list[TokenId]] = None
     ignore_eos: Optional[bool] = False
 
     def messages(self) -> list[ChatMessage]:
