@@ -314,6 +314,10 @@ def test_serve_client_arithmetic(monkeypatch):
     bounded = serve_client.run("http://127.0.0.1:1", reqs, rate=1.0, num_requests=50, duration_s=0.5,
                                progress=False)
     assert bounded["num_requests"] < 5  # no request sent after --duration
+    # all at once but one at a time: the bound, not the arrival times, keeps requests past the duration unsent
+    soak = serve_client.run("http://127.0.0.1:1", reqs, num_requests=100_000, max_concurrency=1, duration_s=0.5,
+                            progress=False)
+    assert 1 <= soak["num_requests"] < 20 and soak["failed"] == 0 and soak["duration_s"] < 5
 
 
 def test_serve_client_lone_finish_chunk(monkeypatch):

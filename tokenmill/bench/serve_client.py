@@ -3,7 +3,6 @@ client-side TTFT / ITL / TPOT / E2E per request, plus what the server's /metrics
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
 import random
@@ -130,7 +129,6 @@ async def run_serve_bench(url: str, requests: Sequence[dict[str, Any]], rate: fl
     offsets = arrival_times(n, rate, seed)
     if duration_s is not None:
         offsets = [t for t in offsets if t <= duration_s]
-    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     limits = httpx.Limits(max_connections=max_concurrency or max(len(offsets), 1) + 2)
     records = [RequestRecord() for _ in offsets]
     async with httpx.AsyncClient(timeout=httpx.Timeout(request_timeout_s, connect=10.0), limits=limits,
@@ -141,15 +139,24 @@ async def run_serve_bench(url: str, requests: Sequence[dict[str, Any]], rate: fl
         poller = asyncio.create_task(_poll(client, url, metrics_interval_s, gauges)) if before else None
         bar = tqdm(total=len(offsets), desc="requests", unit="req", disable=not progress)
 
-        async def launch(i: int, t0: float) -> None:
-            await asyncio.sleep(max(0.0, offsets[i] - (time.perf_counter() - t0)))
-            async with sem or contextlib.nullcontext():
+        sent = [False] * len(offsets)
+        order = iter(range(len(offsets)))
+
+        async def worker(t0: float) -> None:
+            # one worker per seat: a request whose arrival time has come waits for a free one, and none is sent
+            # after the duration (its turn may come long after its arrival time)
+            for i in order:
+                await asyncio.sleep(max(0.0, offsets[i] - (time.perf_counter() - t0)))
+                if duration_s is not None and time.perf_counter() - t0 > duration_s:
+                    return
+                sent[i] = True
                 await _one(client, url, model, requests[i % len(requests)], records[i], t0)
-            bar.update(1)
+                bar.update(1)
 
         t0 = time.perf_counter()
-        await asyncio.gather(*(launch(i, t0) for i in range(len(offsets))))
+        await asyncio.gather(*(worker(t0) for _ in range(min(max_concurrency or len(offsets), len(offsets)))))
         duration = time.perf_counter() - t0
+        records = [r for r, s in zip(records, sent) if s]
         bar.close()
         if poller is not None:
             poller.cancel()
