@@ -12,6 +12,7 @@ import functools
 import logging
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -75,14 +76,19 @@ def available_cpus(root: str = CGROUP_ROOT, proc_cgroup: str = "/proc/self/cgrou
 
 
 def runqueue_wait_ns() -> Optional[int]:
-    """Nanoseconds this process's threads have spent runnable but not running, summed; None where the kernel
-    does not report it (no schedstat)."""
+    """Nanoseconds the compute threads of this process have spent runnable but not running, summed; None where
+    the kernel does not report it (no schedstat). Compute threads: the calling one and the native threads
+    (OpenMP's workers), not the process's other Python threads (a server's event loop waiting for a core is
+    our own load, not a neighbour's)."""
+    others = {t.native_id for t in threading.enumerate() if t is not threading.current_thread()}
     total, seen = 0, False
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
         return None
     for tid in tasks:
+        if int(tid) in others:
+            continue
         raw = _read(f"/proc/self/task/{tid}/schedstat")
         if raw:
             total += int(raw.split()[1])
