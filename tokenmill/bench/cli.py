@@ -94,7 +94,8 @@ def cmd_throughput(args: argparse.Namespace) -> int:
             w["requests"] = w["requests"][: args.num_requests]
     else:
         w = wl.preset(args.preset, vocab=args.vocab or model_vocab(llm), seed=args.seed, n=args.num_requests)
-    r = run_throughput(llm, w, warmup=not args.no_warmup, use_tqdm=not args.no_progress and not args.json)
+    r = run_throughput(llm, w, warmup=not args.no_warmup, use_tqdm=not args.no_progress and not args.json,
+                       detokenize=args.detokenize)
     r["model"] = args.model or "default (SmolLM2-135M-Instruct)"
     text = (f"workload {r['workload']}: {r['requests']} requests, {r['prompt_tokens']:,} prompt tokens, "
             f"{r['generated_tokens']:,} generated tokens in {r['elapsed_s']:.2f} s\n"
@@ -284,6 +285,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--vocab", type=int, default=None, help="draw preset ids below this (default min(49152, model vocab))")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--detokenize", action="store_true",
+                   help="also produce the text, as a server must (off by default, as the peers' offline runs)")
     _add_engine_flags(p)
     _add_output_flags(p)
     p.set_defaults(func=cmd_throughput)
