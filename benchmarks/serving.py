@@ -2,12 +2,13 @@
 """Served against offline throughput on the bundled model, side by side in one run, alone and beside a busy
 neighbour, then a soak.
 
-  .venv/bin/python benchmarks/serving.py [--concurrency 1 16 64] [--soak-s 600] [--out results/NAME.json]
+  .venv/bin/python benchmarks/serving.py [--concurrency 1 16 64] [--pairs 3] [--soak-s 600] [--out results/NAME.json]
 
 For each concurrency c the same requests go through the offline engine (`tokenmill bench throughput
 --max-num-seqs c`: at most c in flight, as a client at concurrency c allows) and through `tokenmill serve` on
-loopback (`tokenmill bench serve --max-concurrency c`, streamed). Then again with a neighbour process spinning
-on one of our cores. The ratio is served / offline generated tokens a second from the same scenario.
+loopback (`tokenmill bench serve --max-concurrency c`, streamed), in turn --pairs times, since this machine's
+speed drifts by a third between minutes. Then again with a neighbour process spinning on one of our cores. The
+ratio is served / offline generated tokens a second within a pair; the row shows the median pair's.
 The soak sends short requests at concurrency 8 for --soak-s seconds and reads the server's RSS before and after,
 its KV blocks in use at the end (/metrics) and the errors the client saw.
 """
@@ -105,24 +106,28 @@ def pcts(d: dict) -> dict:
     return {k: round(d[k], 1) for k in ("p50", "p90", "p99") if k in d}
 
 
-def scenario(concurrency: list[int], workloads: dict[int, str], busy: bool) -> list[dict]:
+def one_pair(c: int, workload: str) -> dict:
+    off = last_json(sh(TM + ["bench", "throughput", "--workload", workload, "--max-num-seqs", str(c),
+                             "--no-progress", "--json"]))
+    with server() as (url, _):
+        srv = last_json(sh(TM + ["bench", "serve", "--url", url, "--workload", workload, "--num-requests",
+                                 str(SIZES[c]), "--max-concurrency", str(c), "--no-progress", "--json"]))
+    return {"offline_tok_s": off["generated_tok_s"], "served_tok_s": srv["output_throughput"],
+            "ratio": srv["output_throughput"] / off["generated_tok_s"], "served_failed": srv["failed"],
+            "served_ttft_ms": pcts(srv["ttft_ms"]), "served_itl_ms": pcts(srv["itl_ms"]),
+            "offline_ttft_ms": pcts(off["ttft_ms"]), "offline_itl_ms": pcts(off["itl_ms"])}
+
+
+def scenario(concurrency: list[int], workloads: dict[int, str], busy: bool, pairs: int) -> list[dict]:
     rows = []
     with neighbour(busy):
         for c in concurrency:
-            off = last_json(sh(TM + ["bench", "throughput", "--workload", workloads[c], "--max-num-seqs", str(c),
-                                     "--no-progress", "--json"]))
-            with server() as (url, _):
-                srv = last_json(sh(TM + ["bench", "serve", "--url", url, "--workload", workloads[c],
-                                         "--num-requests", str(SIZES[c]), "--max-concurrency", str(c),
-                                         "--no-progress", "--json"]))
-            row = {"neighbour": busy, "concurrency": c, "requests": SIZES[c],
-                   "offline_tok_s": off["generated_tok_s"], "served_tok_s": srv["output_throughput"],
-                   "ratio": srv["output_throughput"] / off["generated_tok_s"],
-                   "served_failed": srv["failed"], "served_ttft_ms": pcts(srv["ttft_ms"]),
-                   "served_itl_ms": pcts(srv["itl_ms"]), "offline_ttft_ms": pcts(off["ttft_ms"]),
-                   "offline_itl_ms": pcts(off["itl_ms"])}
+            runs = [one_pair(c, workloads[c]) for _ in range(pairs)]
+            med = sorted(runs, key=lambda r: r["ratio"])[len(runs) // 2]
+            row = {"neighbour": busy, "concurrency": c, "requests": SIZES[c], **med, "pairs": runs}
+            ratios = ", ".join(f"{r['ratio']:.2f}" for r in runs)
             print(f"{'neighbour' if busy else 'alone':9}  c={c:<3} offline {row['offline_tok_s']:6.1f}  "
-                  f"served {row['served_tok_s']:6.1f} tok/s  ({row['ratio']:.2f}x)  served TTFT p50 "
+                  f"served {row['served_tok_s']:6.1f} tok/s  ({row['ratio']:.2f}x; pairs {ratios})  served TTFT p50 "
                   f"{row['served_ttft_ms'].get('p50')} ms  ITL p50 {row['served_itl_ms'].get('p50')} ms",
                   flush=True)
             rows.append(row)
@@ -154,6 +159,7 @@ def soak(seconds: float, workload: str) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64], choices=sorted(SIZES))
+    ap.add_argument("--pairs", type=int, default=3, help="offline/served runs in turn per concurrency")
     ap.add_argument("--soak-s", type=float, default=600.0, help="0 skips the soak")
     ap.add_argument("--no-neighbour", action="store_true")
     ap.add_argument("--out", default=None)
@@ -169,7 +175,7 @@ def main() -> int:
     res: dict = {"date": time.strftime("%Y-%m-%d"), **machine_record(), "model": "bundled SmolLM2-135M-Instruct",
                  "workload": "requests of 32-128 prompt and 32-128 generated tokens", "rows": []}
     for busy in ([False] if a.no_neighbour else [False, True]):
-        res["rows"] += scenario(a.concurrency, workloads, busy)
+        res["rows"] += scenario(a.concurrency, workloads, busy, a.pairs)
     if a.soak_s > 0:
         short = str(tmp / "serving-soak.json")
         sh(TM + ["bench", "workload", "--n", "256", "--in", "16", "96", "--out", "4", "32", "--seed", "1", "-o", short])
