@@ -85,7 +85,7 @@ class Scheduler:
             budget -= n
             i += 1
         # 2. waiting requests, in arrival order (preempted ones were put back at the front), groups taking turns
-        seats = Counter(r.group_id for r in self.running)
+        seats = Counter(r.group_id for r in self.running) if self.waiting else Counter()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
             req = self._next_waiting(seats)
             hit_blocks, hit_tokens = ([], 0)

@@ -51,11 +51,8 @@ def cgroup_cpu_quota(root: str = CGROUP_ROOT, proc_cgroup: str = "/proc/self/cgr
                 break
             path = os.path.dirname(path)
     elif v1 is not None:
-        for base in ("cpu", "cpu,cpuacct"):
-            quota = _read(os.path.join(root, base, v1.strip("/"), "cpu.cfs_quota_us")) or \
-                _read(os.path.join(root, base, "cpu.cfs_quota_us"))
-            period = _read(os.path.join(root, base, v1.strip("/"), "cpu.cfs_period_us")) or \
-                _read(os.path.join(root, base, "cpu.cfs_period_us"))
+        for d in (os.path.join(root, base, sub) for base in ("cpu", "cpu,cpuacct") for sub in (v1.strip("/"), "")):
+            quota, period = _read(os.path.join(d, "cpu.cfs_quota_us")), _read(os.path.join(d, "cpu.cfs_period_us"))
             if quota and period and int(quota) > 0:
                 quotas.append(int(quota) / int(period))
                 break

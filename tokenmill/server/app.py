@@ -45,8 +45,8 @@ def default_model_name(model_path: str) -> str:
     return name[:-5] if name.endswith(".gguf") else name
 
 
-def _error_response(e: ApiError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+def _error_response(e: ApiError, headers: Optional[dict[str, str]] = None) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
 class GuardMiddleware:
@@ -156,8 +156,7 @@ def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional
         elif e.status_code == 405:
             allowed = (e.headers or {}).get("Allow", "another method")
             msg, code = f"{what} is not allowed; {request.url.path} takes {allowed}", "method_not_allowed"
-        return JSONResponse(ApiError(e.status_code, msg, code=code).body(), status_code=e.status_code,
-                            headers=e.headers)
+        return _error_response(ApiError(e.status_code, msg, code=code), e.headers)
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, e: ClientDisconnected) -> Response:
