@@ -1,7 +1,7 @@
 """tokenmill: a readable LLM inference engine (paged KV cache, continuous batching, OpenAI-compatible server)."""
 from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tokenmill.pooling_params import PoolingParams
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -17,4 +17,4 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredOutputsParams", "PoolingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics"]

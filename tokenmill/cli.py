@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -36,6 +37,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pooling-type", default="LAST", choices=["LAST", "MEAN"],
                    help="what an embedding pools (vLLM's pooler config): the last prompt token's hidden state, or "
                         "the mean over the prompt")
+    p.add_argument("--structured-outputs-config", type=_json_object, default=None,
+                   help='structured outputs as JSON, vLLM\'s fields: {"backend": "xgrammar", "compile_timeout_s": 10}')
     p.add_argument("--quantization", "-q", default=None,
                    help="quantise a float checkpoint's matrices at load: int8 (Q8_0) | int4 (Q4_1) | q4_0 | q5_0 | "
                         "q5_1 | q8_0")
@@ -47,7 +50,18 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_memory_gb,
                 enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
                 cpu_kernels=args.cpu_kernels, quantization=args.quantization, int8_activations=args.int8_activations,
-                pooling_type=args.pooling_type, num_threads=args.num_threads)
+                pooling_type=args.pooling_type, num_threads=args.num_threads,
+                structured_outputs_config=args.structured_outputs_config)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
 
 
 def _pct(xs: list[float], q: float) -> float:

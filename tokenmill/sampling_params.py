@@ -1,9 +1,65 @@
 """SamplingParams with vLLM's names and meanings."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output (vLLM's names): exactly one of json (a JSON schema: dict, str or pydantic model
+    class), regex, choice (the output is one of these strings), grammar (EBNF, as xgrammar and llama.cpp's GBNF
+    write it) or json_object (any JSON object)."""
+    json: Optional[Union[str, dict, Any]] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    # JSON without free whitespace between tokens. Either way an object takes only the properties its schema names,
+    # unless the schema sets additionalProperties (xgrammar's strict mode, as vLLM runs it)
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, type) and hasattr(self.json, "model_json_schema"):
+            self.json = self.json.model_json_schema()      # a pydantic model class
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("StructuredOutputsParams needs exactly one of json, regex, choice, grammar or "
+                             f"json_object, got {given or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"StructuredOutputsParams.json is not valid JSON: {e}") from None
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise ValueError(f"StructuredOutputsParams.json must be a JSON schema (an object), got "
+                             f"{type(self.json).__name__}")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise ValueError("StructuredOutputsParams.regex must be a non-empty string")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise ValueError("StructuredOutputsParams.grammar must be a non-empty EBNF string")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or any(not isinstance(c, str) or not c for c in self.choice)):
+            raise ValueError("StructuredOutputsParams.choice must be a non-empty list of non-empty strings")
+        if self.json_object not in (None, True, False):
+            raise ValueError("StructuredOutputsParams.json_object must be true or false")
+
+    @property
+    def kind(self) -> str:
+        return next(n for n in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, n)
+                    not in (None, False))
+
+    def key(self) -> tuple:
+        """What identifies the compiled grammar (the compile cache's key)."""
+        spec = getattr(self, self.kind)
+        if self.kind == "json":
+            spec = json.dumps(spec, sort_keys=True)
+        elif self.kind == "choice":
+            spec = tuple(spec)
+        return self.kind, spec, self.disable_any_whitespace
 
 
 @dataclass
@@ -30,6 +86,7 @@ class SamplingParams:
     bad_words: Optional[list[str]] = None
     skip_special_tokens: bool = True
     detokenize: bool = True
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -93,6 +150,8 @@ class SamplingParams:
                 bad("logit_bias", "a dict of non-negative token id -> finite bias")
         if any(not isinstance(w, str) or w.strip() == "" for w in self.bad_words):
             bad("bad_words", "a list of non-blank strings")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", "a StructuredOutputsParams or None")
         if not self.detokenize and self.stop:
             bad("stop", "empty when detokenize=False (stop strings need the text)")
 

@@ -161,6 +161,10 @@ class AsyncLLM:
         if self.max_waiting is not None and self.state.num_waiting + self._pending >= self.max_waiting:
             raise QueueFullError(f"{self.state.num_waiting + self._pending} requests are already waiting "
                                  f"(the bound is {self.max_waiting}); retry later")
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+            # compiled here, off the engine thread, so a slow grammar stalls no one's steps (the engine's add hits
+            # the cache)
+            await asyncio.to_thread(self.engine.structured_outputs.compile, params.structured_outputs)
         rid = request_id or f"req-{next(self._ids)}"
         stream = RequestStream(rid, self, asyncio.get_running_loop())
         fut: concurrent.futures.Future = concurrent.futures.Future()

@@ -6,6 +6,7 @@ turning user input into Requests (with the checks users need) and finished token
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from collections import deque
@@ -18,7 +19,8 @@ from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCo
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.request import Request, RequestStatus
-from tokenmill.engine.scheduler import Scheduler, SchedulerStats
+from tokenmill.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from tokenmill.engine.structured_output import StructuredOutputManager, StructuredOutputsConfig
 from tokenmill.executor.cpus import thread_policy
 from tokenmill.executor.loader import Checkpoint, open_checkpoint, quantized_at_load, resolve_model_path
 from tokenmill.executor.models.decoder import DecoderForCausalLM
@@ -30,6 +32,7 @@ from tokenmill.pooling_params import PoolingParams, check_pooling_type
 from tokenmill.sampling_params import SamplingParams
 
 PromptType = Union[str, list[int], dict]
+log = logging.getLogger("tokenmill.engine")
 
 
 @dataclass
@@ -133,9 +136,16 @@ class LLMEngine:
                  enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto", use_kv_cache: bool = True,
                  attention_backend: str = "auto", quantized_kernels: bool = True, cpu_kernels: str = "auto",
                  quantization: Optional[str] = None, int8_activations: bool = True, seed: int = 0,
-                 tokenizer: Any = "auto", pooling_type: str = "LAST", num_threads: Optional[int] = None):
+                 tokenizer: Any = "auto", pooling_type: str = "LAST", num_threads: Optional[int] = None,
+                 structured_outputs_config: Union[StructuredOutputsConfig, dict, None] = None,
+                 reasoning_parser: Optional[str] = None):
         # pooling_type: which prompt rows a PoolingParams request pools (vLLM's pooler config): LAST or MEAN
         self.pooling_type = check_pooling_type(pooling_type)
+        so_config = structured_outputs_config or StructuredOutputsConfig()
+        if isinstance(so_config, dict):
+            so_config = StructuredOutputsConfig(**so_config)
+        if reasoning_parser is not None:     # vLLM's --reasoning-parser sets the structured outputs' one too
+            so_config = dataclasses.replace(so_config, reasoning_parser=reasoning_parser)
         path = resolve_model_path(model)
         dev = pick_device(device)
         torch_dtype = resolve_dtype(dtype, dev)
@@ -168,6 +178,7 @@ class LLMEngine:
         # the tokenizer loads on one core (the bundled GGUF's: ~2.4 s); the other faults in the KV cache meanwhile
         with self.runner.faulting_in_kv_cache():
             self.tokenizer = self._load_tokenizer(path) if tokenizer == "auto" else tokenizer
+        self.structured_outputs = StructuredOutputManager(self.tokenizer, mc.vocab_size, mc.eos_token_ids, so_config)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, mc.sliding_window)
         self.scheduler = Scheduler(sched_cfg, self.kv)
         self.requests: dict[str, Request] = {}
@@ -272,6 +283,9 @@ class LLMEngine:
                                  f"{self.kv.num_blocks}; lower max_tokens or raise kv_cache_memory_gb")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         bad_words = bad_words_to_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []
+        so = params.structured_outputs
+        if so is not None:
+            self.structured_outputs.compile(so)        # a bad spec is refused before any child is queued
         children = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         for i, cid in enumerate(children):
             p = params if params.n == 1 else dataclasses.replace(
@@ -279,6 +293,8 @@ class LLMEngine:
             req = Request(cid, ids, p, arrival, max_tokens, mc.eos_token_ids, text, bad_words)
             req.group_id = request_id
             req.generator = make_generator(p.seed, self.config.device)
+            if so is not None:
+                req.grammar = self.structured_outputs.new_request_grammar(so, ids)
             if self.tokenizer is not None and p.detokenize:
                 req.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, p)
             self.requests[cid] = req
@@ -328,11 +344,19 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        out = self.runner.execute(sched, [self.kv.blocks_of(r.request_id) for r in sched.reqs])
+        masks = self.structured_outputs.fill_bitmasks(self._sampling_grammars(sched))   # while the model runs
+        out = self.runner.execute(sched, [self.kv.blocks_of(r.request_id) for r in sched.reqs], masks)
         self.scheduler.update(sched, out.sampled)
         outputs = self._process(sched.reqs, out)
         self._record(sched, time.perf_counter() - t0)
         return outputs
+
+    @staticmethod
+    def _sampling_grammars(sched: SchedulerOutput) -> dict:
+        """The grammars of the constrained requests that sample this step (those whose scheduled tokens reach their
+        end)."""
+        return {r.request_id: r.grammar for r, n in zip(sched.reqs, sched.num_scheduled)
+                if r.grammar is not None and r.num_computed_tokens + n == r.num_tokens}
 
     def _process(self, reqs: list[Request], out: RunnerOutput) -> list[Union[RequestOutput, PoolingRequestOutput]]:
         """Stop checks and outputs for the requests that got a token this step, and the pooling requests that
@@ -360,6 +384,13 @@ class LLMEngine:
                 m.inter_token_latencies.append(now - m.last_token_time)
             m.last_token_time = now
             m.num_generation_tokens = len(req.output_token_ids)
+            if req.grammar is not None and not req.grammar.accept(tok):
+                # the mask allowed nothing the grammar could take (e.g. min_tokens banned its only stop token)
+                log.warning("request %s: token %d is outside its grammar; aborting it", req.request_id, tok)
+                m.finished_time = now
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+                touched[self.child_parent.get(req.request_id, req.request_id)] = None
+                continue
             status = self._check_stop(req, tok)
             if status is not None:
                 m.finished_time = now
@@ -385,6 +416,8 @@ class LLMEngine:
         p = req.params
         n_out = len(req.output_token_ids)
         eos = not p.ignore_eos and tok in req.eos_token_ids
+        # a finished grammar ends the request even with ignore_eos: nothing else may follow
+        eos = eos or (req.grammar is not None and req.grammar.is_terminated)
         token_stop = n_out >= p.min_tokens and (eos or tok in p.stop_token_ids)
         if req.detokenizer is not None:
             # a stop token's own text stays out of the output (vLLM v1)

@@ -54,6 +54,7 @@ class Request:
         self.cumulative_logprob = 0.0
         self.prompt_logprobs: list[Optional[dict[int, Logprob]]] = []
         self.detokenizer: Any = None                      # set by the engine when text is wanted
+        self.grammar: Any = None                          # structured outputs: its RequestGrammar
 
     @property
     def num_tokens(self) -> int:

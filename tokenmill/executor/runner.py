@@ -2,6 +2,7 @@
 requests, their rows of the final-norm hidden states reduced per request)."""
 from __future__ import annotations
 
+import concurrent.futures
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -75,7 +76,9 @@ class ModelRunner:
         return mc.num_hidden_layers * config.cache_config.block_size * per_slot
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, block_tables: list[list[int]]) -> RunnerOutput:
+    def execute(self, sched: SchedulerOutput, block_tables: list[list[int]],
+                token_bitmasks: Optional[concurrent.futures.Future] = None) -> RunnerOutput:
+        """token_bitmasks: structured outputs' masks (request id -> packed row), being written while the model runs."""
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -125,8 +128,9 @@ class ModelRunner:
             out.prompt_logprobs[req.request_id] = ([None] if start == 0 else []) + lp
         if sample_reqs:
             logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])   # [S, V]
+            masks = token_bitmasks.result() if token_bitmasks is not None else {}
             inputs = [SamplingInput(r.params, r.prompt_token_ids, r.output_token_ids, r.generator,
-                                    r.bad_words_token_ids) for r in sample_reqs]
+                                    r.bad_words_token_ids, masks.get(r.request_id)) for r in sample_reqs]
             res = self.sampler(logits, inputs)
             for r, tok, lp in zip(sample_reqs, res.token_ids, res.logprobs):
                 out.sampled[r.request_id] = tok

@@ -1,12 +1,13 @@
 """Sampling over one step's logits for all requests at once (no per-request loop over the vocabulary).
 
-Pipeline: logit_bias -> allowed_token_ids -> bad_words -> min_tokens -> repetition penalty
+Pipeline: grammar bitmask -> logit_bias -> allowed_token_ids -> bad_words -> min_tokens -> repetition penalty
 -> frequency/presence penalties -> [greedy rows: argmax here] -> temperature -> top-k -> top-p -> min-p
 -> sample (HF's warper order; vLLM v1 applies min-p before top-k/top-p, which differs only when top-p and
 min-p are combined). Each stage is skipped when no row uses it, so a plain greedy batch costs one argmax.
 
 Logprobs (params.logprobs / prompt_logprobs) are log_softmax of the *raw* model logits, before any of the
-processing above, as vLLM does by default ("raw_logprobs"); ranks are 1-based in that raw distribution.
+processing above but the grammar's mask, as vLLM does by default ("raw_logprobs"); ranks are 1-based in that
+distribution.
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ class SamplingInput:
     output_token_ids: list[int]
     generator: Optional[torch.Generator] = None
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # structured outputs: [ceil(V / 32)] int32, bit t of word t // 32 set where the grammar allows token t
+    token_bitmask: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -217,6 +220,19 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
     return logits
 
 
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmasks: list[torch.Tensor]) -> torch.Tensor:
+    """logits [R, V] with each listed row's disallowed tokens at -inf (a new tensor); bitmasks[i] is rows[i]'s packed
+    mask. Unpacked with shifts, so any device serves it."""
+    V = logits.shape[-1]
+    packed = torch.stack(bitmasks).to(logits.device)                                   # [K, W] int32
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((packed.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :V]           # [K, W * 32] -> [K, V]
+    out = logits.clone()
+    idx = torch.tensor(rows, device=logits.device)
+    out[idx] = out[idx].masked_fill(~allowed, _NEG_INF)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------
 # logprobs
 
@@ -269,6 +285,9 @@ class Sampler:
             raise ValueError(f"got {R} logits rows for {len(inputs)} sampling inputs")
         dev = logits.device
         raw = logits.float()
+        masked = [r for r, inp in enumerate(inputs) if inp.token_bitmask is not None]
+        if masked:
+            raw = apply_token_bitmask(raw, masked, [inputs[r].token_bitmask for r in masked])
         x = apply_logits_processors(raw, inputs, sorted(self.eos_token_ids))
 
         greedy_rows = [inp.params.greedy for inp in inputs]

@@ -1,0 +1,202 @@
+"""Structured outputs: a request's grammar (JSON schema, regex, choice, EBNF) as a token mask, with xgrammar.
+
+xgrammar is what vLLM and SGLang use by default, and it runs on CPU: a grammar compiles once against the tokenizer's
+vocabulary (cached by its spec), and each request then walks it with its own matcher. Before a constrained request
+samples, its matcher writes a bitmask of the tokens the grammar allows next; the sampler sets the others to -inf.
+The masks of a step are written on a worker thread while the forward pass of that step runs (both release the
+GIL), so a constrained step costs little more than the forward pass. Requests without a constraint cost nothing.
+
+Preemption recomputes a request from its tokens so far and keeps its output, so its matcher stays where it was.
+With a reasoning parser, a request's constraint starts after the model's end-of-thinking token.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+from tokenmill.reasoning import get_reasoning_parser
+from tokenmill.sampling_params import StructuredOutputsParams
+
+log = logging.getLogger("tokenmill.structured_output")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """vLLM's structured_outputs_config: the grammar backend, and the reasoning parser whose end-of-thinking token
+    starts the constraint. compile_timeout_s bounds one grammar's compile (a request over it is refused)."""
+    backend: str = "xgrammar"
+    reasoning_parser: Optional[str] = None
+    compile_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("auto", "xgrammar"):
+            raise ValueError(f"structured_outputs_config.backend must be 'xgrammar' (or 'auto'), got {self.backend!r}")
+        if not self.compile_timeout_s > 0:
+            raise ValueError(f"structured_outputs_config.compile_timeout_s must be > 0, got {self.compile_timeout_s}")
+        if self.reasoning_parser is not None:
+            get_reasoning_parser(self.reasoning_parser)
+
+
+class RequestGrammar:
+    """One request's place in its grammar. Until the thinking ends (reasoning models) it allows everything."""
+
+    def __init__(self, matcher: Any, think_end: Optional[int], active: bool):
+        self.matcher = matcher
+        self.think_end = think_end
+        self.active = active
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past token_id; False if the grammar does not allow it."""
+        if not self.active:
+            self.active = token_id == self.think_end    # the end token itself is the reasoning's, not the answer's
+            return True
+        return self.matcher.accept_token(token_id)
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar is complete and its stop token was accepted."""
+        return self.active and self.matcher.is_terminated()
+
+
+class StructuredOutputManager:
+    """Compiles grammars (cached, time-limited, thread-safe: the server compiles off the engine thread) and writes
+    the token bitmasks of a step on a worker thread."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
+                 config: StructuredOutputsConfig = StructuredOutputsConfig()):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+        self.config = config
+        self._lock = threading.Lock()
+        self._compiler: Any = None                 # built at the first constrained request (0.1 s for 49k tokens)
+        self._think: Optional[tuple[int, int]] = None      # reasoning: (start, end) token ids
+        self._compiled: dict[tuple, concurrent.futures.Future] = {}
+        self._compile_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="tokenmill-grammar")
+        self._mask_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenmill-bitmask")
+
+    # ---- compiling (any thread) -------------------------------------------------------------------------------
+    def _xgrammar(self) -> Any:
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+                if self.tokenizer is None:
+                    raise ValueError("structured outputs need the model's tokenizer, and this model folder has none")
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids or None)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+                if self.config.reasoning_parser is not None:
+                    self._think = self._reasoning_tokens()
+            return self._compiler
+
+    def _reasoning_tokens(self) -> tuple[int, int]:
+        parser = get_reasoning_parser(self.config.reasoning_parser or "")
+        ids = []
+        for text in (parser.start_token, parser.end_token):
+            tok = self.tokenizer.encode(text, add_special_tokens=False)
+            if len(tok) != 1:
+                raise ValueError(f"reasoning parser {parser.name!r}: {text!r} is not one token in this model's "
+                                 f"vocabulary, so the model does not think that way; leave reasoning_parser out")
+            ids.append(tok[0])
+        return ids[0], ids[1]
+
+    def _compile_now(self, so: StructuredOutputsParams) -> Any:
+        compiler = self._xgrammar()
+        kind = so.kind
+        try:
+            if kind == "json":
+                return compiler.compile_json_schema(so.json, any_whitespace=not so.disable_any_whitespace)
+            if kind == "json_object":
+                return compiler.compile_json_schema({"type": "object"}, any_whitespace=not so.disable_any_whitespace,
+                                                    strict_mode=False)
+            if kind == "regex":
+                return compiler.compile_regex(so.regex)
+            if kind == "choice":
+                import xgrammar as xgr
+                alts = " | ".join(_ebnf_string(c) for c in so.choice or [])
+                return compiler.compile_grammar(xgr.Grammar.from_ebnf(f"root ::= {alts}"))
+            return compiler.compile_grammar(so.grammar)
+        except RuntimeError as e:     # xgrammar's parse errors: keep the message, drop the C++ source location
+            raise ValueError(f"structured_outputs.{kind}: {_xgrammar_message(e)}") from None
+
+    def compile(self, so: StructuredOutputsParams) -> Any:
+        """The compiled grammar of so (ValueError if it is invalid or takes longer than compile_timeout_s)."""
+        key = so.key()
+        with self._lock:
+            fut = self._compiled.get(key)
+            if fut is None:
+                fut = self._compiled[key] = self._compile_pool.submit(self._compile_now, so)
+        try:
+            return fut.result(timeout=self.config.compile_timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise ValueError(f"structured_outputs.{so.kind}: the grammar did not compile within "
+                             f"{self.config.compile_timeout_s:g} s (structured_outputs_config.compile_timeout_s); "
+                             f"simplify it") from None
+        except ValueError:
+            with self._lock:             # a bad spec is not cached: the next one gets a fresh message
+                self._compiled.pop(key, None)
+            raise
+
+    def new_request_grammar(self, so: StructuredOutputsParams, prompt_token_ids: Sequence[int]) -> RequestGrammar:
+        """A matcher at the grammar's start. With a reasoning parser it waits for the end of thinking, unless the
+        prompt already closed it (a template that turns thinking off writes an empty <think></think>)."""
+        import xgrammar as xgr
+        matcher = xgr.GrammarMatcher(self.compile(so), override_stop_tokens=self.stop_token_ids or None)
+        if self._think is None:
+            return RequestGrammar(matcher, None, True)
+        start, end = self._think
+        last = next((t for t in reversed(prompt_token_ids) if t in (start, end)), None)
+        return RequestGrammar(matcher, end, last == end)
+
+    # ---- bitmasks (the engine thread submits, the worker writes) ---------------------------------------------
+    def fill_bitmasks(self, grammars: dict[str, RequestGrammar]) -> Optional[concurrent.futures.Future]:
+        """Start writing the masks of the requests that sample this step under an active grammar. The future gives
+        request id -> [ceil(vocab / 32)] int32 row (bit set: the token is allowed)."""
+        active = {rid: g for rid, g in grammars.items() if g.active}
+        if not active:
+            return None
+        return self._mask_pool.submit(self._fill, active)
+
+    def _fill(self, grammars: dict[str, RequestGrammar]) -> dict[str, torch.Tensor]:
+        bitmask = torch.empty(len(grammars), -(-self.vocab_size // 32), dtype=torch.int32)
+        for row, g in enumerate(grammars.values()):
+            g.fill(bitmask, row)
+        return dict(zip(grammars, bitmask.unbind(0)))
+
+    def shutdown(self) -> None:
+        self._mask_pool.shutdown(wait=False)
+        self._compile_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _ebnf_string(s: str) -> str:
+    """s as an EBNF string literal."""
+    out = []
+    for ch in s:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\r":
+            out.append("\\r")
+        elif ch == "\t":
+            out.append("\\t")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def _xgrammar_message(e: Exception) -> str:
+    """xgrammar's RuntimeError text without its "[time] file.cc:line:" prefix."""
+    msg = str(e).strip()
+    head, sep, rest = msg.partition(": ")
+    if sep and (".cc:" in head or head.startswith("[")):
+        msg = rest.strip()
+    return msg.removeprefix("Check failed: (error.empty()) is false: ")
