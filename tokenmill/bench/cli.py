@@ -95,7 +95,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     else:
         w = wl.preset(args.preset, vocab=args.vocab or model_vocab(llm), seed=args.seed, n=args.num_requests)
     r = run_throughput(llm, w, warmup=not args.no_warmup, use_tqdm=not args.no_progress and not args.json,
-                       detokenize=args.detokenize)
+                       detokenize=args.detokenize, json_schema=_json_schema(args.json_schema))
     r["model"] = args.model or "default (SmolLM2-135M-Instruct)"
     text = (f"workload {r['workload']}: {r['requests']} requests, {r['prompt_tokens']:,} prompt tokens, "
             f"{r['generated_tokens']:,} generated tokens in {r['elapsed_s']:.2f} s\n"
@@ -106,6 +106,16 @@ def cmd_throughput(args: argparse.Namespace) -> int:
                  f"generated (max_model_len?); figures are not comparable with engines that ran them all")
     _emit(r, args, text)
     return 0
+
+
+def _json_schema(arg: Optional[str]) -> Optional[dict]:
+    if arg is None:
+        return None
+    text = Path(arg).read_text() if not arg.lstrip().startswith("{") and Path(arg).is_file() else arg
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"--json-schema is neither a JSON file nor JSON: {e}") from None
 
 
 # ---- bench latency ----
@@ -287,6 +297,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--detokenize", action="store_true",
                    help="also produce the text, as a server must (off by default, as the peers' offline runs)")
+    p.add_argument("--json-schema", metavar="SCHEMA", default=None,
+                   help="constrain every request to this JSON schema (a file, or the JSON itself): what structured "
+                        "outputs cost")
     _add_engine_flags(p)
     _add_output_flags(p)
     p.set_defaults(func=cmd_throughput)

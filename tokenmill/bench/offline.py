@@ -22,11 +22,13 @@ def build_llm(model: Optional[str] = None, **engine_kw: Any) -> Any:
     return LLM(model=model, **{k: v for k, v in engine_kw.items() if v is not None})
 
 
-def _sampling(max_tokens: int, detokenize: bool = False) -> Any:
-    from tokenmill import SamplingParams
+def _sampling(max_tokens: int, detokenize: bool = False, json_schema: Optional[dict] = None) -> Any:
+    from tokenmill import SamplingParams, StructuredOutputsParams
 
     # token ids only, as the peers run (vLLM with detokenize=False, transformers without decoding)
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=detokenize)
+    so = None if json_schema is None else StructuredOutputsParams(json=json_schema)
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=detokenize,
+                          structured_outputs=so)
 
 
 def model_vocab(llm: Any) -> int:
@@ -64,9 +66,10 @@ def kv_record(llm: Any) -> dict[str, Any]:
 
 
 def run_throughput(llm: Any, workload: Workload, warmup: bool = True, use_tqdm: bool = True,
-                   detokenize: bool = False) -> dict[str, Any]:
+                   detokenize: bool = False, json_schema: Optional[dict] = None) -> dict[str, Any]:
     """Replay every request greedily with ignore_eos; tokens/s over the wall time of one generate() call.
-    detokenize: also produce the text, as a server must (the peers' offline runs do not)."""
+    detokenize: also produce the text, as a server must (the peers' offline runs do not).
+    json_schema: constrain every request to it (a schema the outputs cannot finish early keeps the work equal)."""
     reqs = workload["requests"]
     vocab = getattr(getattr(llm, "model_config", None), "vocab_size", None)
     top = max_token_id(workload)
@@ -77,7 +80,7 @@ def run_throughput(llm: Any, workload: Workload, warmup: bool = True, use_tqdm: 
         _warmup(llm, model_vocab(llm))
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} if r.get("prompt_token_ids") else r["prompt"]
                for r in reqs]
-    params = [_sampling(r["max_tokens"], detokenize) for r in reqs]
+    params = [_sampling(r["max_tokens"], detokenize, json_schema) for r in reqs]
     before = _stats(llm)
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
