@@ -152,7 +152,10 @@ def test_prefix_hit_and_n_children(llm):
 
 def test_bad_specs_are_refused_and_the_engine_goes_on(llm):
     bad = [(dict(json={"type": "objekt"}), "structured_outputs.json: .*objekt"),
+           (dict(json=False), "structured_outputs.json: .*admits no value"),
            (dict(regex="a(b"), "structured_outputs.regex: .*parenthesis"),
+           (dict(regex=r"[^\s\S]"), "structured_outputs.regex: the constraint admits no output"),
+           (dict(grammar="root ::= root"), "structured_outputs.grammar: the constraint admits no output"),
            (dict(grammar="root ::= foo"), "structured_outputs.grammar: .*foo")]
     for kw, msg in bad:
         with pytest.raises(ValueError, match=msg):
@@ -160,6 +163,11 @@ def test_bad_specs_are_refused_and_the_engine_goes_on(llm):
     assert not llm.llm_engine.has_unfinished_requests()
     [ok] = llm.generate("Answer:", so(regex=REGEX), use_tqdm=False)
     assert re.fullmatch(REGEX, ok.outputs[0].text)
+    odd = ["\x00\x01", "tab\there", 'back\\slash "quoted"']
+    outs = llm.generate(["Pick:"] * 3, [so(choice=odd, temperature=1.0, seed=i) for i in range(3)], use_tqdm=False)
+    assert all(o.outputs[0].text in odd for o in outs)
+    [anything] = llm.generate("JSON:", so(json=True, disable_any_whitespace=True, max_tokens=40), use_tqdm=False)
+    assert anything.outputs[0].text
 
 
 def test_a_slow_compile_hits_the_time_limit(tiny_text_model):

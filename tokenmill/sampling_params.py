@@ -24,8 +24,7 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         if isinstance(self.json, type) and hasattr(self.json, "model_json_schema"):
             self.json = self.json.model_json_schema()      # a pydantic model class
-        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
-                 if getattr(self, name) not in (None, False)]
+        given = self._given()
         if len(given) != 1:
             raise ValueError("StructuredOutputsParams needs exactly one of json, regex, choice, grammar or "
                              f"json_object, got {given or 'none'}")
@@ -47,10 +46,14 @@ class StructuredOutputsParams:
         if self.json_object not in (None, True, False):
             raise ValueError("StructuredOutputsParams.json_object must be true or false")
 
+    def _given(self) -> list[str]:
+        # json=False is a schema (that admits nothing); json_object=False is no constraint
+        return [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None] + \
+            (["json_object"] if self.json_object else [])
+
     @property
     def kind(self) -> str:
-        return next(n for n in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, n)
-                    not in (None, False))
+        return self._given()[0]
 
     def key(self) -> tuple:
         """What identifies the compiled grammar (the compile cache's key)."""

@@ -28,10 +28,14 @@ log = logging.getLogger("tokenmill.structured_output")
 @dataclass(frozen=True)
 class StructuredOutputsConfig:
     """vLLM's structured_outputs_config: the grammar backend, and the reasoning parser whose end-of-thinking token
-    starts the constraint. compile_timeout_s bounds one grammar's compile (a request over it is refused)."""
+    starts the constraint. compile_timeout_s bounds one grammar's compile (a request over it is refused).
+    json_whitespace_limit caps each run of free whitespace in JSON, as llama.cpp's JSON grammars do (a newline and
+    up to 20 of indent): a small model at temperature 1 can otherwise write whitespace until max_tokens. None: no cap,
+    as vLLM."""
     backend: str = "xgrammar"
     reasoning_parser: Optional[str] = None
     compile_timeout_s: float = 10.0
+    json_whitespace_limit: Optional[int] = 21
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "xgrammar"):
@@ -40,6 +44,10 @@ class StructuredOutputsConfig:
             raise ValueError(f"structured_outputs_config.compile_timeout_s must be > 0, got {self.compile_timeout_s}")
         if self.reasoning_parser is not None:
             get_reasoning_parser(self.reasoning_parser)
+        if self.json_whitespace_limit is not None and (
+                not isinstance(self.json_whitespace_limit, int) or self.json_whitespace_limit < 1):
+            raise ValueError(f"structured_outputs_config.json_whitespace_limit must be an integer >= 1 or None, got "
+                             f"{self.json_whitespace_limit!r}")
 
 
 class RequestGrammar:
@@ -109,23 +117,37 @@ class StructuredOutputManager:
         return ids[0], ids[1]
 
     def _compile_now(self, so: StructuredOutputsParams) -> Any:
-        compiler = self._xgrammar()
         kind = so.kind
         try:
-            if kind == "json":
-                return compiler.compile_json_schema(so.json, any_whitespace=not so.disable_any_whitespace)
-            if kind == "json_object":
-                return compiler.compile_json_schema({"type": "object"}, any_whitespace=not so.disable_any_whitespace,
-                                                    strict_mode=False)
-            if kind == "regex":
-                return compiler.compile_regex(so.regex)
-            if kind == "choice":
-                import xgrammar as xgr
-                alts = " | ".join(_ebnf_string(c) for c in so.choice or [])
-                return compiler.compile_grammar(xgr.Grammar.from_ebnf(f"root ::= {alts}"))
-            return compiler.compile_grammar(so.grammar)
-        except RuntimeError as e:     # xgrammar's parse errors: keep the message, drop the C++ source location
+            compiled = self._compile_kind(so)
+        except (RuntimeError, ValueError, TypeError) as e:   # xgrammar's parse errors, without its C++ location
             raise ValueError(f"structured_outputs.{kind}: {_xgrammar_message(e)}") from None
+        if not self._admits_a_first_token(compiled):
+            raise ValueError(f"structured_outputs.{kind}: the constraint admits no output at all")
+        return compiled
+
+    def _compile_kind(self, so: StructuredOutputsParams) -> Any:
+        compiler = self._xgrammar()
+        kind = so.kind
+        if kind in ("json", "json_object"):
+            schema = {"type": "object"} if kind == "json_object" else so.json
+            if schema is False:
+                raise ValueError("the schema false admits no value")
+            return compiler.compile_json_schema(
+                {} if schema is True else schema, any_whitespace=not so.disable_any_whitespace,
+                max_whitespace_cnt=None if so.disable_any_whitespace else self.config.json_whitespace_limit,
+                strict_mode=kind == "json")       # json_object: any object, keys and all
+        if kind == "regex":
+            return compiler.compile_regex(so.regex)
+        if kind == "choice":
+            return compiler.compile_grammar("root ::= " + " | ".join(_ebnf_string(c) for c in so.choice or []))
+        return compiler.compile_grammar(so.grammar)
+
+    def _admits_a_first_token(self, compiled: Any) -> bool:
+        import xgrammar as xgr
+        bitmask = torch.zeros(1, -(-self.vocab_size // 32), dtype=torch.int32)
+        xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids or None).fill_next_token_bitmask(bitmask)
+        return bool(bitmask.any())
 
     def compile(self, so: StructuredOutputsParams) -> Any:
         """The compiled grammar of so (ValueError if it is invalid or takes longer than compile_timeout_s)."""
@@ -177,17 +199,13 @@ class StructuredOutputManager:
 
 
 def _ebnf_string(s: str) -> str:
-    """s as an EBNF string literal."""
+    """s as an EBNF string literal: quotes and backslashes escaped, control characters as \\xHH."""
     out = []
     for ch in s:
         if ch in '"\\':
             out.append("\\" + ch)
-        elif ch == "\n":
-            out.append("\\n")
-        elif ch == "\r":
-            out.append("\\r")
-        elif ch == "\t":
-            out.append("\\t")
+        elif ord(ch) < 0x20 or ch == "\x7f":
+            out.append(f"\\x{ord(ch):02x}")
         else:
             out.append(ch)
     return '"' + "".join(out) + '"'
