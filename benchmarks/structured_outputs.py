@@ -51,7 +51,8 @@ def main() -> int:
         r = {schema: throughput(schema) for schema in order}
         plain, constrained = r[False], r[True]
         assert plain["generated_tokens"] == constrained["generated_tokens"], "the arms did different work"
-        pairs.append({"plain_tok_s": plain["generated_tok_s"], "schema_tok_s": constrained["generated_tok_s"],
+        pairs.append({"generated_tokens": plain["generated_tokens"],
+                      "plain_tok_s": plain["generated_tok_s"], "schema_tok_s": constrained["generated_tok_s"],
                       "ratio": constrained["generated_tok_s"] / plain["generated_tok_s"]})
         print(f"pair {i + 1}: plain {pairs[-1]['plain_tok_s']:.1f} tok/s, schema {pairs[-1]['schema_tok_s']:.1f} "
               f"tok/s, ratio {pairs[-1]['ratio']:.3f}", flush=True)

@@ -51,15 +51,18 @@ def apply_chat_template(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Render messages with the model's chat template and tokenize, with at most one BOS."""
+    """Render messages with the model's chat template and tokenize, with at most one BOS. tools (OpenAI's tool
+    dicts) go to templates that render them."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             "this tokenizer has no chat template; use a plain prompt (completions) "
             "or a model whose tokenizer_config.json / GGUF metadata has one")
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    text = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt)
     # Templates usually write the BOS text themselves; adding special tokens would double it.
     bos = tokenizer.bos_token
     add_special = not (bos and text.startswith(bos))

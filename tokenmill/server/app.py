@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import tokenmill
 from tokenmill.engine.async_engine import AsyncLLM, ClientDisconnected
 from tokenmill.engine.engine import LLMEngine
+from tokenmill.reasoning import get_reasoning_parser
 from tokenmill.server.chat import create_chat_completion, render_messages
 from tokenmill.server.common import ServerContext, now
 from tokenmill.server.completions import create_completion
@@ -33,6 +34,7 @@ from tokenmill.server.schemas import (ChatCompletionChunk, ChatCompletionRespons
                                       CompletionResponse, DetokenizeResponse, EmbeddingResponse, Health, ModelList,
                                       ResponseObject, ResponseStreamEvent, TokenizeResponse, Version, document, errors,
                                       stream_or)
+from tokenmill.tool_parsers import get_tool_parser
 
 log = logging.getLogger("tokenmill.server")
 STATIC = os.path.join(os.path.dirname(__file__), "static")
@@ -98,16 +100,25 @@ class GuardMiddleware:
 
 def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional[str] = None,
               api_key: Optional[str] = None, max_queue: Optional[int] = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: Optional[str] = None,
+              reasoning_parser: Optional[str] = None) -> FastAPI:
     """An app serving the engine. max_queue: 503 once that many requests wait; max_body_bytes: 413 above it.
-    Given an LLMEngine the app owns the AsyncLLM it wraps it in, and stops it at shutdown."""
+    tool_call_parser: how chat replies' tool calls are read (default: from the chat template); reasoning_parser:
+    thinking goes to reasoning_content (default: the engine's). Given an LLMEngine the app owns the AsyncLLM it
+    wraps it in, and stops it at shutdown."""
+    if tool_call_parser is not None:
+        get_tool_parser(tool_call_parser)          # a clear ValueError at start for an unknown name
+    if reasoning_parser is not None:
+        get_reasoning_parser(reasoning_parser)
     owns = isinstance(engine_or_llm, LLMEngine)
     llm = AsyncLLM(engine_or_llm) if owns else engine_or_llm
     if max_queue is not None:
         llm.max_waiting = max_queue
     eng = llm.engine
+    so_config = getattr(getattr(eng, "structured_outputs", None), "config", None)
     ctx = ServerContext(llm, model_name or default_model_name(eng.config.model),
-                        eng.config.scheduler_config.max_model_len)
+                        eng.config.scheduler_config.max_model_len, tool_call_parser=tool_call_parser,
+                        reasoning_parser=reasoning_parser or getattr(so_config, "reasoning_parser", None))
     metrics = ServerMetrics(ctx.model_name, eng.kv_cache_info())
     llm.hooks.append(metrics.on_iteration)
 

@@ -23,6 +23,16 @@ def register(subparsers: Any) -> None:
                    help="answer 503 while this many requests are already waiting (default: no bound)")
     p.add_argument("--max-body-bytes", type=int, default=4 * 2 ** 20, help="answer 413 to larger request bodies")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    from tokenmill.reasoning import REASONING_PARSERS
+    from tokenmill.tool_parsers import TOOL_PARSER_NAMES
+    p.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSER_NAMES,
+                   help="how tool calls are read from chat replies (tool_choice auto): hermes (<tool_call>{...}"
+                        "</tool_call>) or llama3_json (Llama 3's JSON); default: the one the chat template's syntax "
+                        "asks for, hermes for templates without tools")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split a reasoning model's <think>...</think> into reasoning_content on chat replies, and "
+                        "start structured-output constraints after it: qwen3 | deepseek_r1 (the output starts in "
+                        "the thinking)")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
@@ -55,10 +65,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_body_bytes < 1:
         raise ValueError("--max-body-bytes must be >= 1")
     sock = _bind(args.host, args.port)
-    llm = AsyncLLM.from_engine_args(args.model, **engine_kwargs(args))
+    llm = AsyncLLM.from_engine_args(args.model, **engine_kwargs(args), reasoning_parser=args.reasoning_parser)
     engine = llm.engine
     app = build_app(llm, model_name=args.served_model_name, api_key=args.api_key, max_queue=args.max_queue,
-                    max_body_bytes=args.max_body_bytes)
+                    max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser,
+                    reasoning_parser=args.reasoning_parser)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:

@@ -16,7 +16,7 @@ from starlette.types import Receive, Scope, Send
 from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestStream
 from tokenmill.outputs import Logprob, RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.protocol import ApiError, invalid_params
+from tokenmill.server.protocol import ApiError, constraint_error, invalid_params
 
 DONE = "data: [DONE]\n\n"
 
@@ -26,6 +26,8 @@ class ServerContext:
     llm: AsyncLLM
     model_name: str
     max_model_len: int
+    tool_call_parser: Optional[str] = None    # --tool-call-parser; None: the one the chat template's syntax asks for
+    reasoning_parser: Optional[str] = None    # --reasoning-parser: thinking goes to reasoning_content
     _token_text: dict[int, str] = field(default_factory=dict)
 
     @property
@@ -75,6 +77,8 @@ async def submit(ctx: ServerContext, prompt: Union[str, list[int], dict], params
         # SamplingParams' token ids meet the vocabulary only here, at submission; name the field as the request does
         if str(e).startswith("SamplingParams."):
             raise invalid_params(e)
+        if str(e).startswith("structured_outputs."):    # a schema, regex or grammar the engine cannot compile
+            raise constraint_error(e, params)
         raise ApiError(400, str(e), "prompt" if "prompt" in str(e) else None)
 
 

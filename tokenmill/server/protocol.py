@@ -8,11 +8,14 @@ Responses are plain dicts built in completions.py / chat.py, described for /open
 """
 from __future__ import annotations
 
+import json
+import re
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class ApiError(Exception):
@@ -72,6 +75,77 @@ def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
+# ---- structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields ------
+class JsonSchemaSpec(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: Optional[str] = None
+    schema_: dict[str, Any] = Field(alias="schema")      # an alias: `schema` would shadow BaseModel.schema
+    strict: Optional[bool] = None       # the schema is always enforced, strict or not
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's response_format. One class rather than a union of three, so that an error names the field as the
+    request wrote it (response_format.json_schema.schema), not a union branch as well."""
+    # _schema_with_json_schema's rule, for the schema: json_schema with type json_schema, and only with it
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"type": {"const": "json_schema"}}},
+        "then": {"required": ["json_schema"], "properties": {"json_schema": {"not": {"type": "null"}}}},
+        "else": {"properties": {"json_schema": {"type": "null"}}}})
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaSpec] = None
+
+    @model_validator(mode="after")
+    def _schema_with_json_schema(self) -> "ResponseFormat":
+        if (self.json_schema is None) == (self.type == "json_schema"):
+            raise ValueError("type json_schema needs its json_schema: {\"name\": ..., \"schema\": {...}}"
+                             if self.type == "json_schema" else f"json_schema belongs to type json_schema, not "
+                                                                  f"{self.type}")
+        return self
+
+
+NonEmpty = Annotated[str, Field(min_length=1)]
+Choices = Annotated[list[NonEmpty], Field(min_length=1)]
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar and json_object."""
+    json_: Optional[Union[dict[str, Any], str]] = Field(default=None, alias="json")   # a schema, or one as text
+    regex: Optional[NonEmpty] = None
+    choice: Optional[Choices] = None
+    grammar: Optional[NonEmpty] = None
+    json_object: Optional[bool] = None
+    disable_any_whitespace: Optional[bool] = False
+
+
+# the request fields that constrain the output; a request may use one of them
+CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar")
+
+
+@dataclass
+class RequestConstraint(StructuredOutputsParams):
+    """StructuredOutputsParams that remember the request field they came from, so that the engine's refusal of a
+    schema, regex or grammar ("structured_outputs.json: ...") names the field the client sent."""
+    param: str = "structured_outputs"
+
+
+def _where(param: str, kind: str) -> str:
+    """Where a constraint of this kind sits in the request, e.g. structured_outputs.regex."""
+    if param == "structured_outputs":
+        return f"structured_outputs.{kind}"
+    if param == "response_format" and kind == "json":
+        return "response_format.json_schema.schema"
+    return param
+
+
+def constraint_error(e: Exception, params: SamplingParams) -> ApiError:
+    """A 400 for the engine's refusal "structured_outputs.<kind>: why", naming the field the request used."""
+    so, msg = params.structured_outputs, str(e)
+    if not isinstance(so, RequestConstraint):
+        return ApiError(400, msg, "structured_outputs")
+    return ApiError(400, re.sub(r"^structured_outputs\.\w+", _where(so.param, so.kind), msg), so.param)
+
+
 class _Sampling(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions. Optional ones take null as "the default"
     (some clients send nulls for options they leave unset)."""
@@ -105,6 +179,13 @@ class _Sampling(_Strict):
     bad_words: Optional[list[str]] = None
     allowed_token_ids: Optional[list[TokenId]] = Field(default=None, min_length=1)
     return_token_ids: Optional[bool] = False  # choices also carry token_ids (and prompt_token_ids)
+    # structured outputs (at most one of CONSTRAINT_FIELDS)
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputs] = None
+    guided_json: Optional[Union[dict[str, Any], str]] = None
+    guided_regex: Optional[NonEmpty] = None
+    guided_choice: Optional[Choices] = None
+    guided_grammar: Optional[NonEmpty] = None
 
     def to_sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
                            prompt_logprobs: Optional[int] = None) -> SamplingParams:
@@ -119,9 +200,35 @@ class _Sampling(_Strict):
                 stop_token_ids=self.stop_token_ids, include_stop_str_in_output=bool(self.include_stop_str_in_output),
                 ignore_eos=bool(self.ignore_eos), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 logit_bias=bias, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
-                skip_special_tokens=_or(self.skip_special_tokens, True))
+                skip_special_tokens=_or(self.skip_special_tokens, True),
+                structured_outputs=self._constraint())
         except (ValueError, TypeError) as e:
             raise invalid_params(e)
+
+    def _constraint(self) -> Optional[RequestConstraint]:
+        given = [f for f in CONSTRAINT_FIELDS if getattr(self, f) is not None]
+        if self.response_format is not None and self.response_format.type == "text":
+            given.remove("response_format")        # the default: no constraint
+        if len(given) > 1:
+            raise ApiError(400, f"give at most one way to constrain the output; this request gives {given[0]} and "
+                                f"{given[1]}", given[1])
+        if not given:
+            return None
+        try:
+            return RequestConstraint(**self._constraint_args(given[0]), param=given[0])
+        except ValueError as e:      # StructuredOutputsParams' own checks ("exactly one of", "not valid JSON")
+            msg = re.sub(r"StructuredOutputsParams(\.(\w+))?",
+                         lambda m: _where(given[0], m[2]) if m[2] else given[0], str(e))
+            raise ApiError(400, msg, given[0])
+
+    def _constraint_args(self, field: str) -> dict[str, Any]:
+        rf, so = self.response_format, self.structured_outputs
+        if field == "response_format" and rf is not None:
+            return {"json": rf.json_schema.schema_} if rf.json_schema is not None else {"json_object": True}
+        if field == "structured_outputs" and so is not None:
+            return {"json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar,
+                    "json_object": so.json_object, "disable_any_whitespace": bool(so.disable_any_whitespace)}
+        return {field.removeprefix("guided_"): getattr(self, field)}
 
     @property
     def num_choices(self) -> int:
@@ -170,28 +277,104 @@ class ContentPart(BaseModel):
         return self
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None      # a JSON schema (checked when the request arrives)
+    strict: Optional[bool] = None     # accepted: required/named choices always enforce the schema, auto never does
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def as_template_dict(self) -> dict[str, Any]:
+        """The tool as chat templates take it (OpenAI's shape, without unset fields and strict)."""
+        f = self.function
+        fn = {"name": f.name, **({"description": f.description} if f.description is not None else {}),
+              "parameters": f.parameters if f.parameters is not None else {"type": "object", "properties": {}}}
+        return {"type": "function", "function": fn}
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str        # JSON text, as the model wrote it
+
+
+class ToolCallParam(_Strict):
+    """An assistant message's call, sent back in the conversation."""
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+def _template_arguments(arguments: str) -> Any:
+    """Arguments as chat templates expect them: a dict (they write it with tojson), as vLLM passes them."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return value if isinstance(value, dict) else arguments
+
+
 class ChatMessage(_Strict):
-    # _has_content's rule, for the schema: content (not null) unless the role is assistant
-    model_config = ConfigDict(json_schema_extra={
-        "if": {"properties": {"role": {"not": {"const": "assistant"}}}},
-        "then": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}})
-    role: Literal["system", "developer", "user", "assistant"]
+    # the validator's rules, for the schema: content (not null) unless the role is assistant; tool messages carry
+    # tool_call_id; tool_calls only on assistant messages, tool_call_id only on tool messages
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        {"if": {"properties": {"role": {"not": {"const": "assistant"}}}},
+         "then": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}},
+                                                          "tool_calls": {"type": "null"}}}},
+        {"if": {"properties": {"role": {"const": "tool"}}},
+         "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}},
+         "else": {"properties": {"tool_call_id": {"type": "null"}}}}]})
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, list[ContentPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCallParam]] = None       # assistant: the calls it made
+    tool_call_id: Optional[str] = None                     # tool: the call this message answers
+    reasoning_content: Optional[str] = None                # assistant: its thinking, as this server returns it
 
     @model_validator(mode="after")
     def _has_content(self) -> "ChatMessage":
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content: a string or a list of text parts")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to assistant messages, not {self.role} ones")
+        if (self.tool_call_id is None) == (self.role == "tool"):
+            raise ValueError("a tool message needs the tool_call_id it answers" if self.role == "tool" else
+                             f"tool_call_id belongs to tool messages, not {self.role} ones")
         return self
 
-    def as_template_dict(self) -> dict[str, str]:
+    @property
+    def text(self) -> str:
         c = self.content
-        text = c if isinstance(c, str) else "".join(p.text for p in c or [])
+        return c if isinstance(c, str) else "".join(p.text or "" for p in c or [])
+
+    def as_template_dict(self) -> dict[str, Any]:
         # "developer" is OpenAI's newer name for "system"; chat templates know only the latter
-        d = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        d: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text}
         if self.name is not None:
             d["name"] = self.name      # templates that know speaker names use it
+        if self.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _template_arguments(c.function.arguments)}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            d["reasoning_content"] = self.reasoning_content     # templates that keep past thinking read it
         return d
 
 
@@ -202,6 +385,14 @@ class ChatCompletionRequest(_Sampling):
     logprobs: Optional[bool] = False
     top_logprobs: Optional[Int] = Field(default=None, ge=0, le=20)
     add_generation_prompt: Optional[bool] = True
+    tools: Optional[list[ChatTool]] = None
+    tool_choice: Optional[ToolChoice] = None      # "auto" when tools are given, else "none"
+
+    @property
+    def effective_tool_choice(self) -> Union[str, NamedToolChoice]:
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
 
 class TokenizeRequest(_Strict):

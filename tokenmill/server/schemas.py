@@ -127,7 +127,7 @@ class Version(BaseModel):
 
 
 # ---- completions and chat ----------------------------------------------------------------------------------------
-FinishReason = Optional[Literal["stop", "length", "abort"]]
+FinishReason = Optional[Literal["stop", "length", "abort", "tool_calls"]]    # tool_calls: chat only
 StopReason = Union[int, str, None]     # the stop token id or stop string that ended the choice, if one did
 
 
@@ -183,9 +183,22 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob]
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str = Field(description="JSON text, as the model wrote it")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: Optional[str] = Field(description="null when the reply is only tool calls or only thinking")
+    tool_calls: Optional[list[ToolCall]] = Field(default=None, description="with tools, the calls the reply made")
+    reasoning_content: Optional[str] = Field(default=None, description="with --reasoning-parser, the thinking")
 
 
 class ChatChoice(BaseModel):
@@ -216,9 +229,23 @@ class CompletionChunk(BaseModel):
     usage: Optional[Usage] = None
 
 
+class ToolCallFunctionDelta(BaseModel):
+    name: Optional[str] = Field(default=None, description="in the call's first delta")
+    arguments: str = Field(description="the next piece of the JSON text (empty in the call's first delta)")
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: Optional[str] = Field(default=None, description="in the call's first delta")
+    type: Optional[Literal["function"]] = Field(default=None, description="in the call's first delta")
+    function: ToolCallFunctionDelta
+
+
 class ChatDelta(BaseModel):
     role: Optional[Literal["assistant"]] = Field(default=None, description="in the first chunk of each choice")
     content: Optional[str] = None
+    reasoning_content: Optional[str] = Field(default=None, description="with --reasoning-parser, the thinking")
+    tool_calls: Optional[list[ToolCallDelta]] = None
 
 
 class ChatChunkChoice(BaseModel):
