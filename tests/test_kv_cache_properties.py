@@ -12,6 +12,7 @@ BS = 4
 ops = st.lists(st.one_of(
     st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 12), st.integers(0, 2)),
     st.tuples(st.just("step")),
+    st.tuples(st.just("guess"), st.integers(1, 6), st.integers(0, 6)),    # speculative guesses, how many stand
     st.tuples(st.just("abort"), st.integers(0, 50)),
     st.tuples(st.just("finish"), st.integers(0, 50)),
 ), min_size=1, max_size=60)
@@ -23,24 +24,38 @@ def make_request(i: int, plen: int, max_tokens: int, family: int) -> Request:
     return Request(str(i), prompt, SamplingParams(max_tokens=max_tokens), 0.0, max_tokens, ())
 
 
+def _sampled(out, accept: int) -> dict[str, list[int]]:
+    """Tokens for the requests that reached their end: the first `accept` of their guesses and one more."""
+    res = {}
+    for r, k in zip(out.reqs, out.num_scheduled):
+        guesses = out.spec_token_ids.get(r.request_id, [])
+        if r.num_computed_tokens + k - len(guesses) == r.num_tokens:
+            res[r.request_id] = guesses[:accept] + [5]
+    return res
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=ops, num_blocks=st.integers(12, 40), budget=st.integers(1, 24), caching=st.booleans())
 def test_random_operations_keep_integrity(ops, num_blocks, budget, caching):
     kv = KVCacheManager(num_blocks, BS, enable_caching=caching)
     sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=budget, max_model_len=64), kv)
     live: list[Request] = []
+    accept = 0
     for n, op in enumerate(ops):
         if op[0] == "add":
             req = make_request(n, op[1], op[2], op[3])
             if kv.blocks_needed(req.num_tokens + req.max_tokens) <= num_blocks:
                 sched.add(req)
                 live.append(req)
+        elif op[0] == "guess":      # the decoding requests guess; the next step accepts some of each one's guesses
+            for r in sched.running:
+                if r.num_computed_tokens == r.num_tokens - 1:
+                    r.spec_token_ids = [7] * min(op[1], r.max_tokens - len(r.output_token_ids) - 1, 63 - r.num_tokens)
+            accept = op[2]
         elif op[0] == "step":
             out = sched.schedule()
             assert out.total_tokens <= budget
-            sampled = {r.request_id: 5 for r, k in zip(out.reqs, out.num_scheduled)
-                       if r.num_computed_tokens + k == r.num_tokens}
-            sched.update(out, sampled)
+            sched.update(out, _sampled(out, accept))
             for r in list(sched.running):
                 if len(r.output_token_ids) >= r.max_tokens:
                     sched.finish(r, RequestStatus.FINISHED_LENGTH)
@@ -59,8 +74,7 @@ def test_random_operations_keep_integrity(ops, num_blocks, budget, caching):
             break
         out = sched.schedule()
         assert not out.is_empty, "scheduler made no progress with requests waiting"
-        sampled = {r.request_id: 5 for r, k in zip(out.reqs, out.num_scheduled) if r.num_computed_tokens + k == r.num_tokens}
-        sched.update(out, sampled)
+        sched.update(out, _sampled(out, 0))
         for r in list(sched.running):
             if len(r.output_token_ids) >= r.max_tokens:
                 sched.finish(r, RequestStatus.FINISHED_LENGTH)

@@ -39,6 +39,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "the mean over the prompt")
     p.add_argument("--structured-outputs-config", type=_json_object, default=None,
                    help='structured outputs as JSON, vLLM\'s fields: {"backend": "xgrammar", "compile_timeout_s": 10}')
+    p.add_argument("--speculative-config", type=_json_object, default=None,
+                   help='speculative decoding as JSON, vLLM\'s fields: {"method": "ngram", "num_speculative_tokens": 3, '
+                        '"prompt_lookup_min": 1, "prompt_lookup_max": 4}')
     p.add_argument("--quantization", "-q", default=None,
                    help="quantise a float checkpoint's matrices at load: int8 (Q8_0) | int4 (Q4_1) | q4_0 | q5_0 | "
                         "q5_1 | q8_0")
@@ -51,7 +54,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
                 cpu_kernels=args.cpu_kernels, quantization=args.quantization, int8_activations=args.int8_activations,
                 pooling_type=args.pooling_type, num_threads=args.num_threads,
-                structured_outputs_config=args.structured_outputs_config)
+                structured_outputs_config=args.structured_outputs_config,
+                speculative_config=args.speculative_config)
 
 
 def _json_object(text: str) -> dict:
@@ -139,6 +143,16 @@ def _phase_report(metrics: list, llm) -> None:
               file=sys.stderr)
     print(f"KV blocks used     {stats['max_kv_blocks_used']} of {stats['kv_blocks_total']} "
           f"(block size {llm.llm_engine.config.cache_config.block_size})", file=sys.stderr)
+    if stats.get("spec_num_drafts"):
+        print(spec_line(stats), file=sys.stderr)
+
+
+def spec_line(stats: dict) -> str:
+    """Speculative decoding's figures from the engine's counters (spec_num_drafts > 0)."""
+    drafts, guessed, accepted = (stats[k] for k in ("spec_num_drafts", "spec_num_draft_tokens",
+                                                     "spec_num_accepted_tokens"))
+    return (f"speculative        {guessed} tokens guessed, {accepted} accepted ({100 * accepted / max(guessed, 1):.1f}%); "
+            f"{1 + accepted / drafts:.2f} tokens per verification step")
 
 
 def cmd_convert(args: argparse.Namespace) -> int:

@@ -101,6 +101,10 @@ def cmd_throughput(args: argparse.Namespace) -> int:
             f"{r['generated_tokens']:,} generated tokens in {r['elapsed_s']:.2f} s\n"
             f"generated {r['generated_tok_s']:.1f} tok/s   total {r['total_tok_s']:.1f} tok/s\n"
             f"{_fmt_pcts('TTFT', r['ttft_ms'])}\n{_fmt_pcts('ITL', r['itl_ms'])}\n{_fmt_pcts('E2E', r['e2e_ms'])}")
+    st = r.get("engine_stats", {})
+    if st.get("spec_num_drafts"):
+        from tokenmill.cli import spec_line
+        text += "\n" + spec_line(st)
     if r["generated_tokens"] < r["expected_generated_tokens"]:  # e.g. capped by max_model_len: not comparable
         text += (f"\nwarning: {r['generated_tokens']:,} of {r['expected_generated_tokens']:,} requested tokens were "
                  f"generated (max_model_len?); figures are not comparable with engines that ran them all")

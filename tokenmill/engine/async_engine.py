@@ -52,6 +52,9 @@ class EngineState:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0       # in tokens, cumulative
     prefix_cache_hits: int = 0
+    spec_num_drafts: int = 0            # speculative decoding, cumulative (EngineStats' counters)
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
     prefill_tokens: int = 0
     decode_tokens: int = 0
     step_prefill_tokens: int = 0        # of the last step: shows which phase the engine is in
@@ -340,6 +343,8 @@ class AsyncLLM:
         s.kv_blocks_used, s.kv_usage = eng.kv.num_used_blocks, eng.kv.usage
         s.num_steps, s.num_preemptions = st.num_steps, st.num_preemptions
         s.prefix_cache_queries, s.prefix_cache_hits = st.prefix_cache_queries, st.prefix_cache_hits
+        s.spec_num_drafts, s.spec_num_draft_tokens = st.spec_num_drafts, st.spec_num_draft_tokens
+        s.spec_num_accepted_tokens = st.spec_num_accepted_tokens
         s.prefill_tokens, s.decode_tokens = st.prefill_tokens, st.decode_tokens
         s.step_prefill_tokens = st.last_step.num_prefill_tokens if outputs else 0
         s.step_decode_tokens = st.last_step.num_decode_tokens if outputs else 0

@@ -20,6 +20,7 @@ from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from tokenmill.engine.spec_decode import NgramProposer, SpeculativeConfig
 from tokenmill.engine.structured_output import StructuredOutputManager, StructuredOutputsConfig
 from tokenmill.executor.cpus import thread_policy
 from tokenmill.executor.loader import Checkpoint, open_checkpoint, quantized_at_load, resolve_model_path
@@ -46,6 +47,10 @@ class EngineStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # speculative decoding (vLLM's spec_decode counters): verifications, guessed tokens, accepted guesses
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
     kv_blocks_total: int = 0
     max_kv_blocks_used: int = 0
     sum_batch_size: int = 0
@@ -55,9 +60,21 @@ class EngineStats:
     def mean_batch_size(self) -> float:
         return self.sum_batch_size / self.num_steps if self.num_steps else 0.0
 
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a verification step yields on average: the accepted guesses and the one it samples anyway."""
+        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
+
     def as_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in dataclasses.asdict(self).items() if k != "last_step"}
         d["mean_batch_size"] = self.mean_batch_size
+        if self.spec_num_drafts:
+            d["spec_acceptance_rate"] = self.spec_acceptance_rate
+            d["spec_mean_accepted_length"] = self.spec_mean_accepted_length
         return d
 
 
@@ -138,9 +155,11 @@ class LLMEngine:
                  quantization: Optional[str] = None, int8_activations: bool = True, seed: int = 0,
                  tokenizer: Any = "auto", pooling_type: str = "LAST", num_threads: Optional[int] = None,
                  structured_outputs_config: Union[StructuredOutputsConfig, dict, None] = None,
-                 reasoning_parser: Optional[str] = None):
+                 reasoning_parser: Optional[str] = None,
+                 speculative_config: Union[SpeculativeConfig, dict, str, None] = None):
         # pooling_type: which prompt rows a PoolingParams request pools (vLLM's pooler config): LAST or MEAN
         self.pooling_type = check_pooling_type(pooling_type)
+        spec_config = SpeculativeConfig.of(speculative_config)
         so_config = structured_outputs_config or StructuredOutputsConfig()
         if isinstance(so_config, dict):
             so_config = StructuredOutputsConfig(**so_config)
@@ -181,6 +200,9 @@ class LLMEngine:
         self.structured_outputs = StructuredOutputManager(self.tokenizer, mc.vocab_size, mc.eos_token_ids, so_config)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, mc.sliding_window)
         self.scheduler = Scheduler(sched_cfg, self.kv)
+        # speculative decoding: guesses for the next step of each decoding request (None: no guesses)
+        self.proposer = None if spec_config is None or not use_kv_cache else NgramProposer(spec_config,
+                                                                                           max_model_len)
         self.requests: dict[str, Request] = {}
         self.parents: dict[str, list[str]] = {}        # n > 1: parent id -> child ids
         self.child_parent: dict[str, str] = {}
@@ -348,7 +370,9 @@ class LLMEngine:
         out = self.runner.execute(sched, [self.kv.blocks_of(r.request_id) for r in sched.reqs], masks)
         self.scheduler.update(sched, out.sampled)
         outputs = self._process(sched.reqs, out)
-        self._record(sched, time.perf_counter() - t0)
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
+        self._record(sched, out, time.perf_counter() - t0)
         return outputs
 
     @staticmethod
@@ -370,32 +394,30 @@ class LLMEngine:
                 continue
             if req.request_id in out.prompt_logprobs:
                 req.prompt_logprobs.extend(out.prompt_logprobs[req.request_id])
-            tok = out.sampled.get(req.request_id)
-            if tok is None or req.is_finished:
+            toks = out.sampled.get(req.request_id)
+            if toks is None or req.is_finished:
                 continue
-            lp = out.logprobs.get(req.request_id)
-            if lp is not None:
-                req.logprobs.append(lp)
-                req.cumulative_logprob += lp[tok].logprob
             m = req.metrics
             if m.first_token_time is None:
                 m.first_token_time = now
             else:
                 m.inter_token_latencies.append(now - m.last_token_time)
             m.last_token_time = now
-            m.num_generation_tokens = len(req.output_token_ids)
-            if req.grammar is not None and not req.grammar.accept(tok):
-                # the mask allowed nothing the grammar could take (e.g. min_tokens banned its only stop token)
-                log.warning("request %s: token %d is outside its grammar; aborting it", req.request_id, tok)
-                m.finished_time = now
-                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-                touched[self.child_parent.get(req.request_id, req.request_id)] = None
-                continue
-            status = self._check_stop(req, tok)
-            if status is not None:
-                m.finished_time = now
-                self.scheduler.finish(req, status)
             touched[self.child_parent.get(req.request_id, req.request_id)] = None
+            lps = out.logprobs.get(req.request_id)
+            # the step appended every token; go through them in order, as if they had come one a step
+            n_before = len(req.output_token_ids) - len(toks)
+            for i, tok in enumerate(toks):
+                if lps is not None:
+                    req.logprobs.append(lps[i])
+                    req.cumulative_logprob += lps[i][tok].logprob
+                status = self._check_token(req, tok, n_before + i + 1)
+                if status is not None:
+                    req.truncate_output(n_before + i + 1)
+                    m.finished_time = now
+                    self.scheduler.finish(req, status)
+                    break
+            m.num_generation_tokens = len(req.output_token_ids)
         return [self._request_output(rid) for rid in touched]
 
     def _pool(self, req: Request, start: int, part: torch.Tensor, now: float) -> bool:
@@ -412,9 +434,16 @@ class LLMEngine:
         self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
         return True
 
-    def _check_stop(self, req: Request, tok: int) -> Optional[RequestStatus]:
+    def _check_token(self, req: Request, tok: int, n_out: int) -> Optional[RequestStatus]:
+        """Whether req ends with tok, its n_out-th output token: a grammar that refuses it (abort), or a stop."""
+        if req.grammar is not None and not req.grammar.accept(tok):
+            # the mask allowed nothing the grammar could take (e.g. min_tokens banned its only stop token)
+            log.warning("request %s: token %d is outside its grammar; aborting it", req.request_id, tok)
+            return RequestStatus.FINISHED_ABORTED
+        return self._check_stop(req, tok, n_out)
+
+    def _check_stop(self, req: Request, tok: int, n_out: int) -> Optional[RequestStatus]:
         p = req.params
-        n_out = len(req.output_token_ids)
         eos = not p.ignore_eos and tok in req.eos_token_ids
         # a finished grammar ends the request even with ignore_eos: nothing else may follow
         eos = eos or (req.grammar is not None and req.grammar.is_terminated)
@@ -425,7 +454,7 @@ class LLMEngine:
             if stop_str is not None:
                 req.stop_reason = stop_str
                 return RequestStatus.FINISHED_STOPPED
-        if n_out >= req.max_tokens or req.num_tokens >= self.config.scheduler_config.max_model_len:
+        if n_out >= req.max_tokens or req.num_prompt_tokens + n_out >= self.config.scheduler_config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         if token_stop:
             req.stop_reason = None if eos else tok
@@ -468,8 +497,12 @@ class LLMEngine:
                     self.child_parent.pop(c, None)
         return ro
 
-    def _record(self, sched, seconds: float) -> None:
+    def _record(self, sched: SchedulerOutput, out: RunnerOutput, seconds: float) -> None:
         s = self.stats
+        for rid, guesses in sched.spec_token_ids.items():
+            s.spec_num_drafts += 1
+            s.spec_num_draft_tokens += len(guesses)
+            s.spec_num_accepted_tokens += len(out.sampled.get(rid, [None])) - 1
         st = self.scheduler.stats(sched)
         s.num_steps += 1
         s.prefill_tokens += sched.num_prefill_tokens

@@ -130,9 +130,18 @@ class KVCacheManager:
             table.append(b)
         for _ in range(max(need, 0)):
             table.append(self._pop_free())
-        if self.enable_caching:
-            self._cache_full_blocks(req, table, total)
+        if self.enable_caching:     # speculative guesses are not tokens of the request yet: never cached
+            self._cache_full_blocks(req, table, min(total, req.num_tokens))
         return True
+
+    def trim(self, req: Request) -> None:
+        """Return the blocks past req's computed tokens (those that only rejected guesses used)."""
+        table = self.req_blocks.get(req.request_id, [])
+        keep = self.blocks_needed(req.num_computed_tokens)
+        while len(table) > keep:
+            bid = table.pop()
+            if bid != NO_BLOCK:
+                self._release(bid)
 
     def _pop_free(self) -> int:
         bid, _ = self.free_queue.popitem(last=False)

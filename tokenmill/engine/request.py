@@ -55,6 +55,10 @@ class Request:
         self.prompt_logprobs: list[Optional[dict[int, Logprob]]] = []
         self.detokenizer: Any = None                      # set by the engine when text is wanted
         self.grammar: Any = None                          # structured outputs: its RequestGrammar
+        # speculative decoding: the guessed next tokens (verified by the next step, never in all_token_ids) and the
+        # n-gram index they come from
+        self.spec_token_ids: list[int] = []
+        self.ngram_index: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -76,6 +80,13 @@ class Request:
     def skip_reading_prefix_cache(self) -> bool:
         """vLLM's flag: a prefix hit skips computing tokens, and MEAN pooling needs the hidden state of every one."""
         return self.pooling_params is not None and self.pooling_type == "MEAN"
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop output tokens past the first num_output_tokens (a step that verified guesses stopped before them)."""
+        extra = len(self.output_token_ids) - num_output_tokens
+        if extra > 0:
+            del self.output_token_ids[-extra:]
+            del self.all_token_ids[-extra:]
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -23,7 +23,8 @@ from tokenmill.engine.request import Request, RequestStatus
 @dataclass
 class SchedulerOutput:
     reqs: list[Request]                    # in batch order
-    num_scheduled: list[int]               # tokens of each request computed this step
+    num_scheduled: list[int]               # tokens of each request computed this step (guesses included)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)   # the guesses this step verifies
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
@@ -72,7 +73,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._fit(req, min(req.num_tokens - req.num_computed_tokens, budget))
+            n = self._fit(req, min(req.num_tokens - req.num_computed_tokens + len(req.spec_token_ids), budget))
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()          # the newest request gives its blocks back
                 self._preempt(victim)
@@ -137,30 +138,43 @@ class Scheduler:
     def _add_to_batch(self, out: SchedulerOutput, req: Request, n: int) -> None:
         out.reqs.append(req)
         out.num_scheduled.append(n)
-        if n == 1 and req.output_token_ids and req.num_computed_tokens == req.num_tokens - 1:
-            out.num_decode_tokens += 1
+        guesses = n - (req.num_tokens - req.num_computed_tokens)
+        if guesses > 0:
+            out.spec_token_ids[req.request_id] = req.spec_token_ids[:guesses]
+        if n == 1 + max(guesses, 0) and req.output_token_ids and req.num_computed_tokens == req.num_tokens - 1:
+            out.num_decode_tokens += n
         else:
             out.num_prefill_tokens += n
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        req.spec_token_ids = []
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.total_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
-        """Advance computed counts; append the tokens sampled for requests that reached their end."""
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
+        """Advance computed counts; append the tokens sampled for requests that reached their end. A request that
+        verified guesses got the accepted ones and one more: the KV of the rejected ones is dropped (its count rolled
+        back, blocks that only they used returned)."""
         for req, n in zip(out.reqs, out.num_scheduled):
             if req.status is not RequestStatus.RUNNING:
                 continue
             req.num_computed_tokens += n
-            tok = sampled.get(req.request_id)
-            if tok is not None:
+            toks = sampled.get(req.request_id)
+            if toks is None:
+                continue
+            guesses = out.spec_token_ids.get(req.request_id)
+            if guesses:
+                req.num_computed_tokens -= len(guesses) - (len(toks) - 1)
+                self.kv.trim(req)
+            req.spec_token_ids = []                  # spent: the proposer guesses again from the new tokens
+            for tok in toks:
                 req.append_token(tok)
-                if not self.config.use_kv_cache:
-                    req.num_computed_tokens = 0        # forget the cache: recompute everything next step
+            if not self.config.use_kv_cache:
+                req.num_computed_tokens = 0        # forget the cache: recompute everything next step
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Take a request out (finished or aborted) and return its blocks."""

@@ -20,10 +20,19 @@ from tokenmill.executor.sampler import Sampler, SamplingInput, compute_prompt_lo
 from tokenmill.outputs import Logprob
 
 
+def accepted_length(guesses: list[int], drawn: list[int]) -> int:
+    """How many guesses stand: each must equal what the model drew at its position (drawn[j] follows guesses[:j])."""
+    n = 0
+    while n < len(guesses) and guesses[n] == drawn[n]:
+        n += 1
+    return n
+
+
 @dataclass
 class RunnerOutput:
-    sampled: dict[str, int]                                        # request id -> new token
-    logprobs: dict[str, dict[int, Logprob]] = field(default_factory=dict)
+    # request id -> its new tokens: one, or with speculation the accepted guesses and one more
+    sampled: dict[str, list[int]]
+    logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)    # one per new token
     prompt_logprobs: dict[str, list[Optional[dict[int, Logprob]]]] = field(default_factory=dict)
     # pooling request id -> (first position of this chunk, float32 [hidden]: MEAN the chunk's row sum, LAST its
     # last row); the engine accumulates the chunks
@@ -89,28 +98,35 @@ class ModelRunner:
         prompt_lp_reqs = []                # (request, first row, number of rows) wanting prompt logprobs
         pool_reqs = []                     # (request, first row, number of rows) of pooling requests
         bs = self.block_size
+        tables: list[list[int]] = []       # the attention's entries: one a request, or one a row of a verification
         for req, n, table in zip(sched.reqs, sched.num_scheduled, block_tables):
             start = req.num_computed_tokens
             end = start + n
-            ids.extend(req.all_token_ids[start:end])
+            guesses = sched.spec_token_ids.get(req.request_id, [])
+            ids.extend(req.all_token_ids[start:end - len(guesses)] + guesses)
             pos.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            qsl.append(qsl[-1] + n)
-            num_computed.append(start)
-            seq_lens.append(end)
+            # a verification's rows attend as that many decodes of one token, each seeing the guesses before it:
+            # the decode kernels serve them (written all, then read), where a prompt chunk's path costs 3x more
+            for first, count in ((start + j, 1) for j in range(n)) if guesses else ((start, n),):
+                qsl.append(qsl[-1] + count)
+                num_computed.append(first)
+                seq_lens.append(first + count)
+                tables.append(table)
             if req.is_pooling:                 # no logits: its rows of the hidden states are the output
                 pool_reqs.append((req, qsl[-2], n))
                 continue
             if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1 \
                     and not req.output_token_ids:
                 prompt_lp_reqs.append((req, qsl[-2], min(end, req.num_prompt_tokens - 1) - start))
-            if end == req.num_tokens:          # reached the end of what is known: sample the next token
-                sample_rows.append(qsl[-1] - 1)
-                sample_reqs.append(req)
+            if end - len(guesses) == req.num_tokens:   # reached the end of what is known: sample the next token
+                # and, verifying guesses, the token after each one
+                sample_rows.extend(range(qsl[-1] - 1 - len(guesses), qsl[-1]))
+                sample_reqs.append((req, guesses))
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev), query_start_loc=qsl,
-            num_computed=num_computed, seq_lens=seq_lens, block_tables=block_tables, block_size=bs,
+            num_computed=num_computed, seq_lens=seq_lens, block_tables=tables, block_size=bs,
             sliding_window=self.config.model_config.sliding_window, device=dev)
         meta = self.backend.prepare(meta)
         hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
@@ -129,12 +145,18 @@ class ModelRunner:
         if sample_reqs:
             logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])   # [S, V]
             masks = token_bitmasks.result() if token_bitmasks is not None else {}
-            inputs = [SamplingInput(r.params, r.prompt_token_ids, r.output_token_ids, r.generator,
-                                    r.bad_words_token_ids, masks.get(r.request_id)) for r in sample_reqs]
+            # a guessed position samples as if the guesses before it were the request's tokens already
+            inputs = [SamplingInput(r.params, r.prompt_token_ids, r.output_token_ids + guesses[:j] if j else
+                                    r.output_token_ids, r.generator, r.bad_words_token_ids, masks.get(r.request_id))
+                      for r, guesses in sample_reqs for j in range(len(guesses) + 1)]
             res = self.sampler(logits, inputs)
-            for r, tok, lp in zip(sample_reqs, res.token_ids, res.logprobs):
-                out.sampled[r.request_id] = tok
-                if lp is not None:
-                    out.logprobs[r.request_id] = lp
+            row = 0
+            for r, guesses in sample_reqs:
+                drawn = res.token_ids[row:row + len(guesses) + 1]
+                n = accepted_length(guesses, drawn) + 1
+                out.sampled[r.request_id] = drawn[:n]
+                if r.params.logprobs is not None:
+                    out.logprobs[r.request_id] = res.logprobs[row:row + n]
+                row += len(guesses) + 1
         self.threads.tick()
         return out

@@ -6,6 +6,8 @@ so their counts equal the number of requests served (aborted ones count only in 
 """
 from __future__ import annotations
 
+import dataclasses
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tokenmill.engine.async_engine import EngineState
@@ -47,6 +49,10 @@ class ServerMetrics:
         self.preemptions = counter("num_preemptions", "Requests preempted (KV blocks ran out).")
         self.pc_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.pc_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        # speculative decoding, vLLM's names: verification steps of one request, tokens guessed, guesses accepted
+        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative verifications (one per request and step).")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Tokens guessed for verification.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Guessed tokens the model accepted.")
         self._success = Counter("tokenmill:request_success", "Finished requests by reason.",
                                 ["model_name", "finished_reason"], registry=r)
         # what the KV cache reserves at start, so resident memory that grows towards it is not read as a leak
@@ -86,9 +92,10 @@ class ServerMetrics:
         self.preemptions.inc(max(state.num_preemptions - last.num_preemptions, 0))
         self.pc_queries.inc(max(state.prefix_cache_queries - last.prefix_cache_queries, 0))
         self.pc_hits.inc(max(state.prefix_cache_hits - last.prefix_cache_hits, 0))
-        self._last = EngineState(num_preemptions=state.num_preemptions,
-                                 prefix_cache_queries=state.prefix_cache_queries,
-                                 prefix_cache_hits=state.prefix_cache_hits)
+        self.spec_drafts.inc(max(state.spec_num_drafts - last.spec_num_drafts, 0))
+        self.spec_draft_tokens.inc(max(state.spec_num_draft_tokens - last.spec_num_draft_tokens, 0))
+        self.spec_accepted.inc(max(state.spec_num_accepted_tokens - last.spec_num_accepted_tokens, 0))
+        self._last = dataclasses.replace(state)
 
     def _observe_finished(self, out: RequestOutput) -> None:
         reason = (out.outputs[0].finish_reason if isinstance(out, RequestOutput) else None) or "stop"

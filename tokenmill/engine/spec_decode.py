@@ -1,0 +1,113 @@
+"""Speculative decoding: cheap guesses of a request's next tokens, verified by one pass of the model.
+
+On a CPU one decode step is bound by reading the weights, so verifying k guessed tokens in the same pass as the
+next token costs about as much as that token alone: every accepted guess is a step saved. The n-gram method
+(vLLM's "ngram", prompt lookup) guesses from the request's own text: when its last n tokens appeared before, the
+tokens that followed then are the guess. Input-grounded work (editing code, answering over a document) repeats
+long spans of the prompt, and the lookup finds them for free.
+
+Verification (executor/runner.py) samples every guessed position from the target model exactly as an unguessed
+step would, and accepts guesses while they equal those samples. For a proposer whose guess is one token with
+certainty (n-gram), that is rejection sampling's degenerate case: a guess d is accepted with probability p(d), and on
+rejection the sample is distributed as p without d, renormalised; so outputs follow the target distribution, and
+greedy outputs are the tokens decoding without guesses gives.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16       # more guesses than this are rarely all right, and each costs a row of the batch
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's speculative_config: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
+    "prompt_lookup_max": 4}."""
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            hint = " (a draft model is not served yet)" if self.method in ("draft_model", "eagle", "medusa") else ""
+            raise ValueError(f"speculative_config.method {self.method!r} is unknown{hint}; accepted: "
+                             f"{', '.join(METHODS)}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in [1, "
+                             f"{MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in (lo, hi)) or lo > hi:
+            raise ValueError(f"speculative_config needs integers 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{lo!r} and {hi!r}")
+
+    @staticmethod
+    def of(value: Union["SpeculativeConfig", dict, str, None]) -> Optional["SpeculativeConfig"]:
+        """From the engine option: a SpeculativeConfig, a dict or its JSON text (--speculative-config)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"speculative_config is not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
+        fields = set(SpeculativeConfig.__dataclass_fields__)
+        unknown = sorted(set(value) - fields - {"model"})
+        if unknown:
+            raise ValueError(f"speculative_config has unknown field(s) {', '.join(unknown)}; it takes "
+                             f"{', '.join(sorted(fields))}")
+        if "model" in value:
+            raise ValueError("speculative_config.model: a draft model is not served yet; use "
+                             "{\"method\": \"ngram\", ...}")
+        return SpeculativeConfig(**value)
+
+
+class NgramIndex:
+    """Where each n-gram of a request's tokens last ended (the position after it), built as the tokens grow, so a
+    lookup costs O(prompt_lookup_max) however long the request is."""
+
+    def __init__(self, lo: int, hi: int):
+        self.lo, self.hi = lo, hi
+        self.ends: dict[tuple[int, ...], int] = {}
+        self.indexed = 0                  # n-grams ending before this position are in ends
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix."""
+        last = len(tokens) - 1           # the suffix itself ends at last; index only what ends before it
+        for end in range(self.indexed, last):
+            for n in range(self.lo, min(self.hi, end + 1) + 1):
+                self.ends[tuple(tokens[end + 1 - n:end + 1])] = end + 1
+        self.indexed = max(self.indexed, last)
+        for n in range(min(self.hi, len(tokens)), self.lo - 1, -1):
+            pos = self.ends.get(tuple(tokens[len(tokens) - n:]))
+            if pos is not None:
+                return tokens[pos:pos + k]
+        return []
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        self.config = config
+        self.max_model_len = max_model_len
+
+    def propose(self, reqs: list[Any]) -> None:
+        """Set spec_token_ids of each decoding request: at most k, none past its max_tokens or max_model_len.
+        A request under a grammar gets none (its mask for a guessed position would need the guesses before it)."""
+        cfg = self.config
+        for req in reqs:
+            req.spec_token_ids = []
+            if req.is_pooling or req.grammar is not None or req.num_computed_tokens != req.num_tokens - 1:
+                continue
+            room = min(cfg.num_speculative_tokens, req.max_tokens - len(req.output_token_ids) - 1,
+                       self.max_model_len - req.num_tokens - 1)
+            if room <= 0:
+                continue
+            if req.ngram_index is None:
+                req.ngram_index = NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            req.spec_token_ids = req.ngram_index.propose(req.all_token_ids, room)
