@@ -234,3 +234,25 @@ def test_integrity_after_every_step(llama, reqs, k, budget):
         want.update((o.request_id, o.outputs[0].token_ids) for o in plain.step() if o.finished)
     assert done == want
     assert eng.kv.num_used_blocks == 0
+
+
+def test_metrics_count_guesses(llama):
+    """/metrics (read by Prometheus' parser) counts what the engine's stats count, under vLLM's names."""
+    from tests.server_fixtures import LiveServer
+    from tokenmill.server.app import build_app
+    import httpx
+    eng = LLMEngine(llama, **ENGINE, speculative_config=ngram(3))
+    server = LiveServer(build_app(eng, model_name="tiny"))
+    try:
+        prompt = repetitive_prompts(1, seed=2)[0]["prompt_token_ids"]
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 30, "temperature": 0,
+                                                             "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200
+        m = server.metrics()
+        s = eng.stats
+        assert s.spec_num_accepted_tokens > 0
+        assert m[("tokenmill:spec_decode_num_drafts_total", ())] == s.spec_num_drafts
+        assert m[("tokenmill:spec_decode_num_draft_tokens_total", ())] == s.spec_num_draft_tokens
+        assert m[("tokenmill:spec_decode_num_accepted_tokens_total", ())] == s.spec_num_accepted_tokens
+    finally:
+        server.stop()

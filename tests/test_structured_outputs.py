@@ -212,6 +212,14 @@ def test_constraint_starts_after_the_reasoning_ends(tmp_path, smollm2_tokenizer)
     ids = c.outputs[0].token_ids
     assert ids[0] == end and c.outputs[0].finish_reason == "stop"
     assert re.fullmatch(REGEX, tok.decode(ids[1:], skip_special_tokens=True))
+    # a prompt that neither opened nor closed thinking: the first token may open it, or start the answer
+    bare = tok.encode("Q: pick", add_special_tokens=False)
+    think_first = SamplingParams(max_tokens=5, temperature=0.0, logit_bias={start: 100.0}, skip_special_tokens=False,
+                                 structured_outputs=StructuredOutputsParams(regex=REGEX))
+    [d] = llm.generate({"prompt_token_ids": bare}, think_first, use_tqdm=False)
+    assert d.outputs[0].token_ids[0] == start
+    [e] = llm.generate({"prompt_token_ids": bare}, constrained, use_tqdm=False)
+    assert re.fullmatch(REGEX, e.outputs[0].text)
     with pytest.raises(ValueError, match="unknown reasoning parser"):
         LLMEngine(str(tmp_path / "m"), dtype="float32", kv_cache_memory_gb=0.05, reasoning_parser="nope")
 

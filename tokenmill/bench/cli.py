@@ -61,6 +61,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="Q4_K/Q5_K/Q6_K matmuls take activations rounded to int8 per 256, as llama.cpp's (default)")
     p.add_argument("--threads", "-t", type=int, default=None, dest="num_threads",
                    help="compute threads (default: the cores available, fewer while other processes hold some)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s fields: {"method": "ngram", "num_speculative_tokens": 3}')
     p.add_argument("--no-warmup", action="store_true", help="time the first (cold) call too")
 
 
@@ -68,7 +70,7 @@ def _engine_kw(args: argparse.Namespace, use_kv_cache: bool = True) -> dict[str,
     kw = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_memory_gb,
               kv_cache_dtype=args.kv_cache_dtype, int8_activations=args.int8_activations,
-              num_threads=args.num_threads)
+              num_threads=args.num_threads, speculative_config=args.speculative_config)
     if args.no_prefix_caching:
         kw["enable_prefix_caching"] = False
     if not use_kv_cache:

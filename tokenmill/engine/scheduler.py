@@ -75,6 +75,10 @@ class Scheduler:
             req = self.running[i]
             n = self._fit(req, min(req.num_tokens - req.num_computed_tokens + len(req.spec_token_ids), budget))
             while not self.kv.allocate_slots(req, n):
+                if req.spec_token_ids:               # guesses give way before any request is preempted for them
+                    n = min(n, req.num_tokens - req.num_computed_tokens)
+                    req.spec_token_ids = []
+                    continue
                 victim = self.running.pop()          # the newest request gives its blocks back
                 self._preempt(victim)
                 out.preempted.append(victim)

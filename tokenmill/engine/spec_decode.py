@@ -10,7 +10,9 @@ Verification (executor/runner.py) samples every guessed position from the target
 step would, and accepts guesses while they equal those samples. For a proposer whose guess is one token with
 certainty (n-gram), that is rejection sampling's degenerate case: a guess d is accepted with probability p(d), and on
 rejection the sample is distributed as p without d, renormalised; so outputs follow the target distribution, and
-greedy outputs are the tokens decoding without guesses gives.
+greedy outputs are the tokens decoding without guesses gives. A seeded request draws once for each guessed
+position too, so its seed gives other (equally distributed) text than without speculation. The inter-token
+latencies recorded are per step, as vLLM's: a step that accepts guesses records one for all its tokens.
 """
 from __future__ import annotations
 

@@ -4,16 +4,18 @@ xgrammar is what vLLM and SGLang use by default, and it runs on CPU: a grammar c
 vocabulary (cached by its spec), and each request then walks it with its own matcher. Before a constrained request
 samples, its matcher writes a bitmask of the tokens the grammar allows next; the sampler sets the others to -inf.
 The masks of a step are written on a worker thread while the forward pass of that step runs (both release the
-GIL), so a constrained step costs little more than the forward pass. Requests without a constraint cost nothing.
+GIL). Requests without a constraint cost nothing.
 
 Preemption recomputes a request from its tokens so far and keeps its output, so its matcher stays where it was.
-With a reasoning parser, a request's constraint starts after the model's end-of-thinking token.
+With a reasoning parser, a request's constraint starts after the model's thinking: at once if the prompt closed
+it, after </think> if the prompt opened it or the output does, and otherwise the first token may open it.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import logging
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -23,6 +25,7 @@ from tokenmill.reasoning import get_reasoning_parser
 from tokenmill.sampling_params import StructuredOutputsParams
 
 log = logging.getLogger("tokenmill.structured_output")
+MAX_GRAMMARS = 512          # compiled grammars kept (by spec), least recently used dropped first
 
 
 @dataclass(frozen=True)
@@ -50,28 +53,51 @@ class StructuredOutputsConfig:
                              f"{self.json_whitespace_limit!r}")
 
 
-class RequestGrammar:
-    """One request's place in its grammar. Until the thinking ends (reasoning models) it allows everything."""
+THINKING, MAY_THINK, ACTIVE = "thinking", "may think", "active"
 
-    def __init__(self, matcher: Any, think_end: Optional[int], active: bool):
+
+class RequestGrammar:
+    """One request's place in its grammar. While the model thinks (reasoning models) it allows everything; before
+    the first token of a reasoning model it allows the grammar's first tokens and the start of thinking."""
+
+    def __init__(self, matcher: Any, think: Optional[tuple[int, int]], state: str):
         self.matcher = matcher
-        self.think_end = think_end
-        self.active = active
+        self.think = think          # (start, end) token ids of thinking, with a reasoning parser
+        self.state = state
+
+    @property
+    def active(self) -> bool:
+        """Whether a mask applies to the next token."""
+        return self.state != THINKING
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self.state == MAY_THINK:
+            start = self.think[0]
+            bitmask[row, start // 32] |= _bit(start % 32)
 
     def accept(self, token_id: int) -> bool:
         """Advance past token_id; False if the grammar does not allow it."""
-        if not self.active:
-            self.active = token_id == self.think_end    # the end token itself is the reasoning's, not the answer's
+        if self.state == THINKING:
+            if token_id == self.think[1]:       # the end token itself is the thinking's, not the answer's
+                self.state = ACTIVE
             return True
+        if self.state == MAY_THINK:
+            if token_id == self.think[0]:
+                self.state = THINKING
+                return True
+            self.state = ACTIVE
         return self.matcher.accept_token(token_id)
 
     @property
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token was accepted."""
-        return self.active and self.matcher.is_terminated()
+        return self.state == ACTIVE and self.matcher.is_terminated()
+
+
+def _bit(i: int) -> int:
+    """Bit i of an int32 bitmask word, as a signed int32 value (bit 31 is the sign)."""
+    return (1 << i) - (1 << 32) if i == 31 else 1 << i
 
 
 class StructuredOutputManager:
@@ -85,10 +111,11 @@ class StructuredOutputManager:
         self.stop_token_ids = list(stop_token_ids)
         self.config = config
         self._lock = threading.Lock()
-        self._compiler: Any = None                 # built at the first constrained request (0.1 s for 49k tokens)
-        self._think: Optional[tuple[int, int]] = None      # reasoning: (start, end) token ids
-        self._compiled: dict[tuple, concurrent.futures.Future] = {}
-        self._compile_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="tokenmill-grammar")
+        self._compiler: Any = None                 # built at the first constrained request
+        # reasoning: (start, end) token ids, checked now so that a model that does not think fails at start
+        self._think = None if config.reasoning_parser is None else self._reasoning_tokens()
+        # spec key -> its compile (a future); the most recently used last, at most MAX_GRAMMARS
+        self._compiled: OrderedDict[tuple, concurrent.futures.Future] = OrderedDict()
         self._mask_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenmill-bitmask")
 
     # ---- compiling (any thread) -------------------------------------------------------------------------------
@@ -100,13 +127,14 @@ class StructuredOutputManager:
                     raise ValueError("structured outputs need the model's tokenizer, and this model folder has none")
                 info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                           stop_token_ids=self.stop_token_ids or None)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-                if self.config.reasoning_parser is not None:
-                    self._think = self._reasoning_tokens()
+                # no cache of its own: _compiled is the cache, bounded
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
 
     def _reasoning_tokens(self) -> tuple[int, int]:
         parser = get_reasoning_parser(self.config.reasoning_parser or "")
+        if self.tokenizer is None:
+            raise ValueError("a reasoning parser reads the model's tokenizer, and this model folder has none")
         ids = []
         for text in (parser.start_token, parser.end_token):
             tok = self.tokenizer.encode(text, add_special_tokens=False)
@@ -155,7 +183,10 @@ class StructuredOutputManager:
         with self._lock:
             fut = self._compiled.get(key)
             if fut is None:
-                fut = self._compiled[key] = self._compile_pool.submit(self._compile_now, so)
+                fut = self._compiled[key] = self._start_compile(so)
+                while len(self._compiled) > MAX_GRAMMARS:
+                    self._compiled.popitem(last=False)
+            self._compiled.move_to_end(key)
         try:
             return fut.result(timeout=self.config.compile_timeout_s)
         except concurrent.futures.TimeoutError:
@@ -167,16 +198,30 @@ class StructuredOutputManager:
                 self._compiled.pop(key, None)
             raise
 
+    def _start_compile(self, so: StructuredOutputsParams) -> concurrent.futures.Future:
+        """so's compile on a thread of its own: one that runs past its time limit holds up no other, and (a daemon)
+        not the process's exit either."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(self._compile_now(so))
+            except BaseException as e:       # to whoever waits on it
+                fut.set_exception(e)
+        threading.Thread(target=run, name="tokenmill-grammar", daemon=True).start()
+        return fut
+
     def new_request_grammar(self, so: StructuredOutputsParams, prompt_token_ids: Sequence[int]) -> RequestGrammar:
-        """A matcher at the grammar's start. With a reasoning parser it waits for the end of thinking, unless the
-        prompt already closed it (a template that turns thinking off writes an empty <think></think>)."""
+        """A matcher at the grammar's start. With a reasoning parser: thinking if the prompt opened it, active if
+        the prompt closed it (a template that turns thinking off writes an empty <think></think>), else the first
+        token may open it."""
         import xgrammar as xgr
         matcher = xgr.GrammarMatcher(self.compile(so), override_stop_tokens=self.stop_token_ids or None)
         if self._think is None:
-            return RequestGrammar(matcher, None, True)
-        start, end = self._think
-        last = next((t for t in reversed(prompt_token_ids) if t in (start, end)), None)
-        return RequestGrammar(matcher, end, last == end)
+            return RequestGrammar(matcher, None, ACTIVE)
+        last = next((t for t in reversed(prompt_token_ids) if t in self._think), None)
+        state = MAY_THINK if last is None else THINKING if last == self._think[0] else ACTIVE
+        return RequestGrammar(matcher, self._think, state)
 
     # ---- bitmasks (the engine thread submits, the worker writes) ---------------------------------------------
     def fill_bitmasks(self, grammars: dict[str, RequestGrammar]) -> Optional[concurrent.futures.Future]:
@@ -192,10 +237,6 @@ class StructuredOutputManager:
         for row, g in enumerate(grammars.values()):
             g.fill(bitmask, row)
         return dict(zip(grammars, bitmask.unbind(0)))
-
-    def shutdown(self) -> None:
-        self._mask_pool.shutdown(wait=False)
-        self._compile_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _ebnf_string(s: str) -> str:

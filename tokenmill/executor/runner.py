@@ -107,7 +107,7 @@ class ModelRunner:
             pos.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             # a verification's rows attend as that many decodes of one token, each seeing the guesses before it:
-            # the decode kernels serve them (written all, then read), where a prompt chunk's path costs 3x more
+            # the decode kernels serve them (they write every row's K/V before reading), the cheaper path
             for first, count in ((start + j, 1) for j in range(n)) if guesses else ((start, n),):
                 qsl.append(qsl[-1] + count)
                 num_computed.append(first)

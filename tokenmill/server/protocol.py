@@ -45,6 +45,7 @@ LogitBias = Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated
                       Field(json_schema_extra={"additionalProperties": False})]
 MAX_N = 128                           # OpenAI's cap on n: one request cannot take the whole engine
 # OpenAI request fields that are accepted and have no effect here (README: "OpenAI fields")
+# (parallel_tool_calls matters only beside tools: tool_choice required, server/tools.py)
 IGNORED = ("metadata", "store", "service_tier", "prediction", "parallel_tool_calls", "user")
 
 
@@ -166,7 +167,7 @@ class _Sampling(_Strict):
     store: Optional[bool] = None
     service_tier: Optional[str] = None
     prediction: Optional[dict[str, Any]] = None
-    parallel_tool_calls: Optional[bool] = None
+    parallel_tool_calls: Optional[bool] = None     # with tool_choice required, false allows one call only
     # vLLM's extras
     top_k: Optional[Int] = Field(default=0, ge=-1)           # 0 or -1: off
     min_p: Optional[Float] = Field(default=0.0, ge=0, le=1)
