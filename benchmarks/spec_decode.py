@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Speculative decoding (n-gram) against none on the bundled model, side by side in one run, in turn --pairs times:
+"""Speculative decoding against none on the bundled model, side by side in one run, in turn --pairs times:
 
   1. one stream over the input-grounded requests tokenmill ships (tokenmill/bench/data/grounded.json: rewrite this
      code, repeat this passage with a change), greedy, up to 256 tokens each: decode tok/s over the requests'
@@ -7,6 +7,9 @@
   2. offline-64 (`tokenmill bench throughput`), where the random prompts give the lookup little to find.
 
   .venv/bin/python benchmarks/spec_decode.py [--k 3] [--pairs 3] [--out results/NAME.json]
+
+Guesses come from the n-gram lookup, or with --draft PATH from a draft model; --draft-layers N cuts one from the
+bundled model (its first N layers, make_layer_draft.py), and --draft self uses the bundled model as its own draft.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -60,10 +64,24 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--skip-offline", action="store_true")
+    ap.add_argument("--draft", default=None, help="a draft model's path, or 'self'")
+    ap.add_argument("--draft-layers", type=int, default=None, help="a draft of the bundled model's first N layers")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     from tokenmill.executor.kernels import machine_record
+    from tokenmill.executor.loader import resolve_model_path
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+    draft = args.draft
+    if args.draft_layers is not None:
+        from make_layer_draft import cut_layers
+        bundled = resolve_model_path(None)
+        if Path(bundled).is_dir():
+            bundled = str(next(Path(bundled).glob("*.gguf")))
+        draft = str(Path(tempfile.mkdtemp()) / f"draft-{args.draft_layers}-layers.gguf")
+        cut_layers(bundled, draft, args.draft_layers)
+    if draft is not None:
+        spec = {"method": "draft_model", "num_speculative_tokens": args.k,
+                "model": resolve_model_path(None) if draft == "self" else draft}
     rows: dict[str, list] = {"stream": [], "offline64": []}
     for i in range(args.pairs):
         order = (None, spec) if i % 2 == 0 else (spec, None)     # alternate, so drift favours neither
@@ -85,7 +103,7 @@ def main() -> int:
                   f"(ratio {rows['offline64'][-1]['ratio']:.3f}; {st.get('spec_num_accepted_tokens')} of "
                   f"{st.get('spec_num_draft_tokens')} guesses accepted)", flush=True)
     res = {"date": time.strftime("%Y-%m-%d"), **machine_record(), "model": "bundled SmolLM2-135M-Instruct",
-           "speculative_config": spec, **rows}
+           "speculative_config": spec, "draft": args.draft, "draft_layers": args.draft_layers, **rows}
     for name in ("stream", "offline64"):
         if rows[name]:
             res[f"{name}_median_ratio"] = statistics.median(p["ratio"] for p in rows[name])

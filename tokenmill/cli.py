@@ -41,7 +41,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='structured outputs as JSON, vLLM\'s fields: {"backend": "xgrammar", "compile_timeout_s": 10}')
     p.add_argument("--speculative-config", type=_json_object, default=None,
                    help='speculative decoding as JSON, vLLM\'s fields: {"method": "ngram", "num_speculative_tokens": 3, '
-                        '"prompt_lookup_min": 1, "prompt_lookup_max": 4}')
+                        '"prompt_lookup_min": 1, "prompt_lookup_max": 4}, or {"method": "draft_model", "model": PATH, '
+                        '"num_speculative_tokens": 3}')
     p.add_argument("--quantization", "-q", default=None,
                    help="quantise a float checkpoint's matrices at load: int8 (Q8_0) | int4 (Q4_1) | q4_0 | q5_0 | "
                         "q5_1 | q8_0")

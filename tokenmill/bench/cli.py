@@ -62,7 +62,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", "-t", type=int, default=None, dest="num_threads",
                    help="compute threads (default: the cores available, fewer while other processes hold some)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help='speculative decoding, vLLM\'s fields: {"method": "ngram", "num_speculative_tokens": 3}')
+                   help='speculative decoding, vLLM\'s fields: {"method": "ngram", "num_speculative_tokens": 3} '
+                        'or {"method": "draft_model", "model": PATH, "num_speculative_tokens": 3}')
     p.add_argument("--no-warmup", action="store_true", help="time the first (cold) call too")
 
 

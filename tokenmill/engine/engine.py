@@ -17,6 +17,7 @@ import torch
 
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_dtype
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.draft_model import DraftModelProposer, check_draft_config, check_draft_tokenizer
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
@@ -192,6 +193,16 @@ class LLMEngine:
 
         self.model = load_model(path, mc, torch_dtype, dev, max_model_len, ckpt, quantized_kernels, cpu_kernels,
                                 int8_activations)
+        # a draft model (speculative decoding) shares the KV budget: both caches get num_blocks blocks
+        self.draft_config: Optional[EngineConfig] = None
+        if spec_config is not None and spec_config.method == "draft_model" and use_kv_cache:
+            draft_path = resolve_model_path(spec_config.model)
+            draft_ckpt = open_checkpoint(draft_path)
+            self.draft_config = dataclasses.replace(self.config, model=draft_path,
+                                                    model_config=ModelConfig.from_hf_dict(draft_ckpt.config))
+            check_draft_config(mc, self.draft_config.model_config, max_model_len)
+            draft_model = load_model(draft_path, self.draft_config.model_config, torch_dtype, dev, max_model_len,
+                                     draft_ckpt, quantized_kernels, cpu_kernels, int8_activations)
         num_blocks = self._size_kv_cache()
         self.runner = ModelRunner(self.config, self.model, num_blocks, threads)
         # the tokenizer loads on one core (the bundled GGUF's: ~2.4 s); the other faults in the KV cache meanwhile
@@ -201,8 +212,16 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, mc.sliding_window)
         self.scheduler = Scheduler(sched_cfg, self.kv)
         # speculative decoding: guesses for the next step of each decoding request (None: no guesses)
-        self.proposer = None if spec_config is None or not use_kv_cache else NgramProposer(spec_config,
-                                                                                           max_model_len)
+        self.proposer: Union[NgramProposer, DraftModelProposer, None] = None
+        if self.draft_config is not None:
+            dmc = self.draft_config.model_config
+            check_draft_tokenizer(self.tokenizer, self._load_tokenizer(self.draft_config.model))
+            self.proposer = DraftModelProposer(
+                spec_config, ModelRunner(self.draft_config, draft_model, num_blocks, threads),
+                KVCacheManager(num_blocks, block_size, enable_caching=False, sliding_window=dmc.sliding_window),
+                max_model_len)
+        elif spec_config is not None and use_kv_cache:
+            self.proposer = NgramProposer(spec_config, max_model_len)
         self.requests: dict[str, Request] = {}
         self.parents: dict[str, list[str]] = {}        # n > 1: parent id -> child ids
         self.child_parent: dict[str, str] = {}
@@ -221,12 +240,17 @@ class LLMEngine:
     def kv_cache_info(self) -> KVCacheInfo:
         cfg = self.config
         return KVCacheInfo(self.kv.num_blocks, cfg.cache_config.block_size, cfg.kv_cache_dtype,
-                           self.kv.num_blocks * ModelRunner.kv_bytes_per_block(cfg),
+                           self.kv.num_blocks * self.kv_bytes_per_block(),
                            cfg.scheduler_config.max_model_len, cfg.cache_config.enable_prefix_caching)
+
+    def kv_bytes_per_block(self) -> int:
+        """The KV bytes a block of tokens takes: the target's, and the draft model's beside it."""
+        extra = 0 if self.draft_config is None else ModelRunner.kv_bytes_per_block(self.draft_config)
+        return ModelRunner.kv_bytes_per_block(self.config) + extra
 
     def _size_kv_cache(self) -> int:
         cfg = self.config
-        per_block = ModelRunner.kv_bytes_per_block(cfg)
+        per_block = self.kv_bytes_per_block()
         if cfg.cache_config.kv_cache_memory_gb is not None:
             budget = int(cfg.cache_config.kv_cache_memory_gb * 2 ** 30)
             origin = f"kv_cache_memory_gb={cfg.cache_config.kv_cache_memory_gb}"

@@ -55,9 +55,10 @@ class Request:
         self.prompt_logprobs: list[Optional[dict[int, Logprob]]] = []
         self.detokenizer: Any = None                      # set by the engine when text is wanted
         self.grammar: Any = None                          # structured outputs: its RequestGrammar
-        # speculative decoding: the guessed next tokens (verified by the next step, never in all_token_ids) and the
-        # n-gram index they come from
+        # speculative decoding: the guessed next tokens (verified by the next step, never in all_token_ids), and where
+        # they come from
         self.spec_token_ids: list[int] = []
+        self.spec_draft_probs: Optional[list[torch.Tensor]] = None    # a draft model's q of each guess (sampling)
         self.ngram_index: Any = None
 
     @property

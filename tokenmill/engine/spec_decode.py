@@ -13,6 +13,10 @@ rejection the sample is distributed as p without d, renormalised; so outputs fol
 greedy outputs are the tokens decoding without guesses gives. A seeded request draws once for each guessed
 position too, so its seed gives other (equally distributed) text than without speculation. The inter-token
 latencies recorded are per step, as vLLM's: a step that accepts guesses records one for all its tokens.
+
+The draft-model method (engine/draft_model.py) guesses with a smaller model of the same vocabulary, sampling each guess
+from its own distribution q; verification then accepts a guess d with probability min(1, p(d)/q(d)) and on rejection
+samples the normalised residual max(0, p - q) (executor/sampler.py), which again gives exactly p.
 """
 from __future__ import annotations
 
@@ -20,24 +24,29 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16       # more guesses than this are rarely all right, and each costs a row of the batch
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's speculative_config: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
-    "prompt_lookup_max": 4}."""
+    "prompt_lookup_max": 4}, or {"method": "draft_model", "model": PATH, "num_speculative_tokens": k}."""
     method: str = "ngram"
     num_speculative_tokens: int = 3
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    model: Optional[str] = None          # the draft model (draft_model only): a folder or GGUF file
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            hint = " (a draft model is not served yet)" if self.method in ("draft_model", "eagle", "medusa") else ""
-            raise ValueError(f"speculative_config.method {self.method!r} is unknown{hint}; accepted: "
+            raise ValueError(f"speculative_config.method {self.method!r} is unknown; accepted: "
                              f"{', '.join(METHODS)}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config.model names the draft model: give it with method 'draft_model' "
+                             "(and only then)")
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"speculative_config.model must be a path, got {type(self.model).__name__}")
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in [1, "
@@ -60,13 +69,12 @@ class SpeculativeConfig:
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
         fields = set(SpeculativeConfig.__dataclass_fields__)
-        unknown = sorted(set(value) - fields - {"model"})
+        unknown = sorted(set(value) - fields)
         if unknown:
             raise ValueError(f"speculative_config has unknown field(s) {', '.join(unknown)}; it takes "
                              f"{', '.join(sorted(fields))}")
-        if "model" in value:
-            raise ValueError("speculative_config.model: a draft model is not served yet; use "
-                             "{\"method\": \"ngram\", ...}")
+        if "model" in value and "method" not in value:    # vLLM infers the method from a draft model
+            value = {**value, "method": "draft_model"}
         return SpeculativeConfig(**value)
 
 
@@ -93,21 +101,26 @@ class NgramIndex:
         return []
 
 
+def guess_room(req: Any, k: int, max_model_len: int) -> int:
+    """How many guesses a request may take after this step: at most k, none past its max_tokens or max_model_len, and
+    none for a request that is not decoding or is under a grammar (its mask for a guessed position would need the
+    guesses before it)."""
+    if req.is_pooling or req.grammar is not None or req.num_computed_tokens != req.num_tokens - 1:
+        return 0
+    return max(0, min(k, req.max_tokens - len(req.output_token_ids) - 1, max_model_len - req.num_tokens - 1))
+
+
 class NgramProposer:
     def __init__(self, config: SpeculativeConfig, max_model_len: int):
         self.config = config
         self.max_model_len = max_model_len
 
     def propose(self, reqs: list[Any]) -> None:
-        """Set spec_token_ids of each decoding request: at most k, none past its max_tokens or max_model_len.
-        A request under a grammar gets none (its mask for a guessed position would need the guesses before it)."""
+        """Set spec_token_ids of each request in reqs (the running ones)."""
         cfg = self.config
         for req in reqs:
             req.spec_token_ids = []
-            if req.is_pooling or req.grammar is not None or req.num_computed_tokens != req.num_tokens - 1:
-                continue
-            room = min(cfg.num_speculative_tokens, req.max_tokens - len(req.output_token_ids) - 1,
-                       self.max_model_len - req.num_tokens - 1)
+            room = guess_room(req, cfg.num_speculative_tokens, self.max_model_len)
             if room <= 0:
                 continue
             if req.ngram_index is None:

@@ -124,13 +124,7 @@ class ModelRunner:
                 sample_rows.extend(range(qsl[-1] - 1 - len(guesses), qsl[-1]))
                 sample_reqs.append((req, guesses))
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev), query_start_loc=qsl,
-            num_computed=num_computed, seq_lens=seq_lens, block_tables=tables, block_size=bs,
-            sliding_window=self.config.model_config.sliding_window, device=dev)
-        meta = self.backend.prepare(meta)
-        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=dev),
-                            torch.tensor(pos, dtype=torch.long, device=dev), self.backend, meta)
+        hidden = self._forward(ids, pos, slots, qsl, num_computed, seq_lens, tables)
         out = RunnerOutput({})
         for req, row, count in pool_reqs:
             rows = hidden[row:row + count]
@@ -145,9 +139,12 @@ class ModelRunner:
         if sample_reqs:
             logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])   # [S, V]
             masks = token_bitmasks.result() if token_bitmasks is not None else {}
-            # a guessed position samples as if the guesses before it were the request's tokens already
+            # a guessed position samples as if the guesses before it were the request's tokens already; a draft
+            # model's guess brings the distribution it was drawn from
             inputs = [SamplingInput(r.params, r.prompt_token_ids, r.output_token_ids + guesses[:j] if j else
-                                    r.output_token_ids, r.generator, r.bad_words_token_ids, masks.get(r.request_id))
+                                    r.output_token_ids, r.generator, r.bad_words_token_ids, masks.get(r.request_id),
+                                    *((guesses[j], r.spec_draft_probs[j]) if j < len(guesses) and
+                                      r.spec_draft_probs is not None else ()))
                       for r, guesses in sample_reqs for j in range(len(guesses) + 1)]
             res = self.sampler(logits, inputs)
             row = 0
@@ -160,3 +157,33 @@ class ModelRunner:
                 row += len(guesses) + 1
         self.threads.tick()
         return out
+
+    @torch.inference_mode()
+    def last_logits(self, entries: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
+        """A draft model's pass: each entry's tokens (token ids, position of the first, block table) are computed,
+        their K/V written, and the logits of each entry's last token returned, [len(entries), V]."""
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        bs = self.block_size
+        for toks, start, table in entries:
+            ids.extend(toks)
+            pos.extend(range(start, start + len(toks)))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + len(toks)))
+            qsl.append(qsl[-1] + len(toks))
+        hidden = self._forward(ids, pos, slots, qsl, [start for _, start, _ in entries],
+                               [start + len(toks) for toks, start, _ in entries], [t for _, _, t in entries])
+        return self.model.compute_logits(hidden[torch.tensor([q - 1 for q in qsl[1:]], device=self.device)])
+
+    def _forward(self, ids: list[int], pos: list[int], slots: list[int], qsl: list[int], num_computed: list[int],
+                 seq_lens: list[int], tables: list[list[int]]) -> torch.Tensor:
+        """One forward pass over the flattened rows: the final-norm hidden states, [rows, hidden]."""
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev), query_start_loc=qsl,
+            num_computed=num_computed, seq_lens=seq_lens, block_tables=tables, block_size=self.block_size,
+            sliding_window=self.config.model_config.sliding_window, device=dev)
+        meta = self.backend.prepare(meta)
+        return self.model(torch.tensor(ids, dtype=torch.long, device=dev),
+                          torch.tensor(pos, dtype=torch.long, device=dev), self.backend, meta)

@@ -32,6 +32,10 @@ class SamplingInput:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # structured outputs: [ceil(V / 32)] int32, bit t of word t // 32 set where the grammar allows token t
     token_bitmask: Optional[torch.Tensor] = None
+    # speculative decoding by a draft model: the guess at this row and the draft's distribution q [V] it was drawn
+    # from; the row then yields the guess (accepted with probability min(1, p/q)) or a draw from max(0, p - q)
+    draft_token: Optional[int] = None
+    draft_probs: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -267,6 +271,23 @@ def compute_prompt_logprobs(logits: torch.Tensor, next_token_ids: list[int], num
 
 # ---------------------------------------------------------------------------------------------------------
 
+def _uniform(rows: list[SamplingInput], shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """[len(rows), *shape] uniform noise in [0, 1): a seeded row's from its own generator, so its tokens do not depend
+    on the batch."""
+    u = torch.empty(len(rows), *shape, device=device).uniform_()
+    for i, inp in enumerate(rows):
+        g = inp.generator
+        if g is not None:
+            u[i] = torch.empty(shape, device=g.device).uniform_(generator=g).to(device)
+    return u
+
+
+def _race(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """A draw from softmax(logits) per row by the Gumbel-max race: with E = -log(U) ~ Exp(1), argmax(logits - log E).
+    uniform_ is ~4x cheaper than exponential_ on CPU; E is clamped away from 0 so a -inf token can never win."""
+    return (logits - u.log().neg().clamp_min(1e-30).log()).argmax(dim=-1)
+
+
 class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: set[int],
                  argmax: Callable[[torch.Tensor], torch.Tensor] = lambda x: x.argmax(dim=-1)):
@@ -280,6 +301,43 @@ class Sampler:
         their own generator (make it on the logits' device), so their tokens do not depend on what else is in
         the batch. Returned logprobs are log_softmax of these raw logits, before penalties/temperature/filters
         (vLLM's default); the sampled token comes first in each dict, ranks are 1-based."""
+        raw, tokens, rand, y = self._process(logits, inputs)
+        dev = logits.device
+        if rand:
+            rand_in = [inputs[r] for r in rand]
+            u = _uniform(rand_in, (logits.shape[1],), dev)
+            drawn = _race(y, u)
+            drafted = [i for i, inp in enumerate(rand_in) if inp.draft_probs is not None]
+            if drafted:
+                drawn = _verify_drafts(y, u, drawn, drafted, [rand_in[i] for i in drafted])
+            tokens = tokens.index_copy(0, torch.tensor(rand, device=dev), drawn)
+
+        lp_rows = [r for r, inp in enumerate(inputs) if inp.params.logprobs is not None]
+        logprobs: list[Optional[dict[int, Logprob]]] = [None] * len(inputs)
+        if lp_rows:
+            lp_t = torch.tensor(lp_rows, device=dev)
+            dicts = _logprob_dicts(torch.log_softmax(raw[lp_t], dim=-1), tokens[lp_t],
+                                   [int(inputs[r].params.logprobs or 0) for r in lp_rows])
+            for r, d in zip(lp_rows, dicts):
+                logprobs[r] = d
+        return SamplerOutput(tokens.tolist(), logprobs)
+
+    def draw(self, logits: torch.Tensor, inputs: list[SamplingInput]) -> tuple[list[int], list[Optional[torch.Tensor]]]:
+        """A draft model's guesses: each row's token, drawn as __call__ draws it, and the distribution it was drawn
+        from ([V] float32; None for a greedy row, whose guess is certain: its argmax)."""
+        _, tokens, rand, y = self._process(logits, inputs)
+        probs: list[Optional[torch.Tensor]] = [None] * len(inputs)
+        if rand:
+            drawn = _race(y, _uniform([inputs[r] for r in rand], (logits.shape[1],), logits.device))
+            tokens = tokens.index_copy(0, torch.tensor(rand, device=logits.device), drawn)
+            for i, q in zip(rand, y.softmax(dim=-1)):
+                probs[i] = q
+        return tokens.tolist(), probs
+
+    def _process(self, logits: torch.Tensor, inputs: list[SamplingInput]
+                 ) -> tuple[torch.Tensor, torch.Tensor, list[int], Optional[torch.Tensor]]:
+        """The pipeline up to the draw: the (masked) raw logits for logprobs, every row's argmax (a greedy row's
+        token), the rows that sample, and their temperature-scaled, filtered logits."""
         R, V = logits.shape
         if R != len(inputs):
             raise ValueError(f"got {R} logits rows for {len(inputs)} sampling inputs")
@@ -289,36 +347,31 @@ class Sampler:
         if masked:
             raw = apply_token_bitmask(raw, masked, [inputs[r].token_bitmask for r in masked])
         x = apply_logits_processors(raw, inputs, sorted(self.eos_token_ids))
-
-        greedy_rows = [inp.params.greedy for inp in inputs]
         tokens = self.argmax(x)
-        rand = [r for r in range(R) if not greedy_rows[r]]
-        if rand:
-            p = [inputs[r].params for r in rand]
-            rand_t = torch.tensor(rand, device=dev)
-            y = x[rand_t] / torch.tensor([q.temperature for q in p], device=dev)[:, None]
-            top_k = torch.tensor([q.top_k or V for q in p], device=dev) if any(0 < q.top_k < V for q in p) else None
-            top_p = torch.tensor([q.top_p for q in p], device=dev) if any(q.top_p < 1 for q in p) else None
-            min_p = torch.tensor([q.min_p for q in p], device=dev) if any(q.min_p > 0 for q in p) else None
-            y = apply_top_k_top_p_min_p(y, top_k, top_p, min_p)
-            # Gumbel-max / exponential race: with E = -log(U) ~ Exp(1), argmax(y - log E) samples softmax(y).
-            # uniform_ is ~4x cheaper than exponential_ on CPU; E is clamped away from 0 so a filtered (-inf)
-            # token can never win.
-            u = torch.empty_like(y).uniform_()
-            for i, r in enumerate(rand):
-                g = inputs[r].generator
-                if g is not None:
-                    u[i] = torch.empty(V, device=g.device).uniform_(generator=g).to(dev)
-            drawn = (y - u.log().neg().clamp_min(1e-30).log()).argmax(dim=-1)
-            tokens = tokens.index_copy(0, rand_t, drawn)
+        rand = [r for r, inp in enumerate(inputs) if not inp.params.greedy]
+        if not rand:
+            return raw, tokens, rand, None
+        p = [inputs[r].params for r in rand]
+        y = x[torch.tensor(rand, device=dev)] / torch.tensor([q.temperature for q in p], device=dev)[:, None]
+        top_k = torch.tensor([q.top_k or V for q in p], device=dev) if any(0 < q.top_k < V for q in p) else None
+        top_p = torch.tensor([q.top_p for q in p], device=dev) if any(q.top_p < 1 for q in p) else None
+        min_p = torch.tensor([q.min_p for q in p], device=dev) if any(q.min_p > 0 for q in p) else None
+        return raw, tokens, rand, apply_top_k_top_p_min_p(y, top_k, top_p, min_p)
 
-        lp_rows = [r for r, inp in enumerate(inputs) if inp.params.logprobs is not None]
-        logprobs: list[Optional[dict[int, Logprob]]] = [None] * R
-        if lp_rows:
-            lp_t = torch.tensor(lp_rows, device=dev)
-            dicts = _logprob_dicts(torch.log_softmax(raw[lp_t], dim=-1), tokens[lp_t],
-                                   [int(inputs[r].params.logprobs or 0) for r in lp_rows])
-            for r, d in zip(lp_rows, dicts):
-                logprobs[r] = d
-        return SamplerOutput(tokens.tolist(), logprobs)
+
+def _verify_drafts(y: torch.Tensor, u: torch.Tensor, drawn: torch.Tensor, rows: list[int],
+                   inputs: list[SamplingInput]) -> torch.Tensor:
+    """Rejection sampling of drafted guesses (Leviathan et al., Chen et al.): rows of y carry a guess d drawn from q.
+    The row yields d with probability min(1, p(d)/q(d)), else a draw from max(0, p - q) normalised; in all, p exactly.
+    A rejected d has p(d) < q(d), so the residual excludes it and the caller sees the rejection as a mismatch."""
+    dev = y.device
+    idx = torch.tensor(rows, device=dev)
+    p = y[idx].softmax(dim=-1)
+    q = torch.stack([inp.draft_probs for inp in inputs]).to(dev)
+    d = torch.tensor([inp.draft_token for inp in inputs], dtype=torch.long, device=dev)[:, None]
+    accept = (_uniform(inputs, (1,), dev) * q.gather(1, d) < p.gather(1, d)).squeeze(1)
+    residual = (p - q).clamp_min(0)
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p)   # p == q: nothing is rejected
+    redrawn = _race(residual.log(), u[idx])
+    return drawn.index_copy(0, idx, torch.where(accept, d.squeeze(1), redrawn))
 
