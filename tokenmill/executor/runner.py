@@ -20,6 +20,10 @@ from tokenmill.executor.sampler import Sampler, SamplingInput, compute_prompt_lo
 from tokenmill.outputs import Logprob
 
 
+# up to this many new tokens of a request attend as one-token decodes (the decode kernels' path, cheaper for few rows)
+FEW_ROWS = 17
+
+
 def accepted_length(guesses: list[int], drawn: list[int]) -> int:
     """How many guesses stand: each must equal what the model drew at its position (drawn[j] follows guesses[:j])."""
     n = 0
@@ -166,15 +170,22 @@ class ModelRunner:
         pos: list[int] = []
         slots: list[int] = []
         qsl = [0]
+        num_computed, seq_lens, tables, last_rows = [], [], [], []
         bs = self.block_size
         for toks, start, table in entries:
             ids.extend(toks)
             pos.extend(range(start, start + len(toks)))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + len(toks)))
-            qsl.append(qsl[-1] + len(toks))
-        hidden = self._forward(ids, pos, slots, qsl, [start for _, start, _ in entries],
-                               [start + len(toks) for toks, start, _ in entries], [t for _, _, t in entries])
-        return self.model.compute_logits(hidden[torch.tensor([q - 1 for q in qsl[1:]], device=self.device)])
+            # a catch-up of a few tokens attends as that many one-token decodes, as verification rows do
+            for first, count in (((start + j, 1) for j in range(len(toks))) if len(toks) <= FEW_ROWS
+                                 else ((start, len(toks)),)):
+                qsl.append(qsl[-1] + count)
+                num_computed.append(first)
+                seq_lens.append(first + count)
+                tables.append(table)
+            last_rows.append(qsl[-1] - 1)
+        hidden = self._forward(ids, pos, slots, qsl, num_computed, seq_lens, tables)
+        return self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
 
     def _forward(self, ids: list[int], pos: list[int], slots: list[int], qsl: list[int], num_computed: list[int],
                  seq_lens: list[int], tables: list[list[int]]) -> torch.Tensor:
