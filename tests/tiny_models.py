@@ -10,7 +10,8 @@ VOCAB = 320
 
 
 def _configs() -> dict:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+                              Qwen3MoeConfig)
     common = dict(vocab_size=VOCAB, max_position_embeddings=512, eos_token_id=None, bos_token_id=None,
                   pad_token_id=None, initializer_range=0.1)
     return {
@@ -43,12 +44,27 @@ def _configs() -> dict:
                                         num_attention_heads=144, num_key_value_heads=18, head_dim=16, **common),
         "head_dim256": lambda: LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                            num_attention_heads=4, num_key_value_heads=2, head_dim=256, **common),
+        # Mixture-of-Experts: top-2 of 4 experts (renormalised); a window shorter than the prompts
+        "mixtral": lambda: MixtralConfig(hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                         sliding_window=None, **common),
+        # top-2 of 6 without renormalising, a shared expert behind its gate, and a dense first layer
+        "qwen2_moe": lambda: Qwen2MoeConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                            shared_expert_intermediate_size=80, num_hidden_layers=3,
+                                            num_attention_heads=4, num_key_value_heads=2, num_experts=6,
+                                            num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[0],
+                                            tie_word_embeddings=False, **common),
+        # top-3 of 8, renormalised, q/k norm, every second layer sparse
+        "qwen3_moe": lambda: Qwen3MoeConfig(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                            head_dim=24, num_experts=8, num_experts_per_tok=3, norm_topk_prob=True,
+                                            decoder_sparse_step=2, tie_word_embeddings=False, **common),
         "qwen3": lambda: Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                                      num_key_value_heads=2, head_dim=24, tie_word_embeddings=False, **common),
     }
 
 
-ARCHS = ["llama", "llama_mqa_tied", "llama_yarn", "mistral", "qwen2", "qwen3"]
+ARCHS = ["llama", "llama_mqa_tied", "llama_yarn", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
 
 
 def build_tiny(kind: str, path: Path, seed: int = 0):

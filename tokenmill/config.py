@@ -8,7 +8,9 @@ from typing import Any, Optional
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,15 @@ class ModelConfig:
     sliding_window: Optional[int] = None
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture-of-Experts: the layers whose MLP is num_experts experts of moe_intermediate_size, of which a router
+    # picks num_experts_per_tok per token (their weights renormalised to sum 1 when norm_topk_prob); Qwen2-MoE adds
+    # a shared expert of shared_expert_intermediate_size behind a sigmoid gate
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
 
     @staticmethod
     def from_hf_dict(cfg: dict[str, Any]) -> "ModelConfig":
@@ -53,9 +64,10 @@ class ModelConfig:
                 scaling = None
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        sliding = cfg.get("sliding_window") if arch == "MistralForCausalLM" else None
-        if arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window"):
+        sliding = cfg.get("sliding_window") if arch in ("MistralForCausalLM", "MixtralForCausalLM") else None
+        if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM") and cfg.get("use_sliding_window"):
             sliding = cfg.get("sliding_window")
+        moe = _moe_fields(arch, cfg)
         return ModelConfig(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -70,11 +82,12 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            attention_bias=arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             sliding_window=sliding,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **moe,
         )
 
     @staticmethod
@@ -89,6 +102,32 @@ class ModelConfig:
 
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "int4", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's Mixture-of-Experts fields from an HF config (none for a dense architecture). Mixtral's every
+    layer is sparse and always renormalises; Qwen's layers are sparse every decoder_sparse_step-th layer but for
+    mlp_only_layers (transformers' rule)."""
+    if arch not in MOE_ARCHITECTURES:
+        return {}
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    top_k = cfg.get("num_experts_per_tok") or 0
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"{arch}: num_experts_per_tok={top_k} must be in [1, num_experts={experts}]")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{arch}: hidden_act {cfg.get('hidden_act')!r} is not implemented; tokenmill's experts "
+                         f"use silu")
+    layers = cfg["num_hidden_layers"]
+    if arch == "MixtralForCausalLM":
+        return dict(moe_layers=tuple(range(layers)), num_experts=experts, num_experts_per_tok=top_k,
+                    moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
+    step = cfg.get("decoder_sparse_step", 1) or 1
+    dense = set(cfg.get("mlp_only_layers") or ())
+    return dict(moe_layers=tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
+                num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=cfg["moe_intermediate_size"],
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                shared_expert_intermediate_size=(cfg.get("shared_expert_intermediate_size") or 0)
+                if arch == "Qwen2MoeForCausalLM" else 0)
 
 
 @dataclass(frozen=True)

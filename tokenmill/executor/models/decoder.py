@@ -1,12 +1,14 @@
-"""One decoder for Llama, Mistral, Qwen2 and Qwen3: config switches for bias, qk-norm, sliding window, tying.
+"""One decoder for Llama, Mistral, Qwen2 and Qwen3, and their Mixture-of-Experts kin Mixtral, Qwen2-MoE and
+Qwen3-MoE: config switches for bias, qk-norm, sliding window, tying, and which layers' MLP is a set of experts.
 
 Every tensor here is flattened over the batch: [T, ...] with T = all scheduled tokens of all requests.
 q/k/v and gate/up are fused at load time into one matmul each.
 """
 from __future__ import annotations
 
+import re
 from collections import Counter
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -14,6 +16,7 @@ from torch import nn
 from tokenmill.config import ModelConfig
 from tokenmill.executor.attention import AttentionBackend, AttentionMetadata
 from tokenmill.executor.layers.linear import Embedding, Linear
+from tokenmill.executor.layers.moe import SparseMoeBlock
 from tokenmill.executor.layers.quant import PackedWeight, QuantWeight, RowParts, concat_rows, dequantize_rows
 from tokenmill.executor.layers.norm import RMSNorm
 from tokenmill.executor.layers.rotary import RotaryEmbedding
@@ -50,12 +53,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: ReferenceOps):
+    def __init__(self, cfg: ModelConfig, ops: ReferenceOps, inter: Optional[int] = None):
         super().__init__()
         self.ops = ops
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, ops)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, ops)
+        self.inter = inter or cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, False, ops)
+        self.down_proj = Linear(self.inter, cfg.hidden_size, False, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
@@ -68,7 +71,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.self_attn = Attention(cfg, layer_idx, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.mlp = MLP(cfg, ops)
+        if layer_idx in cfg.moe_layers:
+            shared = cfg.shared_expert_intermediate_size
+            self.mlp = SparseMoeBlock(cfg, ops, MLP(cfg, ops, shared) if shared else None)
+        else:
+            self.mlp = MLP(cfg, ops)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], rope: Rope, backend: AttentionBackend,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,10 +96,28 @@ _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 _NUM_SHARDS = Counter(target for target, _ in _FUSED.values())    # qkv_proj: 3, gate_up_proj: 2
 
 
+# one expert's matrix in a per-expert checkpoint (Mixtral's w1/w3/w2, Qwen-MoE's gate/up/down) -> (our stacked
+# parameter, the part of its rows: gate 0, up 1, down None)
+_EXPERT = re.compile(r"^(layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)"
+                     r"\.weight$")
+_EXPERT_PART = {"w1": ("gate_up_proj", 0), "gate_proj": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1),
+                "up_proj": ("gate_up_proj", 1), "w2": ("down_proj", None), "down_proj": ("down_proj", None)}
+
+
+def _expert_name(name: str) -> Optional[tuple[str, int, Optional[int]]]:
+    """A per-expert HF name -> (our stacked parameter, expert index, part), or None for any other name."""
+    m = _EXPERT.match(name[len("model."):] if name.startswith("model.") else name)
+    if m is None:
+        return None
+    target, part = _EXPERT_PART[m.group(3)]
+    return f"{m.group(1)}.mlp.experts.{target}", int(m.group(2)), part
+
+
 def _our_name(name: str) -> tuple[str, Optional[int]]:
     """An HF parameter name -> (our parameter name, shard index within a fused projection, or None)."""
     if name.startswith("model."):
         name = name[len("model."):]
+    name = name.replace(".block_sparse_moe.", ".mlp.")          # Mixtral's name for its MoE block
     parts = name.split(".")
     for i, p in enumerate(parts):
         if p in _FUSED:
@@ -149,10 +174,18 @@ class DecoderForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         cfg = self.config
         q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        shard_rows = {"qkv_proj": [q, kv, kv], "gate_up_proj": [cfg.intermediate_size] * 2}
+
+        def shard_rows(pname: str) -> list[int]:
+            """The rows of each shard of a fused projection's weight"""
+            return [q, kv, kv] if pname.split(".")[-2] == "qkv_proj" else [params[pname].shape[0] // 2] * 2
+
         loaded: set[str] = set()
         quant: dict[str, dict[int, QuantWeight]] = {}     # parameter -> its quantised shards
         for name, tensor in weights:
+            expert = _expert_name(name)
+            if expert is not None:
+                loaded.add(self._load_expert(modules, params, *expert, tensor, dtype, device))
+                continue
             pname, shard = _our_name(name)
             name = name[len("model."):] if name.startswith("model.") else name
             if "rotary_emb" in name:
@@ -161,7 +194,7 @@ class DecoderForCausalLM(nn.Module):
                 continue  # some tied checkpoints store a copy anyway
             if pname not in params:
                 raise ValueError(f"unexpected tensor {name!r} in checkpoint")
-            rows = shard_rows[pname.split(".")[-2]] if shard is not None else None
+            rows = shard_rows(pname) if shard is not None else None
             dst = params[pname] if rows is None else params[pname].narrow(0, sum(rows[:shard]), rows[shard])
             key = pname if rows is None else f"{pname}#{shard}"
             if tuple(dst.shape) != tuple(tensor.shape):
@@ -177,12 +210,34 @@ class DecoderForCausalLM(nn.Module):
             self._set_quant(modules, params, pname, shards, shard_rows, dtype, device)
         for pname, p in params.items():
             base = pname.split(".")[-2] if "." in pname else pname
-            if base in shard_rows:
-                missing = [s for s in range(len(shard_rows[base])) if f"{pname}#{s}" not in loaded]
+            if base in _NUM_SHARDS:
+                missing = [s for s in range(_NUM_SHARDS[base]) if f"{pname}#{s}" not in loaded]
                 if missing:
                     raise ValueError(f"checkpoint is missing {len(missing)} shard(s) of {pname}")
+            elif base == "experts" and pname not in loaded:      # per expert: every expert's every part
+                parts = (0, 1) if pname.endswith("gate_up_proj") else (None,)
+                missing = [e for e in range(p.shape[0]) for part in parts if f"{pname}#{e}.{part}" not in loaded]
+                if missing:
+                    raise ValueError(f"checkpoint is missing {len(missing)} expert matrices of {pname}")
             elif pname not in loaded:
                 raise ValueError(f"checkpoint is missing tensor {pname!r}")
+
+    def _load_expert(self, modules: dict, params: dict, pname: str, expert: int, part: Optional[int],
+                     tensor: torch.Tensor | QuantWeight, dtype: torch.dtype, device: torch.device) -> str:
+        """Copy one expert's matrix into its rows of the stacked parameter (a quantised one dequantised: the experts
+        run on float weights); returns the key that marks it loaded."""
+        p = self._allocated(modules, params, pname, dtype, device)
+        if expert >= p.shape[0]:
+            raise ValueError(f"checkpoint has expert {expert} for {pname}, which holds {p.shape[0]} experts")
+        dst = p.data[expert]
+        if part is not None:
+            half = dst.shape[0] // 2
+            dst = dst.narrow(0, part * half, half)
+        w = tensor if isinstance(tensor, torch.Tensor) else dequantize_rows(tensor)
+        if tuple(dst.shape) != tuple(w.shape):
+            raise ValueError(f"expert {expert} of {pname} has shape {tuple(w.shape)}, expected {tuple(dst.shape)}")
+        dst.copy_(w.to(dst.dtype))
+        return f"{pname}#{expert}.{part}"
 
     @staticmethod
     def _allocated(modules: dict, params: dict, pname: str, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -196,14 +251,14 @@ class DecoderForCausalLM(nn.Module):
         return p
 
     def _set_quant(self, modules: dict, params: dict, pname: str, shards: dict[int, QuantWeight],
-                   shard_rows: dict, dtype: torch.dtype, device: torch.device) -> None:
+                   shard_rows: Callable[[str], list[int]], dtype: torch.dtype, device: torch.device) -> None:
         """A layer's quantised shards become its `quant` (its float weight dropped); where another shard of the same
         fused layer came in float, they are dequantised into that float weight instead."""
         mname = pname.rsplit(".", 1)[0]
         module = modules[mname]
         if params[pname].device.type != "meta" or not hasattr(module, "quant"):
             p = self._allocated(modules, params, pname, dtype, device)
-            rows = shard_rows.get(mname.split(".")[-1])
+            rows = shard_rows(pname) if mname.split(".")[-1] in _NUM_SHARDS else None
             for shard, w in shards.items():
                 dst = p.data if rows is None else p.data.narrow(0, sum(rows[:shard]), rows[shard])
                 dst.copy_(dequantize_rows(w).to(dtype))

@@ -94,6 +94,29 @@ class ReferenceOps:
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         return x.argmax(dim=-1)
 
+    def fused_moe(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
+                  w2: torch.Tensor) -> torch.Tensor:
+        """sum over k of topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]), an expert being
+        down(silu(gate x) * up x) with w13 [E, 2 * inter, hidden] and w2 [E, hidden, inter] (vLLM's fused_moe).
+        The token-expert pairs are sorted by expert, so each expert that got tokens runs one matmul pair; a token's
+        outputs are added in ascending expert order, as transformers adds them."""
+        T, k = topk_ids.shape
+        flat = topk_ids.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=w13.shape[0])
+        active = counts.nonzero().flatten()
+        ends = counts.cumsum(0)[active].tolist()
+        rows = order // k                                   # the token of each sorted pair
+        xs = x[rows]
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, end in zip(active.tolist(), ends):
+            h = self.silu_mul(F.linear(xs[start:end], w13[e]))
+            ys[start:end] = F.linear(h, w2[e])
+            start = end
+        ys = (ys * topk_weights.flatten()[order, None]).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, rows, ys)
+
     def decoder_layer(self, layer, x: torch.Tensor, residual: Optional[torch.Tensor], rope, backend,
                       meta) -> tuple[torch.Tensor, torch.Tensor]:
         """One decoder layer of a step (an implementation may run a whole layer as one kernel)."""
@@ -101,5 +124,5 @@ class ReferenceOps:
 
     def describe(self) -> dict[str, str]:
         """op -> what serves it, for `tokenmill info` and the server's start log."""
-        ops = ("linear", "embedding", "rms_norm", "rotary", "silu_mul", "argmax", "decoder_layer")
+        ops = ("linear", "embedding", "rms_norm", "rotary", "silu_mul", "argmax", "decoder_layer", "fused_moe")
         return {**{op: "torch" for op in ops}, "attention": "torch (batched SDPA)"}
