@@ -32,7 +32,13 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
+# a "llama" GGUF with experts is Mixtral
+_MIXTRAL = ("mixtral", "MixtralForCausalLM")
+# whether the router's top-k weights are renormalised, where the file does not say (llama.cpp's choice per arch)
+_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 
 # llama.cpp's converter permutes q/k rows per head only for these (its rotary kernel wants
 # the two rotated halves interleaved); Qwen's converter does not.
@@ -56,7 +62,16 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",                              # a Mixture-of-Experts layer's router
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",         # Qwen2-MoE's shared expert and its gate
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# all experts of a layer in one [experts, rows, columns] tensor -> each expert's matrix in HF form
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# Mixtral's HF names for its MoE block (Qwen-MoE's are the ones above)
+_MIXTRAL_NAMES = {"mlp.gate": "block_sparse_moe.gate", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 # Tensors in the file that are not model parameters in HF form. rope_freqs holds Llama 3's
@@ -257,6 +272,9 @@ def _config(f: GGUFFile) -> dict[str, Any]:
         raise ValueError(
             f"GGUF architecture {arch!r} is not supported; supported: {sorted(ARCHITECTURES)}")
     model_type, hf_arch = ARCHITECTURES[arch]
+    experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
+    if arch == "llama" and experts:
+        model_type, hf_arch = _MIXTRAL
 
     def get(key: str, default: Any = None) -> Any:
         key = f"{arch}.{key}"
@@ -276,7 +294,7 @@ def _config(f: GGUFFile) -> dict[str, Any]:
         # the embedding's row count is what the weights need, whatever metadata says
         "vocab_size": tensors["token_embd.weight"].shape[0],
         "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
+        "intermediate_size": int(get("feed_forward_length", meta.get(f"{arch}.expert_feed_forward_length"))),
         "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(get("attention.head_count_kv", heads)),
@@ -301,19 +319,50 @@ def _config(f: GGUFFile) -> dict[str, Any]:
     cfg["rope_parameters"] = {"rope_theta": theta, **(scaling or {"rope_type": "default"})}
     if f"{arch}.attention.sliding_window" in meta:
         cfg["sliding_window"] = int(get("attention.sliding_window"))
+    if experts:
+        cfg.update(_moe_config(meta, arch, experts, cfg, tensors))
     return cfg
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face parameter name for a GGUF tensor name (None for a skipped tensor)."""
+def _moe_config(meta: dict[str, Any], arch: str, experts: int, cfg: dict[str, Any],
+                tensors: dict[str, TensorInfo]) -> dict[str, Any]:
+    """The HF config's Mixture-of-Experts keys. A layer is sparse where the file has its router."""
+    used = meta.get(f"{arch}.expert_used_count")
+    if used is None:
+        raise ValueError(f"GGUF metadata is missing {arch}.expert_used_count")
+    out: dict[str, Any] = {"num_experts_per_tok": int(used),
+                           "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", _NORM_TOPK[arch]))}
+    if arch == "llama":
+        return {**out, "num_local_experts": experts}
+    out.update(num_experts=experts, decoder_sparse_step=1,
+               moe_intermediate_size=int(meta.get(f"{arch}.expert_feed_forward_length", cfg["intermediate_size"])),
+               mlp_only_layers=[i for i in range(cfg["num_hidden_layers"])
+                                if f"blk.{i}.ffn_gate_inp.weight" not in tensors])
+    if arch == "qwen2moe":
+        out["shared_expert_intermediate_size"] = int(meta.get(f"{arch}.expert_shared_feed_forward_length", 0))
+    return out
+
+
+def hf_name(gguf_name: str, mixtral: bool = False, expert: int = 0) -> str | None:
+    """The Hugging Face parameter name for a GGUF tensor name (None for a skipped tensor); for a tensor of all of a
+    layer's experts, that of expert `expert`'s matrix. Mixtral's MoE names where mixtral."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     if gguf_name in _SKIPPED:
         return None
     m = _LAYER_RE.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
+    if m is None or (m.group(2) not in _LAYER_NAMES and m.group(2) not in _EXPERT_NAMES):
         raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent we know of")
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    layer, kind, suffix = m.groups()
+    if kind in _EXPERT_NAMES:
+        proj = _EXPERT_NAMES[kind]
+        if mixtral:
+            return f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{_MIXTRAL_NAMES[proj]}.{suffix}"
+        return f"model.layers.{layer}.mlp.experts.{expert}.{proj}.{suffix}"
+    name = _LAYER_NAMES[kind]
+    if mixtral and name == "mlp.gate":
+        name = _MIXTRAL_NAMES[name]
+    return f"model.layers.{layer}.{name}.{suffix}"
 
 
 def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -336,12 +385,12 @@ def _dequantize(f: GGUFFile, info: TensorInfo) -> torch.Tensor:
     return torch.from_numpy(arr.reshape(info.shape))
 
 
-def _kept(f: GGUFFile, info: TensorInfo, heads: int) -> QuantWeight | None:
-    """A matrix in its blocks (rows unpermuted for llama's q/k), or None where it must become float."""
-    if len(info.shape) != 2 or info.type_name == "F32":
+def _kept(type_name: str, raw: np.ndarray, shape: tuple[int, ...], heads: int) -> QuantWeight | None:
+    """A matrix (raw: its bytes, [rows, row bytes]) in its blocks (rows unpermuted for llama's q/k), or None where
+    it must become float."""
+    if len(shape) != 2 or type_name == "F32":
         return None
-    raw = f.raw(info)
-    w = pack_ggml(info.type_name, raw, info.shape) or ggml_weight(info.type_name, raw, info.shape)
+    w = pack_ggml(type_name, raw, shape) or ggml_weight(type_name, raw, shape)
     if w is None or not heads:
         return w
     if isinstance(w, GGMLWeight):
@@ -353,12 +402,13 @@ def read_gguf(path: str) -> GGUFCheckpoint:
     """Read metadata now; give tensors (HF names and shapes) when iterated."""
     f = open_gguf(path)
     config = _config(f)
+    mixtral = config["architectures"] == [_MIXTRAL[1]]
     for info in f.tensors.values():  # fail at load time, not halfway through iterating
         if info.type_name not in _SUPPORTED_TYPES:
             raise ValueError(
                 f"GGUF tensor {info.name!r} has type {info.type_name}, which tokenmill cannot read; "
                 f"supported: {', '.join(sorted(_SUPPORTED_TYPES))}")
-        hf_name(info.name)
+        hf_name(info.name, mixtral)
     permuted = f.metadata["general.architecture"] in _PERMUTED_ARCHS
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
 
@@ -370,11 +420,14 @@ def read_gguf(path: str) -> GGUFCheckpoint:
     def tensors(keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
         in_float: list[str] = []
         for info in f.tensors.values():
-            name = hf_name(info.name)
+            name = hf_name(info.name, mixtral)
             if name is None:
                 continue
+            if len(info.shape) == 3:          # every expert of a layer: a matrix each
+                yield from _experts(info, keep_blocks, in_float)
+                continue
             if keep_blocks:
-                kept = _kept(f, info, permuted_heads(name))
+                kept = _kept(info.type_name, f.raw(info), info.shape, permuted_heads(name))
                 if kept is not None:
                     yield name, kept
                     continue
@@ -384,9 +437,26 @@ def read_gguf(path: str) -> GGUFCheckpoint:
             w = _dequantize(f, info)
             if n := permuted_heads(name):
                 w = unpermute_qk(w, n)
+            if name.endswith("shared_expert_gate.weight"):   # llama.cpp keeps the [1, hidden] gate as [hidden]
+                w = w.reshape(1, -1)
             yield name, w
         if in_float:
             log.warning("kept in float32: %s", "; ".join(in_float))
 
-    quantized = any(i.type_name not in ("F32", "F16", "BF16") for i in f.tensors.values() if len(i.shape) == 2)
+    def _experts(info: TensorInfo, keep_blocks: bool, in_float: list[str]
+                 ) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+        shape = info.shape[1:]
+        if keep_blocks and info.type_name != "F32":
+            raw = f.raw(info)
+            kept = [_kept(info.type_name, raw[e], shape, 0) for e in range(info.shape[0])]
+            if all(w is not None for w in kept):
+                for e, w in enumerate(kept):
+                    yield hf_name(info.name, mixtral, e), w
+                return
+            in_float.append(f"{info.name} ({info.type_name}, rows of {shape[1]}: not whole blocks)")
+        whole = _dequantize(f, info)
+        for e in range(info.shape[0]):
+            yield hf_name(info.name, mixtral, e), whole[e]
+
+    quantized = any(i.type_name not in ("F32", "F16", "BF16") for i in f.tensors.values() if len(i.shape) >= 2)
     return GGUFCheckpoint(config=config, tensors=tensors, release=f.release, quantized=quantized)

@@ -6,7 +6,6 @@ q/k/v and gate/up are fused at load time into one matmul each.
 """
 from __future__ import annotations
 
-import re
 from collections import Counter
 from typing import Callable, Iterable, Optional
 
@@ -72,8 +71,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer_idx, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         if layer_idx in cfg.moe_layers:
-            shared = cfg.shared_expert_intermediate_size
-            self.mlp = SparseMoeBlock(cfg, ops, MLP(cfg, ops, shared) if shared else None)
+            self.mlp = SparseMoeBlock(cfg, ops, lambda inter: MLP(cfg, ops, inter))
         else:
             self.mlp = MLP(cfg, ops)
 
@@ -96,29 +94,18 @@ _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 _NUM_SHARDS = Counter(target for target, _ in _FUSED.values())    # qkv_proj: 3, gate_up_proj: 2
 
 
-# one expert's matrix in a per-expert checkpoint (Mixtral's w1/w3/w2, Qwen-MoE's gate/up/down) -> (our stacked
-# parameter, the part of its rows: gate 0, up 1, down None)
-_EXPERT = re.compile(r"^(layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)"
-                     r"\.weight$")
-_EXPERT_PART = {"w1": ("gate_up_proj", 0), "gate_proj": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1),
-                "up_proj": ("gate_up_proj", 1), "w2": ("down_proj", None), "down_proj": ("down_proj", None)}
-
-
-def _expert_name(name: str) -> Optional[tuple[str, int, Optional[int]]]:
-    """A per-expert HF name -> (our stacked parameter, expert index, part), or None for any other name."""
-    m = _EXPERT.match(name[len("model."):] if name.startswith("model.") else name)
-    if m is None:
-        return None
-    target, part = _EXPERT_PART[m.group(3)]
-    return f"{m.group(1)}.mlp.experts.{target}", int(m.group(2)), part
+# Mixtral's names for its MoE block and its experts' matrices -> the Qwen-MoE names that map onto ours
+_MIXTRAL = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def _our_name(name: str) -> tuple[str, Optional[int]]:
     """An HF parameter name -> (our parameter name, shard index within a fused projection, or None)."""
     if name.startswith("model."):
         name = name[len("model."):]
-    name = name.replace(".block_sparse_moe.", ".mlp.")          # Mixtral's name for its MoE block
     parts = name.split(".")
+    if "block_sparse_moe" in parts:
+        parts = [_MIXTRAL.get(p, p) for p in parts]
+        name = ".".join(parts)
     for i, p in enumerate(parts):
         if p in _FUSED:
             target, shard = _FUSED[p]
@@ -182,10 +169,6 @@ class DecoderForCausalLM(nn.Module):
         loaded: set[str] = set()
         quant: dict[str, dict[int, QuantWeight]] = {}     # parameter -> its quantised shards
         for name, tensor in weights:
-            expert = _expert_name(name)
-            if expert is not None:
-                loaded.add(self._load_expert(modules, params, *expert, tensor, dtype, device))
-                continue
             pname, shard = _our_name(name)
             name = name[len("model."):] if name.startswith("model.") else name
             if "rotary_emb" in name:
@@ -214,30 +197,8 @@ class DecoderForCausalLM(nn.Module):
                 missing = [s for s in range(_NUM_SHARDS[base]) if f"{pname}#{s}" not in loaded]
                 if missing:
                     raise ValueError(f"checkpoint is missing {len(missing)} shard(s) of {pname}")
-            elif base == "experts" and pname not in loaded:      # per expert: every expert's every part
-                parts = (0, 1) if pname.endswith("gate_up_proj") else (None,)
-                missing = [e for e in range(p.shape[0]) for part in parts if f"{pname}#{e}.{part}" not in loaded]
-                if missing:
-                    raise ValueError(f"checkpoint is missing {len(missing)} expert matrices of {pname}")
             elif pname not in loaded:
                 raise ValueError(f"checkpoint is missing tensor {pname!r}")
-
-    def _load_expert(self, modules: dict, params: dict, pname: str, expert: int, part: Optional[int],
-                     tensor: torch.Tensor | QuantWeight, dtype: torch.dtype, device: torch.device) -> str:
-        """Copy one expert's matrix into its rows of the stacked parameter (a quantised one dequantised: the experts
-        run on float weights); returns the key that marks it loaded."""
-        p = self._allocated(modules, params, pname, dtype, device)
-        if expert >= p.shape[0]:
-            raise ValueError(f"checkpoint has expert {expert} for {pname}, which holds {p.shape[0]} experts")
-        dst = p.data[expert]
-        if part is not None:
-            half = dst.shape[0] // 2
-            dst = dst.narrow(0, part * half, half)
-        w = tensor if isinstance(tensor, torch.Tensor) else dequantize_rows(tensor)
-        if tuple(dst.shape) != tuple(w.shape):
-            raise ValueError(f"expert {expert} of {pname} has shape {tuple(w.shape)}, expected {tuple(dst.shape)}")
-        dst.copy_(w.to(dst.dtype))
-        return f"{pname}#{expert}.{part}"
 
     @staticmethod
     def _allocated(modules: dict, params: dict, pname: str, dtype: torch.dtype, device: torch.device) -> nn.Parameter:

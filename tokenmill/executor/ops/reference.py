@@ -2,7 +2,7 @@
 interface every other implementation keeps. One implementation serves a model, chosen at load (ops/__init__.py)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -94,16 +94,15 @@ class ReferenceOps:
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         return x.argmax(dim=-1)
 
-    def fused_moe(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
-                  w2: torch.Tensor) -> torch.Tensor:
-        """sum over k of topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]), an expert being
-        down(silu(gate x) * up x) with w13 [E, 2 * inter, hidden] and w2 [E, hidden, inter] (vLLM's fused_moe).
-        The token-expert pairs are sorted by expert, so each expert that got tokens runs one matmul pair; a token's
-        outputs are added in ascending expert order, as transformers adds them."""
-        T, k = topk_ids.shape
+    def fused_moe(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  experts: Sequence[Callable[[torch.Tensor], torch.Tensor]]) -> torch.Tensor:
+        """sum over k of topk_weights[t, k] * experts[topk_ids[t, k]](x[t]) for x [T, hidden] (vLLM's fused_moe).
+        The token-expert pairs are sorted by expert, so each expert that got tokens runs once on all of them; a
+        token's outputs are added in ascending expert order, as transformers adds them."""
+        k = topk_ids.shape[1]
         flat = topk_ids.flatten()
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=w13.shape[0])
+        counts = torch.bincount(flat, minlength=len(experts))
         active = counts.nonzero().flatten()
         ends = counts.cumsum(0)[active].tolist()
         rows = order // k                                   # the token of each sorted pair
@@ -111,8 +110,7 @@ class ReferenceOps:
         ys = torch.empty_like(xs)
         start = 0
         for e, end in zip(active.tolist(), ends):
-            h = self.silu_mul(F.linear(xs[start:end], w13[e]))
-            ys[start:end] = F.linear(h, w2[e])
+            ys[start:end] = experts[e](xs[start:end])
             start = end
         ys = (ys * topk_weights.flatten()[order, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, rows, ys)
