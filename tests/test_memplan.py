@@ -23,12 +23,13 @@ LLAMA3_8B = dict(num_hidden_layers=32, num_attention_heads=32, num_key_value_hea
 def _split(model: torch.nn.Module) -> tuple[int, int]:
     """(matrix params, vector params) of a transformers model; tied weights count once."""
     params = list(model.parameters())
-    return sum(p.numel() for p in params if p.dim() == 2), sum(p.numel() for p in params if p.dim() == 1)
+    return sum(p.numel() for p in params if p.dim() >= 2), sum(p.numel() for p in params if p.dim() == 1)
 
 
 # ---------------------------------------------------------------- parameters and weight bytes
 
-@pytest.mark.parametrize("kind", ["llama", "llama_mqa_tied", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "llama_mqa_tied", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe",
+                                  "qwen3_moe"])
 def test_param_count_matches_transformers(tmp_path, kind):
     path, model = build_tiny(kind, tmp_path / kind)
     cfg, _ = kvcalc.load_config(path)  # what a user passes: the saved config.json

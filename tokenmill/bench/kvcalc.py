@@ -258,7 +258,8 @@ class ParamCount:
 
 
 def param_count(cfg: Any) -> ParamCount:
-    """Llama-family decoder (Llama, Mistral, Qwen2/3): GQA k/v widths, explicit head_dim, biases, q/k norms."""
+    """Llama-family decoder (Llama, Mistral, Qwen2/3 and their MoE kin): GQA k/v widths, explicit head_dim, biases,
+    q/k norms, experts."""
     cfg = _get(cfg, "text_config", default=cfg)
     s = kv_shape(cfg)
     vocab, hidden, ffn = _get(cfg, "vocab_size"), _get(cfg, "hidden_size", "n_embd"), _get(cfg, "intermediate_size")
@@ -268,20 +269,39 @@ def param_count(cfg: Any) -> ParamCount:
     q, kv, layers = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_layers
     tied = bool(_get(cfg, "tie_word_embeddings", default=False))  # Llama/Mistral/Qwen default to untied
     return ParamCount(embedding=vocab * hidden, attention=layers * (hidden * (q + 2 * kv) + q * hidden),
-                      mlp=layers * 3 * hidden * ffn, lm_head=0 if tied else vocab * hidden,
+                      mlp=_mlp_params(cfg, hidden, ffn, layers), lm_head=0 if tied else vocab * hidden,
                       vectors=layers * (2 * hidden + _layer_extras(cfg, s, hidden, ffn)) + hidden)
+
+
+def _mlp_params(cfg: Any, hidden: int, ffn: int, layers: int) -> int:
+    """gate/up/down of every layer; a Mixture-of-Experts layer's are every expert's, with its router (and Qwen2-MoE's
+    shared expert and gate). Which layers are sparse follows transformers' rule (config.py)."""
+    experts = _get(cfg, "num_experts", "num_local_experts", default=0) or 0
+    if not experts:
+        return layers * 3 * hidden * ffn
+    if _get(cfg, "model_type", default="") == "mixtral":
+        sparse, inter, shared = layers, ffn, 0
+    else:
+        step = _get(cfg, "decoder_sparse_step", default=1) or 1
+        dense = set(_get(cfg, "mlp_only_layers", default=None) or ())
+        sparse = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+        inter = _get(cfg, "moe_intermediate_size")
+        shared = _get(cfg, "shared_expert_intermediate_size", default=0) or 0
+    per_sparse = experts * (3 * hidden * inter + hidden) + (3 * hidden * shared + hidden if shared else 0)
+    return (layers - sparse) * 3 * hidden * ffn + sparse * per_sparse
 
 
 def _layer_extras(cfg: Any, s: KVShape, hidden: int, ffn: int) -> int:
     """Per layer vectors beyond the two RMSNorms: attention/MLP biases and Qwen3's per-head q/k norms."""
     q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
     kind = _get(cfg, "model_type", default="")
-    n = q + 2 * kv if kind == "qwen2" else 0  # Qwen2 always biases q/k/v, never o
-    if kind != "qwen2" and _get(cfg, "attention_bias"):
+    qwen2 = kind in ("qwen2", "qwen2_moe")
+    n = q + 2 * kv if qwen2 else 0  # Qwen2 always biases q/k/v, never o
+    if not qwen2 and _get(cfg, "attention_bias"):
         n += q + 2 * kv + hidden
     if _get(cfg, "mlp_bias"):
         n += 2 * ffn + hidden
-    if kind == "qwen3":
+    if kind in ("qwen3", "qwen3_moe"):
         n += 2 * s.head_dim
     return n
 
