@@ -10,8 +10,8 @@ VOCAB = 320
 
 
 def _configs() -> dict:
-    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
-                              Qwen3MoeConfig)
+    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig,
+                              Qwen3Config, Qwen3MoeConfig)
     common = dict(vocab_size=VOCAB, max_position_embeddings=512, eos_token_id=None, bos_token_id=None,
                   pad_token_id=None, initializer_range=0.1)
     return {
@@ -44,6 +44,13 @@ def _configs() -> dict:
                                         num_attention_heads=144, num_key_value_heads=18, head_dim=16, **common),
         "head_dim256": lambda: LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                            num_attention_heads=4, num_key_value_heads=2, head_dim=256, **common),
+        # Phi-3 / Phi-4-mini: fused qkv and gate_up in the checkpoint, longrope, rotary on 3/4 of each head
+        "phi3": lambda: Phi3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, original_max_position_embeddings=128,
+                                   partial_rotary_factor=0.75, tie_word_embeddings=True,
+                                   rope_scaling={"rope_type": "longrope",
+                                                 "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                                                 "long_factor": [2.0 + 0.5 * i for i in range(6)]}, **common),
         # Mixture-of-Experts: top-2 of 4 experts (renormalised); a window shorter than the prompts
         "mixtral": lambda: MixtralConfig(hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                                          num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
@@ -64,7 +71,8 @@ def _configs() -> dict:
     }
 
 
-ARCHS = ["llama", "llama_mqa_tied", "llama_yarn", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
+ARCHS = ["llama", "llama_mqa_tied", "llama_yarn", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe",
+         "qwen3_moe"]
 
 
 def build_tiny(kind: str, path: Path, seed: int = 0):

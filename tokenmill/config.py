@@ -9,7 +9,8 @@ from typing import Any, Optional
 import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+                           "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+ROPE_TYPES = ("linear", "llama3", "yarn", "longrope")      # besides the default (layers/rotary.py)
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
@@ -27,6 +28,7 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: Optional[dict] = None
     max_position_embeddings: int = 2048
+    partial_rotary_factor: float = 1.0      # Phi-4-mini: rotary embeddings on the first 3/4 of each head only
     tie_word_embeddings: bool = False
     attention_bias: bool = False      # Qwen2: bias on q/k/v
     qk_norm: bool = False             # Qwen3: RMSNorm on q and k per head
@@ -55,6 +57,7 @@ class ModelConfig:
         # transformers 5 keeps rope settings in rope_parameters; older configs in rope_theta + rope_scaling
         rope = dict(cfg.get("rope_parameters") or {})
         theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+        partial = float(rope.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor") or 1.0)
         scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
         if scaling is None and cfg.get("rope_scaling"):
             scaling = dict(cfg["rope_scaling"])
@@ -62,9 +65,15 @@ class ModelConfig:
             scaling["rope_type"] = scaling.get("rope_type", scaling.get("type"))
             if scaling["rope_type"] in (None, "default"):
                 scaling = None
+        if scaling is not None and scaling["rope_type"] == "longrope":     # Phi-3 keeps this beside rope_scaling
+            scaling.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+        if scaling is not None and scaling["rope_type"] not in ROPE_TYPES:
+            raise ValueError(f"rope type {scaling['rope_type']!r} is not implemented; tokenmill's are "
+                             f"{', '.join(ROPE_TYPES)}")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        sliding = cfg.get("sliding_window") if arch in ("MistralForCausalLM", "MixtralForCausalLM") else None
+        sliding = cfg.get("sliding_window") if arch in ("MistralForCausalLM", "MixtralForCausalLM",
+                                                        "Phi3ForCausalLM") else None
         if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM") and cfg.get("use_sliding_window"):
             sliding = cfg.get("sliding_window")
         moe = _moe_fields(arch, cfg)
@@ -80,6 +89,7 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             rope_scaling=scaling,
+            partial_rotary_factor=partial,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") or bool(cfg.get("attention_bias", False)),
@@ -99,6 +109,11 @@ class ModelConfig:
     @property
     def num_layers(self) -> int:
         return self.num_hidden_layers
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each head that rotary embeddings turn (transformers' int(head_dim * factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "int4", "fp8", "fp8_e4m3", "fp8_e5m2")

@@ -123,7 +123,7 @@ def load_model(path: str, mc: ModelConfig, dtype: torch.dtype, device: torch.dev
         model = DecoderForCausalLM(mc, max_len, ops)
     # rotary tables stay float32 (transformers computes them in float32 too)
     from tokenmill.executor.layers.rotary import RotaryEmbedding
-    model.rotary = RotaryEmbedding(mc.head_dim, mc.rope_theta, mc.rope_scaling, mc.max_position_embeddings,
+    model.rotary = RotaryEmbedding(mc.rotary_dim, mc.rope_theta, mc.rope_scaling, mc.max_position_embeddings,
                                    max_len).to(device)
     # quantised matrices stay in their blocks on CPU; quantized_kernels=False (or a GPU) dequantises them
     keep_blocks = quantized_kernels and device.type == "cpu"

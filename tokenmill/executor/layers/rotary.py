@@ -1,4 +1,5 @@
-"""Rotary position embeddings with transformers' scalings: default, linear, llama3, yarn."""
+"""Rotary position embeddings with transformers' scalings: default, linear, llama3, yarn, longrope; on all of each
+head or (Phi-4-mini's partial_rotary_factor) its first dims only."""
 from __future__ import annotations
 
 import math
@@ -8,9 +9,10 @@ import torch
 from torch import nn
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict],
-                  max_position_embeddings: int) -> tuple[torch.Tensor, float]:
-    """Returns (inv_freq [head_dim/2] float32, attention scaling applied to cos and sin)."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict], max_position_embeddings: int,
+                  seq_len: int = 0) -> tuple[torch.Tensor, float]:
+    """Returns (inv_freq [head_dim/2] float32, attention scaling applied to cos and sin). head_dim: the rotated
+    dims. seq_len: for longrope, the sequence length its factors are for (transformers' argument)."""
     dim = head_dim
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if scaling is None:
@@ -57,17 +59,36 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict],
         extrap, interp = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
         keep = 1 - ramp
         return interp * (1 - keep) + extrap * keep, float(attn)
-    raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: linear, llama3, yarn")
+    if kind == "longrope":
+        # Phi-3: per-dimension divisors of the frequencies, the long ones past the pretraining length
+        orig = scaling["original_max_position_embeddings"]
+        factors = scaling["long_factor"] if seq_len > orig else scaling["short_factor"]
+        if len(factors) != dim // 2:
+            raise ValueError(f"longrope factors have {len(factors)} entries; the rotary dims need {dim // 2}")
+        scale = scaling.get("factor") or max_position_embeddings / orig
+        attn = scaling.get("attention_factor")
+        if attn is None:
+            attn = 1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(orig))
+        return inv_freq / torch.tensor(factors, dtype=torch.float32), float(attn)
+    raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: linear, llama3, yarn, longrope")
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables [max_len, head_dim], indexed by each token's position."""
+    """Precomputed cos/sin tables [max_len, rotary dims], indexed by each token's position."""
 
     def __init__(self, head_dim: int, theta: float, scaling: Optional[dict], max_position_embeddings: int,
                  max_len: int):
         super().__init__()
         inv_freq, attn_scale = rope_inv_freq(head_dim, theta, scaling, max_position_embeddings)
-        freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        pos = torch.arange(max_len, dtype=torch.float32)[:, None]
+        freqs = pos * inv_freq[None, :]
+        if scaling is not None and scaling["rope_type"] == "longrope":
+            # a position past the pretraining length takes the long factors: transformers switches to them once a
+            # sequence is that long (its keys before stay as they were cached), so each position's rotation is
+            # that of the step that first computes it, save a prompt longer than the switch computed in one pass
+            orig = scaling["original_max_position_embeddings"]
+            long_freq, _ = rope_inv_freq(head_dim, theta, scaling, max_position_embeddings, orig + 1)
+            freqs = torch.where(pos < orig, freqs, pos * long_freq[None, :])
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos() * attn_scale, persistent=False)
         self.register_buffer("sin", emb.sin() * attn_scale, persistent=False)
@@ -79,7 +100,11 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D] rotated by its token's position: x * cos + rotate_half(x) * sin."""
+    """x [T, heads, D] rotated by its token's position: x * cos + rotate_half(x) * sin, over the first R dims of
+    each head for cos, sin [T, 1, R] (the rest pass through)."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat([apply_rotary(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin

@@ -32,6 +32,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
@@ -74,9 +75,11 @@ _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_do
 _MIXTRAL_NAMES = {"mlp.gate": "block_sparse_moe.gate", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
-# Tensors in the file that are not model parameters in HF form. rope_freqs holds Llama 3's
-# rope scaling factors, which we turn into config["rope_scaling"] instead.
-_SKIPPED = {"rope_freqs.weight"}
+# Phi-3 keeps q/k/v and gate/up fused, as the HF checkpoint does
+_PHI3_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# Tensors in the file that are not model parameters in HF form. rope_freqs holds Llama 3's rope scaling factors and
+# rope_factors_long/short Phi-3's longrope ones, which we turn into config["rope_scaling"] instead.
+_SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 _SUPPORTED_TYPES = {
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
@@ -313,15 +316,43 @@ def _config(f: GGUFFile) -> dict[str, Any]:
     if scaling is None and "rope_freqs.weight" in tensors:
         freqs = _dequantize(f, tensors["rope_freqs.weight"]).double().numpy()
         scaling = _llama3_rope_scaling(freqs, head_dim, theta)
+    if arch == "phi3":
+        rot = int(get("rope.dimension_count", head_dim))
+        if rot != head_dim:
+            cfg["partial_rotary_factor"] = rot / head_dim
+        scaling = _longrope(f, arch, rot) or scaling
+        if scaling is not None and scaling.get("rope_type") == "longrope":
+            cfg["original_max_position_embeddings"] = scaling["original_max_position_embeddings"]
     if scaling is not None:
         cfg["rope_scaling"] = scaling
     # transformers >= 5 spells rope settings as one dict; give both so either reader works
     cfg["rope_parameters"] = {"rope_theta": theta, **(scaling or {"rope_type": "default"})}
+    if "partial_rotary_factor" in cfg:
+        cfg["rope_parameters"]["partial_rotary_factor"] = cfg["partial_rotary_factor"]
     if f"{arch}.attention.sliding_window" in meta:
         cfg["sliding_window"] = int(get("attention.sliding_window"))
     if experts:
         cfg.update(_moe_config(meta, arch, experts, cfg, tensors))
     return cfg
+
+
+def _longrope(f: GGUFFile, arch: str, rot: int) -> dict[str, Any] | None:
+    """Phi-3's longrope from its factor tensors and original context length (None where the file has none)."""
+    t = f.tensors
+    if "rope_factors_long.weight" not in t:
+        return None
+    orig = f.metadata.get(f"{arch}.rope.scaling.original_context_length")
+    if orig is None:
+        raise ValueError(f"GGUF has rope_factors_long but no {arch}.rope.scaling.original_context_length")
+    factors = {k: _dequantize(f, t[f"rope_factors_{k}.weight"]).tolist() for k in ("long", "short")}
+    if any(len(v) != rot // 2 for v in factors.values()):
+        raise ValueError(f"GGUF rope_factors have {len(factors['long'])} entries; {rot} rotary dims need {rot // 2}")
+    out = {"rope_type": "longrope", "long_factor": factors["long"], "short_factor": factors["short"],
+           "original_max_position_embeddings": int(orig)}
+    attn = f.metadata.get(f"{arch}.rope.scaling.attn_factor")
+    if attn is not None:
+        out["attention_factor"] = _f32(attn)
+    return out
 
 
 def _moe_config(meta: dict[str, Any], arch: str, experts: int, cfg: dict[str, Any],
@@ -343,14 +374,17 @@ def _moe_config(meta: dict[str, Any], arch: str, experts: int, cfg: dict[str, An
     return out
 
 
-def hf_name(gguf_name: str, mixtral: bool = False, expert: int = 0) -> str | None:
+def hf_name(gguf_name: str, mixtral: bool = False, expert: int = 0, phi3: bool = False) -> str | None:
     """The Hugging Face parameter name for a GGUF tensor name (None for a skipped tensor); for a tensor of all of a
-    layer's experts, that of expert `expert`'s matrix. Mixtral's MoE names where mixtral."""
+    layer's experts, that of expert `expert`'s matrix. Mixtral's MoE names where mixtral, Phi-3's fused ones where
+    phi3."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     if gguf_name in _SKIPPED:
         return None
     m = _LAYER_RE.fullmatch(gguf_name)
+    if phi3 and m is not None and m.group(2) in _PHI3_NAMES:
+        return f"model.layers.{m.group(1)}.{_PHI3_NAMES[m.group(2)]}.{m.group(3)}"
     if m is None or (m.group(2) not in _LAYER_NAMES and m.group(2) not in _EXPERT_NAMES):
         raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent we know of")
     layer, kind, suffix = m.groups()
@@ -403,12 +437,13 @@ def read_gguf(path: str) -> GGUFCheckpoint:
     f = open_gguf(path)
     config = _config(f)
     mixtral = config["architectures"] == [_MIXTRAL[1]]
+    phi3 = config["architectures"] == ["Phi3ForCausalLM"]
     for info in f.tensors.values():  # fail at load time, not halfway through iterating
         if info.type_name not in _SUPPORTED_TYPES:
             raise ValueError(
                 f"GGUF tensor {info.name!r} has type {info.type_name}, which tokenmill cannot read; "
                 f"supported: {', '.join(sorted(_SUPPORTED_TYPES))}")
-        hf_name(info.name, mixtral)
+        hf_name(info.name, mixtral, phi3=phi3)
     permuted = f.metadata["general.architecture"] in _PERMUTED_ARCHS
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
 
@@ -420,7 +455,7 @@ def read_gguf(path: str) -> GGUFCheckpoint:
     def tensors(keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
         in_float: list[str] = []
         for info in f.tensors.values():
-            name = hf_name(info.name, mixtral)
+            name = hf_name(info.name, mixtral, phi3=phi3)
             if name is None:
                 continue
             if len(info.shape) == 3:          # every expert of a layer: a matrix each

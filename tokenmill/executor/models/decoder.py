@@ -1,5 +1,6 @@
-"""One decoder for Llama, Mistral, Qwen2 and Qwen3, and their Mixture-of-Experts kin Mixtral, Qwen2-MoE and
-Qwen3-MoE: config switches for bias, qk-norm, sliding window, tying, and which layers' MLP is a set of experts.
+"""One decoder for Llama, Mistral, Qwen2, Qwen3 and Phi-3, and the Mixture-of-Experts kin Mixtral, Qwen2-MoE and
+Qwen3-MoE: config switches for bias, qk-norm, sliding window, tying, partial rotary, and which layers' MLP is a set
+of experts.
 
 Every tensor here is flattened over the batch: [T, ...] with T = all scheduled tokens of all requests.
 q/k/v and gate/up are fused at load time into one matmul each.
@@ -36,6 +37,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
         self.scale = self.head_dim ** -0.5
+        self.rotary_dim = cfg.rotary_dim
 
     def forward(self, x: torch.Tensor, rope: Rope, backend: AttentionBackend,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -125,7 +127,7 @@ class DecoderForCausalLM(nn.Module):
         # computed tables, not weights: built on the CPU even when the model is built on the meta device (math on
         # meta tensors imports torch._dynamo, ~1.7 s of start-up); the model's .to() moves them with the rest
         with torch.device("cpu"):
-            self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+            self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling,
                                           cfg.max_position_embeddings, max_len)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
@@ -193,7 +195,7 @@ class DecoderForCausalLM(nn.Module):
             self._set_quant(modules, params, pname, shards, shard_rows, dtype, device)
         for pname, p in params.items():
             base = pname.split(".")[-2] if "." in pname else pname
-            if base in _NUM_SHARDS:
+            if base in _NUM_SHARDS and pname not in loaded:     # fused here, or already fused in the file (Phi-3)
                 missing = [s for s in range(_NUM_SHARDS[base]) if f"{pname}#{s}" not in loaded]
                 if missing:
                     raise ValueError(f"checkpoint is missing {len(missing)} shard(s) of {pname}")

@@ -121,7 +121,8 @@ class CpuKernelOps(ReferenceOps):
             return None
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if self.dtype not in _LAYER_DTYPES or attn.q_norm is not None or norms[0].eps != norms[1].eps:
+        if self.dtype not in _LAYER_DTYPES or attn.q_norm is not None or norms[0].eps != norms[1].eps \
+                or attn.rotary_dim != attn.head_dim:
             return None
         if any(lin.bias is not None for lin in linears):
             return None
@@ -230,7 +231,7 @@ class CpuKernelOps(ReferenceOps):
         """In place, in the fused qkv rows qk is a view of."""
         T, heads, D = qk.shape
         if not self.float_ops or qk.dtype != torch.float32 or qk.stride(2) != 1 or qk.stride(1) != D \
-                or not cos.is_contiguous() or not sin.is_contiguous():
+                or not cos.is_contiguous() or not sin.is_contiguous() or cos.shape[-1] != D:
             return super().rotary(qk, cos, sin)
         self.kernels.run("rotary", x=qk, cos=cos, sin=sin, rows=T, heads=heads, dim=D, row_stride=qk.stride(0),
                          num_threads=torch.get_num_threads())
