@@ -122,7 +122,8 @@ def test_unimplemented_options_are_named():
     assert ModelConfig.from_hf_dict(_moe_config()).moe_layers == (0, 1)
     with pytest.raises(ValueError, match=r"num_experts_per_tok=5 must be in \[1, num_experts=4\]"):
         ModelConfig.from_hf_dict(_moe_config(num_experts_per_tok=5))
-    with pytest.raises(ValueError, match="hidden_act 'gelu' is not implemented"):
+    with pytest.raises(ValueError, match="hidden activation 'gelu' is not implemented; tokenmill's are silu, "
+                                         "gelu_pytorch_tanh"):
         ModelConfig.from_hf_dict(_moe_config(hidden_act="gelu"))
     with pytest.raises(ValueError, match="unsupported architecture 'DeepseekV3ForCausalLM'; tokenmill supports .*"
                                          "MixtralForCausalLM"):

@@ -10,8 +10,8 @@ VOCAB = 320
 
 
 def _configs() -> dict:
-    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig,
-                              Qwen3Config, Qwen3MoeConfig)
+    from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config,
+                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
     common = dict(vocab_size=VOCAB, max_position_embeddings=512, eos_token_id=None, bos_token_id=None,
                   pad_token_id=None, initializer_range=0.1)
     return {
@@ -51,6 +51,16 @@ def _configs() -> dict:
                                    rope_scaling={"rope_type": "longrope",
                                                  "short_factor": [1.0 + 0.1 * i for i in range(6)],
                                                  "long_factor": [2.0 + 0.5 * i for i in range(6)]}, **common),
+        # Gemma 2: soft-capped scores and logits, every other layer local with a window shorter than the prompts
+        "gemma2": lambda: Gemma2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                                       num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24,
+                                       sliding_window=16, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+                                       **common),
+        # Gemma 3: q/k norms, 5 local layers (base 10000, unscaled) to 1 global (base 1e6, linear x8), head_dim 64
+        "gemma3": lambda: Gemma3TextConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=7,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                           sliding_window=16, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                                           **common),
         # Mixture-of-Experts: top-2 of 4 experts (renormalised); a window shorter than the prompts
         "mixtral": lambda: MixtralConfig(hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                                          num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
@@ -71,8 +81,8 @@ def _configs() -> dict:
     }
 
 
-ARCHS = ["llama", "llama_mqa_tied", "llama_yarn", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe",
-         "qwen3_moe"]
+ARCHS = ["llama", "llama_mqa_tied", "llama_yarn", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral",
+         "qwen2_moe", "qwen3_moe"]
 
 
 def build_tiny(kind: str, path: Path, seed: int = 0):

@@ -9,7 +9,10 @@ from typing import Any, Optional
 import torch
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+                           "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM",
+                           "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 ROPE_TYPES = ("linear", "llama3", "yarn", "longrope")      # besides the default (layers/rotary.py)
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
@@ -38,6 +41,17 @@ class ModelConfig:
     # Mixture-of-Experts: the layers whose MLP is num_experts experts of moe_intermediate_size, of which a router
     # picks num_experts_per_tok per token (their weights renormalised to sum 1 when norm_topk_prob); Qwen2-MoE adds
     # a shared expert of shared_expert_intermediate_size behind a sigmoid gate
+    # Gemma 2/3: norms of (1 + w) before and after attention and the MLP, embeddings times sqrt(hidden), a query
+    # scale of query_pre_attn_scalar ** -0.5, tanh soft-capping of attention scores and of the final logits, and
+    # per-layer sliding windows (layer_windows: each layer's window, None for a global layer); Gemma 3's local
+    # layers turn their rotary embeddings at rope_local_theta, unscaled
+    hidden_act: str = "silu"
+    gemma: bool = False
+    query_pre_attn_scalar: Optional[float] = None
+    attn_logit_softcapping: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
+    layer_windows: tuple[Optional[int], ...] = ()
+    rope_local_theta: Optional[float] = None
     moe_layers: tuple[int, ...] = ()
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -56,6 +70,9 @@ class ModelConfig:
         hidden = cfg["hidden_size"]
         # transformers 5 keeps rope settings in rope_parameters; older configs in rope_theta + rope_scaling
         rope = dict(cfg.get("rope_parameters") or {})
+        gemma = _gemma_fields(arch, cfg, rope)
+        if "full_attention" in rope:             # transformers 5's per-layer-type rope (Gemma 3): the global one here
+            rope = dict(rope["full_attention"])
         theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
         partial = float(rope.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor") or 1.0)
         scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
@@ -93,11 +110,12 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             sliding_window=sliding,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             **moe,
+            **gemma,
         )
 
     @staticmethod
@@ -119,6 +137,33 @@ class ModelConfig:
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "int4", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
+def _gemma_fields(arch: str, cfg: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's Gemma fields (none for another architecture). Which layers slide: transformers 5's
+    layer_types, else Gemma 2's every other layer from the first and Gemma 3's all but every sliding_window_pattern-th."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    if act not in ACTIVATIONS:
+        raise ValueError(f"{arch}: hidden activation {act!r} is not implemented; tokenmill's are {', '.join(ACTIVATIONS)}")
+    if arch not in GEMMA_ARCHITECTURES:
+        return {"hidden_act": act} if act != "silu" else {}
+    layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+        types = ["sliding_attention" if (i % 2 == 0 if arch == "Gemma2ForCausalLM" else (i + 1) % pattern)
+                 else "full_attention" for i in range(layers)]
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ValueError(f"{arch}: layer type(s) {', '.join(unknown)} are not implemented")
+    window = cfg.get("sliding_window")
+    local = rope.get("sliding_attention", {}).get("rope_theta") if "sliding_attention" in rope else \
+        cfg.get("rope_local_base_freq")
+    return dict(hidden_act=act, gemma=True, query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+                attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+                final_logit_softcapping=cfg.get("final_logit_softcapping"),
+                layer_windows=tuple(window if t == "sliding_attention" else None for t in types),
+                rope_local_theta=float(local) if arch == "Gemma3ForCausalLM" and local else None)
+
+
 def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """ModelConfig's Mixture-of-Experts fields from an HF config (none for a dense architecture). Mixtral's every
     layer is sparse and always renormalises; Qwen's layers are sparse every decoder_sparse_step-th layer but for
@@ -129,9 +174,6 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     top_k = cfg.get("num_experts_per_tok") or 0
     if not 1 <= top_k <= experts:
         raise ValueError(f"{arch}: num_experts_per_tok={top_k} must be in [1, num_experts={experts}]")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{arch}: hidden_act {cfg.get('hidden_act')!r} is not implemented; tokenmill's experts "
-                         f"use silu")
     layers = cfg["num_hidden_layers"]
     if arch == "MixtralForCausalLM":
         return dict(moe_layers=tuple(range(layers)), num_experts=experts, num_experts_per_tok=top_k,

@@ -121,10 +121,7 @@ def load_model(path: str, mc: ModelConfig, dtype: torch.dtype, device: torch.dev
     ops = make_ops(device, dtype, cpu_kernels, int8_activations)     # the execution plan: what serves each op, chosen once
     with torch.device("meta"):
         model = DecoderForCausalLM(mc, max_len, ops)
-    # rotary tables stay float32 (transformers computes them in float32 too)
-    from tokenmill.executor.layers.rotary import RotaryEmbedding
-    model.rotary = RotaryEmbedding(mc.rotary_dim, mc.rope_theta, mc.rope_scaling, mc.max_position_embeddings,
-                                   max_len).to(device)
+    model.make_rotary(max_len, device)
     # quantised matrices stay in their blocks on CPU; quantized_kernels=False (or a GPU) dequantises them
     keep_blocks = quantized_kernels and device.type == "cpu"
     model.load_weights(ckpt.tensors(keep_blocks=keep_blocks), dtype, device)

@@ -17,11 +17,14 @@ log = logging.getLogger("tokenmill")
 
 
 def get_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int,
-                kernels: Optional[KernelLibrary]) -> AttentionBackend:
-    """'auto': the CPU kernels on CPU where they take the model's shapes (else torch, said once), batched SDPA
-    elsewhere; 'cpu', 'batched' or 'torch' by name. kernels: the CPU kernel library, None without one."""
+                kernels: Optional[KernelLibrary], softcap: Optional[float] = None,
+                layer_windows: bool = False) -> AttentionBackend:
+    """'auto': the CPU kernels on CPU where they take the model's shapes and attention (else torch, said once),
+    batched SDPA elsewhere; 'cpu', 'batched' or 'torch' by name. kernels: the CPU kernel library, None without one.
+    softcap: the model's attention logit soft cap; layer_windows: whether its layers have sliding windows of their
+    own (Gemma)."""
     why_not = "the CPU kernels are off (reference)" if kernels is None else \
-        kernel_fits(kernels, num_heads, num_kv_heads, head_dim)
+        kernel_fits(kernels, num_heads, num_kv_heads, head_dim, softcap, layer_windows)
     if name == "auto":
         if device.type == "cpu" and why_not is None:
             return CpuKernelBackend(kernels)

@@ -60,11 +60,11 @@ def _context_slots(meta: AttentionMetadata, i: int, start: int) -> torch.Tensor:
     return table[pos // bs] * bs + pos % bs
 
 
-def _window_start(meta: AttentionMetadata, i: int) -> int:
+def _window_start(meta: AttentionMetadata, i: int, window: Optional[int]) -> int:
     """The first position any query of request i may attend (0 without a sliding window)."""
-    if meta.sliding_window is None:
+    if window is None:
         return 0
-    return max(0, meta.num_computed[i] - meta.sliding_window + 1)
+    return max(0, meta.num_computed[i] - window + 1)
 
 
 def _mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int]) -> torch.Tensor:
@@ -74,6 +74,24 @@ def _mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int]) -> to
     if window is not None:
         ok &= diff < window
     return ok
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
+               softcap: Optional[float], is_causal: bool = False) -> torch.Tensor:
+    """SDPA over [..., heads, len, D] (k, v with fewer heads: GQA). With a soft cap (Gemma 2), scores become
+    tanh(s / cap) * cap before the mask and softmax, which SDPA cannot do: the plain math then, as transformers'
+    eager attention does it."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=True)
+    rep = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    s = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap
+    if is_causal:
+        mask = torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=s.device).tril()
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return s.softmax(dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
 class AttentionBackend:
@@ -103,27 +121,28 @@ class AttentionBackend:
         return meta
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KV, D], written into the layer's cache first. Returns [T, H, D]."""
+                scale: float, window: Optional[int] = None, softcap: Optional[float] = None) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KV, D], written into the layer's cache first. Returns [T, H, D]. window: this
+        layer's sliding window (Gemma's local layers; else the model's, meta.sliding_window); softcap: tanh
+        soft-capping of the scores (Gemma 2)."""
         cache = self.kv_caches[layer]
         cache.write(meta.slot_mapping, k, v)     # kv_cache_dtype may differ from the model's
-        return self._attend(q, k, v, cache, meta, scale)
+        return self._attend(q, k, v, cache, meta, scale, window or meta.sliding_window, softcap)
 
-    def _attend(self, q, k, v, cache: LayerKV, meta, scale) -> torch.Tensor:
+    def _attend(self, q, k, v, cache: LayerKV, meta, scale, window, softcap) -> torch.Tensor:
         raise NotImplementedError
 
-    def _one_request(self, q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, i: int,
-                     scale: float) -> torch.Tensor:
+    def _one_request(self, q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, i: int, scale: float,
+                     window: Optional[int], softcap: Optional[float]) -> torch.Tensor:
         """Attention of request i's query rows q [Q, H, D] over its cached context. Returns [Q, H, D]."""
-        start = _window_start(meta, i)
+        start = _window_start(meta, i, window)
         slots = _context_slots(meta, i, start).to(cache.k.device)
         keys, vals = cache.read(slots, q.dtype)     # [K, KV, D]
         q_pos = torch.arange(meta.num_computed[i], meta.seq_lens[i])
         k_pos = torch.arange(start, meta.seq_lens[i])
-        mask = _mask(q_pos, k_pos, meta.sliding_window).to(q.device)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),  # [heads, len, D]
-            attn_mask=mask, scale=scale, enable_gqa=True)
+        mask = _mask(q_pos, k_pos, window).to(q.device)
+        out = _attention(q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),  # [heads, len, D]
+                         mask, scale, softcap)
         return out.transpose(0, 1)
 
 
@@ -131,11 +150,11 @@ class TorchReferenceBackend(AttentionBackend):
     """The oracle: one masked SDPA per request, over keys read back from the paged cache."""
     name = "torch"
 
-    def _attend(self, q, k, v, cache, meta, scale):
+    def _attend(self, q, k, v, cache, meta, scale, window, softcap):
         out = torch.empty_like(q)
         for i in range(meta.num_reqs):
             a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            out[a:b] = self._one_request(q[a:b], cache, meta, i, scale)
+            out[a:b] = self._one_request(q[a:b], cache, meta, i, scale, window, softcap)
         return out
 
 
@@ -145,6 +164,9 @@ class BatchedMetadata(AttentionMetadata):
     decode_rows: Optional[torch.Tensor] = None    # [Bd] row index of each decoding request's token
     decode_slots: Optional[torch.Tensor] = None   # [Bd, L] context slots, padded
     decode_mask: Optional[torch.Tensor] = None    # [Bd, 1, 1, L] True where attended
+    decode_pos: Optional[torch.Tensor] = None     # [Bd, 1, 1, L] each slot's position; query's is seq_len - 1
+    decode_qpos: Optional[torch.Tensor] = None    # [Bd, 1, 1, 1]
+    window_masks: dict = field(default_factory=dict)   # a layer window -> its decode mask, made on first use
 
 
 class BatchedBackend(AttentionBackend):
@@ -157,7 +179,7 @@ class BatchedBackend(AttentionBackend):
         if not decode:
             return out
         qsl = meta.query_start_loc
-        starts = [_window_start(meta, i) for i in decode]
+        starts = [_window_start(meta, i, meta.sliding_window) for i in decode]
         lens = [meta.seq_lens[i] - s for i, s in zip(decode, starts)]
         width = max(lens)
         bs = meta.block_size
@@ -174,31 +196,39 @@ class BatchedBackend(AttentionBackend):
         out.decode_rows = torch.tensor([qsl[i] for i in decode], device=meta.device)
         out.decode_slots = slots.to(meta.device)
         out.decode_mask = valid[:, None, None, :].to(meta.device)
+        out.decode_pos = pos[:, None, None, :].to(meta.device)
+        out.decode_qpos = (torch.tensor([meta.seq_lens[i] for i in decode]) - 1)[:, None, None, None].to(meta.device)
         return out
 
-    def _attend(self, q, k, v, cache, meta, scale):
+    def _attend(self, q, k, v, cache, meta, scale, window, softcap):
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
             rows = meta.decode_rows
             keys, vals = cache.read(meta.decode_slots, q.dtype)
             keys, vals = keys.transpose(1, 2), vals.transpose(1, 2)          # [Bd, KV, L, D]
             qd = q[rows][:, :, None, :]                                 # [Bd, H, 1, D]
-            o = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=meta.decode_mask, scale=scale,
-                                               enable_gqa=True)
+            o = _attention(qd, keys, vals, self._decode_mask(meta, window), scale, softcap)
             out[rows] = o[:, :, 0, :]
-        self._prefill(q, k, v, cache, meta, scale, out)
+        self._prefill(q, k, v, cache, meta, scale, window, softcap, out)
         return out
 
-    def _prefill(self, q, k, v, cache, meta, scale, out) -> None:
+    @staticmethod
+    def _decode_mask(meta: BatchedMetadata, window: Optional[int]) -> torch.Tensor:
+        """The decode mask, narrowed to a layer's own window where it has one (the slots cover the model's)."""
+        if window is None or window == meta.sliding_window:
+            return meta.decode_mask
+        if window not in meta.window_masks:
+            meta.window_masks[window] = meta.decode_mask & (meta.decode_qpos - meta.decode_pos < window)
+        return meta.window_masks[window]
+
+    def _prefill(self, q, k, v, cache, meta, scale, window, softcap, out) -> None:
         for i in meta.prefill_reqs or ():
             a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            fresh = meta.num_computed[i] == 0 and (meta.sliding_window is None or b - a <= meta.sliding_window) \
-                and cache.dtype == k.dtype
+            fresh = meta.num_computed[i] == 0 and (window is None or b - a <= window) and cache.dtype == k.dtype
             if fresh:  # the whole context is this step's tokens: no need to read the cache back (unless the cache
                 # rounds them: then every query sees the K/V that later decode steps will see)
-                o = F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
-                                                   v[a:b].transpose(0, 1), is_causal=True, scale=scale,
-                                                   enable_gqa=True)
+                o = _attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), None, scale,
+                               softcap, is_causal=True)
                 out[a:b] = o.transpose(0, 1)
             else:
-                out[a:b] = self._one_request(q[a:b], cache, meta, i, scale)
+                out[a:b] = self._one_request(q[a:b], cache, meta, i, scale, window, softcap)

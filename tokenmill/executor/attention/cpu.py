@@ -23,8 +23,14 @@ _KV_FORMATS = {"float32": "TM_KV_F32", "bfloat16": "TM_KV_BF16", "int8": "TM_KV_
                "fp8_e4m3": "TM_KV_FP8_E4M3", "fp8_e5m2": "TM_KV_FP8_E5M2"}
 
 
-def kernel_fits(kernels: KernelLibrary, num_heads: int, num_kv_heads: int, head_dim: int) -> Optional[str]:
-    """None when the attention kernels take these shapes (tokenmill.h's TM_ATTN_ limits), else why not."""
+def kernel_fits(kernels: KernelLibrary, num_heads: int, num_kv_heads: int, head_dim: int,
+                softcap: Optional[float] = None, layer_windows: bool = False) -> Optional[str]:
+    """None when the attention kernels take these shapes (tokenmill.h's TM_ATTN_ limits) and this attention, else
+    why not. They take one sliding window for every layer, and no soft-capping of the scores."""
+    if softcap is not None:
+        return "attention logit soft-capping"
+    if layer_windows:
+        return "sliding windows that differ between layers"
     lim = kernels.limits
     if num_heads % num_kv_heads or num_heads // num_kv_heads > lim["TM_ATTN_MAX_GROUP"]:
         return f"{num_heads // num_kv_heads} query heads per kv head (at most {lim['TM_ATTN_MAX_GROUP']})"
@@ -87,7 +93,7 @@ class CpuKernelBackend(AttentionBackend):
         threads = torch.get_num_threads()
         if decode:
             tables = _int32_tables([meta.block_tables[i] for i in decode])
-            starts = torch.tensor([_window_start(meta, i) for i in decode], dtype=torch.int32)
+            starts = torch.tensor([_window_start(meta, i, meta.sliding_window) for i in decode], dtype=torch.int32)
             lens = torch.tensor([meta.seq_lens[i] for i in decode], dtype=torch.int32)
             slots = meta.slot_mapping if out.all_decode and meta.slot_mapping.dtype == torch.int64 else None
             if prefill:           # a mixed step gathers and scatters the decoding rows; a pure one needs none
@@ -120,7 +126,10 @@ class CpuKernelBackend(AttentionBackend):
         return shared if shared >= self.min_shared_len else 0
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: CpuAttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, window: Optional[int] = None, softcap: Optional[float] = None) -> torch.Tensor:
+        if softcap is not None or window not in (None, meta.sliding_window):
+            raise ValueError("the CPU attention kernels take neither soft-capping nor a layer's own window "
+                             "(kernel_fits refuses such models)")
         self._write(layer, k, v, meta)
         if meta.all_decode:       # a pure decode step: no row gather or scatter around the kernel
             return self._decode(layer, q, meta, scale)

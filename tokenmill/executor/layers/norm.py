@@ -5,11 +5,18 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, ops):
+    def __init__(self, dim: int, eps: float, ops, offset: float = 0.0):
+        """offset: Gemma's norms scale by (offset + w), the checkpoint's w; folded into the weight by finalize()."""
         super().__init__()
         self.ops = ops
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.offset = offset
+
+    def finalize(self) -> None:
+        if self.offset:
+            self.weight.data = (self.offset + self.weight.data.float()).to(self.weight.dtype)
+            self.offset = 0.0
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         """Without residual: the normalised x. With residual (vLLM's fused form): adds x into residual in place

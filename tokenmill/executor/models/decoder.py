@@ -34,10 +34,16 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, ops)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, False, ops)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops) if cfg.qk_norm else None
-        self.scale = self.head_dim ** -0.5
+        offset = 1.0 if cfg.gemma else 0.0
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops, offset) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops, offset) if cfg.qk_norm else None
+        self.scale = (cfg.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.rotary_dim = cfg.rotary_dim
+        # Gemma: this layer's sliding window (None: global or the model's), its scores' soft cap, and whether it
+        # turns its rotary embeddings at the local base (the model's second table)
+        self.window = cfg.layer_windows[layer_idx] if cfg.layer_windows else None
+        self.softcap = cfg.attn_logit_softcapping
+        self.local_rope = self.window is not None and cfg.rope_local_theta is not None
 
     def forward(self, x: torch.Tensor, rope: Rope, backend: AttentionBackend,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -49,7 +55,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])], dim=1)
         qk = self.ops.rotary(qk, *rope)
-        o = backend.forward(self.layer_idx, qk[:, :H], qk[:, H:], v, meta, self.scale)   # [T, H, D]
+        o = backend.forward(self.layer_idx, qk[:, :H], qk[:, H:], v, meta, self.scale, self.window,
+                            self.softcap)                                                   # [T, H, D]
         return self.o_proj(o.reshape(T, self.q_size))
 
 
@@ -60,18 +67,24 @@ class MLP(nn.Module):
         self.inter = inter or cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, False, ops)
         self.down_proj = Linear(self.inter, cfg.hidden_size, False, ops)
+        self.act = ops.gelu_tanh_mul if cfg.hidden_act == "gelu_pytorch_tanh" else ops.silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, ops: ReferenceOps):
         super().__init__()
         self.layer_idx = layer_idx
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.gemma = cfg.gemma
+        offset = 1.0 if cfg.gemma else 0.0
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, offset)
         self.self_attn = Attention(cfg, layer_idx, ops)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, offset)
+        if cfg.gemma:    # Gemma's sandwich: a norm after attention, and one before and one after the MLP
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, offset)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, offset)
         if layer_idx in cfg.moe_layers:
             self.mlp = SparseMoeBlock(cfg, ops, lambda inter: MLP(cfg, ops, inter))
         else:
@@ -86,6 +99,9 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, rope, backend, meta)
+        if self.gemma:
+            h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
+            return self.post_feedforward_layernorm(self.mlp(h)), residual
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -121,28 +137,43 @@ class DecoderForCausalLM(nn.Module):
         self.config, self.ops = cfg, ops
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, ops)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, 1.0 if cfg.gemma else 0.0)
         # a tied head is made by finalize(), from the loaded embeddings
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, ops)
         # computed tables, not weights: built on the CPU even when the model is built on the meta device (math on
         # meta tensors imports torch._dynamo, ~1.7 s of start-up); the model's .to() moves them with the rest
         with torch.device("cpu"):
-            self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling,
-                                          cfg.max_position_embeddings, max_len)
+            self.make_rotary(max_len, torch.device("cpu"))
+
+    def make_rotary(self, max_len: int, device: torch.device) -> None:
+        """The rotary tables (float32, as transformers computes them): the model's, and Gemma 3's local layers'."""
+        cfg = self.config
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings,
+                                      max_len).to(device)
+        self.rotary_local = None if cfg.rope_local_theta is None else RotaryEmbedding(
+            cfg.rotary_dim, cfg.rope_local_theta, None, cfg.max_position_embeddings, max_len).to(device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T]. Returns hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
+        if self.config.gemma:       # transformers multiplies by sqrt(hidden) rounded to the activations' dtype
+            x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
         rope = self.rotary.tables(positions, x.dtype)
+        ropes = (rope, self.rotary_local.tables(positions, x.dtype) if self.rotary_local is not None else rope)
         residual = None
         for layer in self.layers:
-            x, residual = self.ops.decoder_layer(layer, x, residual, rope, backend, meta)
+            x, residual = self.ops.decoder_layer(layer, x, residual, ropes[layer.self_attn.local_rope], backend,
+                                                 meta)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [S, hidden] (only the rows that sample). Returns float32 logits [S, vocab]."""
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:          # Gemma 2: tanh soft-capping, in the model's dtype as transformers does it
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def finalize(self) -> None:
         """After loading: lay weights out for the device's fast paths (see Linear.finalize); a tied head gets its
@@ -150,7 +181,7 @@ class DecoderForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head = Linear.tied(self.embed_tokens, self.ops)
         for m in self.modules():
-            if isinstance(m, Linear):
+            if isinstance(m, (Linear, RMSNorm)):
                 m.finalize()
 
     # ---- loading -------------------------------------------------------------------------------------------

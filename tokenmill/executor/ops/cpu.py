@@ -117,7 +117,7 @@ class CpuKernelOps(ReferenceOps):
         no q/k norm, a float32 or bfloat16 model), its four tm_matrix and float32 norm weights (kept alive with
         it) and the most rows of x it takes; else None."""
         attn, mlp = layer.self_attn, layer.mlp
-        if not hasattr(mlp, "gate_up_proj"):          # a Mixture-of-Experts layer
+        if not hasattr(mlp, "gate_up_proj") or layer.gemma:     # a Mixture-of-Experts or a Gemma layer
             return None
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
@@ -303,7 +303,7 @@ class CpuKernelOps(ReferenceOps):
                 "decoder_layer": f"{k}, one call a layer, for dense layers whose four matrices are GGUF blocks (no "
                                  f"biases, no q/k norm) under the cpu attention backend; torch otherwise"
                                  if self.dtype in _LAYER_DTYPES else "torch",
-                "fused_moe": "torch, grouped by expert",
+                "fused_moe": "torch, grouped by expert", "gelu_tanh_mul": "torch",
                 "attention": f"{k}, paged, for head_dim a multiple of {lim['TM_ATTN_HEAD_DIM_MULTIPLE']} up to "
                              f"{lim['TM_ATTN_MAX_HEAD_DIM']} and up to {lim['TM_ATTN_MAX_GROUP']} query heads per "
                              f"kv head; torch otherwise"}

@@ -91,6 +91,11 @@ class ReferenceOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu(gate, tanh approximation) * up for gate_up [T, 2 * inter], gate first (Gemma's GeGLU)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         return x.argmax(dim=-1)
 
@@ -122,5 +127,6 @@ class ReferenceOps:
 
     def describe(self) -> dict[str, str]:
         """op -> what serves it, for `tokenmill info` and the server's start log."""
-        ops = ("linear", "embedding", "rms_norm", "rotary", "silu_mul", "argmax", "decoder_layer", "fused_moe")
+        ops = ("linear", "embedding", "rms_norm", "rotary", "silu_mul", "argmax", "decoder_layer", "fused_moe",
+               "gelu_tanh_mul")
         return {**{op: "torch" for op in ops}, "attention": "torch (batched SDPA)"}
