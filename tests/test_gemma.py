@@ -1,7 +1,7 @@
 """Gemma 2 and Gemma 3 (text): greedy tokens equal transformers' for prompts longer than the local layers' window,
-under chunked prefill, prefix hits and preemption, through every attention backend the engine may pick; the
-kernels' attention refuses what it cannot do (soft-capping, per-layer windows) and the engine says so by falling
-back. (The mixed-length batch with logprobs is test_models.py's.)"""
+under chunked prefill, prefix hits and preemption, through every attention backend the engine may pick, and from
+GGUF files in llama.cpp's names; the kernels' attention refuses what it cannot do (soft-capping, per-layer windows)
+and the engine says so by falling back. (The mixed-length batch with logprobs is test_models.py's.)"""
 from __future__ import annotations
 
 import pytest
@@ -84,3 +84,104 @@ def test_unknown_layer_type_is_named(gemma):
     cfg["layer_types"] = ["chunked_attention"] * cfg["num_hidden_layers"]
     with pytest.raises(ValueError, match="layer type\\(s\\) chunked_attention are not implemented"):
         ModelConfig.from_hf_dict(cfg)
+
+
+# ---- GGUF ----------------------------------------------------------------------------------------------------------
+def write_gemma_gguf(hf_path: str, out, qtype=None) -> None:
+    """As llama.cpp's converter writes Gemma 2/3: norms stored as 1 + w, ffn_norm the norm before the MLP,
+    post_attention_norm and post_ffw_norm after attention and the MLP; the soft caps, window and window pattern in
+    the metadata. Matrices in qtype (else F32)."""
+    import json
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+    cfg = json.loads(open(f"{hf_path}/config.json").read())
+    sd = load_file(f"{hf_path}/model.safetensors")
+    arch = "gemma2" if cfg["model_type"] == "gemma2" else "gemma3"
+    rope = cfg["rope_parameters"]
+    rope = rope.get("full_attention", rope)
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    w.add_sliding_window(cfg["sliding_window"])
+    w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+    if cfg.get("attn_logit_softcapping"):
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+    if cfg.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+
+    def put(name, x, q=None):
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        if name.endswith("norm.weight"):
+            x = x + np.float32(1.0)
+        w.add_tensor(name, x if q is None else gguf.quants.quantize(x, q), raw_dtype=q)
+
+    put("token_embd.weight", sd["model.embed_tokens.weight"])
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+    mats = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+            "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+            "mlp.down_proj": "ffn_down"}
+    for i in range(cfg["num_hidden_layers"]):
+        h = f"model.layers.{i}."
+        for hf, g in names.items():
+            if h + hf + ".weight" in sd:
+                put(f"blk.{i}.{g}.weight", sd[h + hf + ".weight"])
+        for hf, g in mats.items():
+            put(f"blk.{i}.{g}.weight", sd[h + hf + ".weight"], qtype)
+    put("output_norm.weight", sd["model.norm.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _as_released(kind: str, path) -> tuple[str, object]:
+    """The tiny model with query_pre_attn_scalar = head_dim, as every released Gemma but the 27Bs has it: a GGUF
+    does not carry the scalar, and llama.cpp derives it so."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from tests.tiny_models import _configs
+    torch.manual_seed(0)
+    cfg = _configs()[kind]()
+    cfg.query_pre_attn_scalar = cfg.head_dim
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    hf.save_pretrained(path)
+    return str(path), hf
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_gguf_gives_transformers_tokens(kind, tmp_path):
+    path, hf = _as_released(kind, tmp_path / "hf")
+    write_gemma_gguf(path, tmp_path / "g.gguf")
+    llm = LLM(str(tmp_path / "g.gguf"), **ENGINE, tokenizer=None)
+    mc, want = llm.llm_engine.model_config, ModelConfig.from_path(path)
+    for field in ("layer_windows", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                  "rope_local_theta", "rope_scaling", "hidden_act", "gemma"):
+        assert getattr(mc, field) == getattr(want, field), field
+    prompts = random_prompts([60, 10, 33], seed=2)
+    for p, got in zip(prompts, greedy(llm, prompts, 20)):
+        assert got == hf_greedy(hf, p, 20)
+
+
+def test_gguf_quantised_stays_in_blocks(gemma, tmp_path):
+    import gguf
+    path, _ = gemma
+    write_gemma_gguf(path, tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)
+    blocks = LLM(str(tmp_path / "q8.gguf"), **ENGINE, tokenizer=None)
+    assert blocks.llm_engine.model.layers[0].mlp.gate_up_proj.quant is not None
+    plain = LLM(str(tmp_path / "q8.gguf"), **ENGINE, tokenizer=None, quantized_kernels=False)
+    prompts = random_prompts([9, 33, 4], seed=9)
+    assert greedy(blocks, prompts, 16) == greedy(plain, prompts, 16)

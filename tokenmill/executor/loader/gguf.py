@@ -33,6 +33,8 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
@@ -75,6 +77,10 @@ _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_do
 _MIXTRAL_NAMES = {"mlp.gate": "block_sparse_moe.gate", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
+# Gemma's four norms a layer: llama.cpp's ffn_norm is the one before the MLP, as in Llama, but Gemma has a norm after
+# attention too, which takes Llama's HF name
+_GEMMA_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
 # Phi-3 keeps q/k/v and gate/up fused, as the HF checkpoint does
 _PHI3_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # Tensors in the file that are not model parameters in HF form. rope_freqs holds Llama 3's rope scaling factors and
@@ -333,7 +339,36 @@ def _config(f: GGUFFile) -> dict[str, Any]:
         cfg["sliding_window"] = int(get("attention.sliding_window"))
     if experts:
         cfg.update(_moe_config(meta, arch, experts, cfg, tensors))
+    if arch in ("gemma2", "gemma3"):
+        cfg.update(_gemma_config(meta, arch, cfg))
     return cfg
+
+
+def _gemma_config(meta: dict[str, Any], arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma's HF keys. The file keeps no query_pre_attn_scalar: llama.cpp takes hidden / heads for the 27B models
+    (46 and 62 layers) and head_dim otherwise, as those checkpoints set it; the local layers' rope base is 10000."""
+    layers, heads, hidden = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["hidden_size"]
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
+    if isinstance(pattern, list):
+        sliding = [bool(x) for x in pattern]
+    elif arch == "gemma2":
+        sliding = [i % 2 == 0 for i in range(layers)]
+    else:
+        sliding = [(i + 1) % int(pattern) != 0 for i in range(layers)]
+    big = layers == (46 if arch == "gemma2" else 62)
+    out: dict[str, Any] = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": hidden // heads if big else cfg["head_dim"],
+        "sliding_window": cfg.get("sliding_window"),
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+        "attn_logit_softcapping": _f32(meta[f"{arch}.attn_logit_softcapping"])
+        if f"{arch}.attn_logit_softcapping" in meta else None,
+        "final_logit_softcapping": _f32(meta[f"{arch}.final_logit_softcapping"])
+        if f"{arch}.final_logit_softcapping" in meta else None,
+    }
+    if arch == "gemma3":
+        out["rope_local_base_freq"] = 10000.0
+    return out
 
 
 def _longrope(f: GGUFFile, arch: str, rot: int) -> dict[str, Any] | None:
@@ -374,10 +409,11 @@ def _moe_config(meta: dict[str, Any], arch: str, experts: int, cfg: dict[str, An
     return out
 
 
-def hf_name(gguf_name: str, mixtral: bool = False, expert: int = 0, phi3: bool = False) -> str | None:
+def hf_name(gguf_name: str, mixtral: bool = False, expert: int = 0, phi3: bool = False,
+            gemma: bool = False) -> str | None:
     """The Hugging Face parameter name for a GGUF tensor name (None for a skipped tensor); for a tensor of all of a
     layer's experts, that of expert `expert`'s matrix. Mixtral's MoE names where mixtral, Phi-3's fused ones where
-    phi3."""
+    phi3, Gemma's norms where gemma."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     if gguf_name in _SKIPPED:
@@ -385,6 +421,8 @@ def hf_name(gguf_name: str, mixtral: bool = False, expert: int = 0, phi3: bool =
     m = _LAYER_RE.fullmatch(gguf_name)
     if phi3 and m is not None and m.group(2) in _PHI3_NAMES:
         return f"model.layers.{m.group(1)}.{_PHI3_NAMES[m.group(2)]}.{m.group(3)}"
+    if gemma and m is not None and m.group(2) in _GEMMA_NAMES:
+        return f"model.layers.{m.group(1)}.{_GEMMA_NAMES[m.group(2)]}.{m.group(3)}"
     if m is None or (m.group(2) not in _LAYER_NAMES and m.group(2) not in _EXPERT_NAMES):
         raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent we know of")
     layer, kind, suffix = m.groups()
@@ -438,12 +476,13 @@ def read_gguf(path: str) -> GGUFCheckpoint:
     config = _config(f)
     mixtral = config["architectures"] == [_MIXTRAL[1]]
     phi3 = config["architectures"] == ["Phi3ForCausalLM"]
+    gemma = config["architectures"][0] in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
     for info in f.tensors.values():  # fail at load time, not halfway through iterating
         if info.type_name not in _SUPPORTED_TYPES:
             raise ValueError(
                 f"GGUF tensor {info.name!r} has type {info.type_name}, which tokenmill cannot read; "
                 f"supported: {', '.join(sorted(_SUPPORTED_TYPES))}")
-        hf_name(info.name, mixtral, phi3=phi3)
+        hf_name(info.name, mixtral, phi3=phi3, gemma=gemma)
     permuted = f.metadata["general.architecture"] in _PERMUTED_ARCHS
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
 
@@ -455,7 +494,7 @@ def read_gguf(path: str) -> GGUFCheckpoint:
     def tensors(keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
         in_float: list[str] = []
         for info in f.tensors.values():
-            name = hf_name(info.name, mixtral, phi3=phi3)
+            name = hf_name(info.name, mixtral, phi3=phi3, gemma=gemma)
             if name is None:
                 continue
             if len(info.shape) == 3:          # every expert of a layer: a matrix each
@@ -474,6 +513,8 @@ def read_gguf(path: str) -> GGUFCheckpoint:
                 w = unpermute_qk(w, n)
             if name.endswith("shared_expert_gate.weight"):   # llama.cpp keeps the [1, hidden] gate as [hidden]
                 w = w.reshape(1, -1)
+            if gemma and name.endswith("norm.weight"):       # llama.cpp stores Gemma's norms as 1 + w
+                w = w - 1
             yield name, w
         if in_float:
             log.warning("kept in float32: %s", "; ".join(in_float))
