@@ -78,12 +78,16 @@ def test_kernel_attention_is_refused(gemma):
         LLM(path, **ENGINE, attention_backend="cpu")
 
 
-def test_unknown_layer_type_is_named(gemma):
+def test_config_options_outside_the_implementation_are_named(gemma):
     import json
     cfg = json.loads(open(f"{gemma[0]}/config.json").read())
-    cfg["layer_types"] = ["chunked_attention"] * cfg["num_hidden_layers"]
+    bad = {**cfg, "layer_types": ["chunked_attention"] * cfg["num_hidden_layers"]}
     with pytest.raises(ValueError, match="layer type\\(s\\) chunked_attention are not implemented"):
-        ModelConfig.from_hf_dict(cfg)
+        ModelConfig.from_hf_dict(bad)
+    with pytest.raises(ValueError, match="use_bidirectional_attention is not implemented"):
+        ModelConfig.from_hf_dict({**cfg, "use_bidirectional_attention": True})
+    # transformers 4 leaves a default tie out of config.json: Gemma's default is tied
+    assert ModelConfig.from_hf_dict({k: v for k, v in cfg.items() if k != "tie_word_embeddings"}).tie_word_embeddings
 
 
 # ---- GGUF ----------------------------------------------------------------------------------------------------------

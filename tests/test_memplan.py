@@ -28,8 +28,8 @@ def _split(model: torch.nn.Module) -> tuple[int, int]:
 
 # ---------------------------------------------------------------- parameters and weight bytes
 
-@pytest.mark.parametrize("kind", ["llama", "llama_mqa_tied", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe",
-                                  "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["llama", "llama_mqa_tied", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3",
+                                  "mixtral", "qwen2_moe", "qwen3_moe"])
 def test_param_count_matches_transformers(tmp_path, kind):
     path, model = build_tiny(kind, tmp_path / kind)
     cfg, _ = kvcalc.load_config(path)  # what a user passes: the saved config.json
@@ -37,7 +37,7 @@ def test_param_count_matches_transformers(tmp_path, kind):
     matrices, vectors = _split(model)
     assert p.total == sum(x.numel() for x in model.parameters())
     assert (p.matrices, p.vectors) == (matrices, vectors)
-    assert (p.lm_head == 0) == (kind == "llama_mqa_tied")
+    assert (p.lm_head == 0) == bool(model.config.tie_word_embeddings)
 
 
 def test_param_count_with_biases(tmp_path):

@@ -122,12 +122,24 @@ def test_unimplemented_options_are_named():
     assert ModelConfig.from_hf_dict(_moe_config()).moe_layers == (0, 1)
     with pytest.raises(ValueError, match=r"num_experts_per_tok=5 must be in \[1, num_experts=4\]"):
         ModelConfig.from_hf_dict(_moe_config(num_experts_per_tok=5))
-    with pytest.raises(ValueError, match="hidden activation 'gelu' is not implemented; tokenmill's are silu, "
-                                         "gelu_pytorch_tanh"):
+    with pytest.raises(ValueError, match="hidden activation 'gelu' is not implemented; tokenmill's are silu"):
         ModelConfig.from_hf_dict(_moe_config(hidden_act="gelu"))
     with pytest.raises(ValueError, match="unsupported architecture 'DeepseekV3ForCausalLM'; tokenmill supports .*"
                                          "MixtralForCausalLM"):
         ModelConfig.from_hf_dict(_moe_config(architectures=["DeepseekV3ForCausalLM"]))
+    # a window on some layers only (Qwen's max_window_layers) would be served wrong on all: refused
+    with pytest.raises(ValueError, match="sliding windows on some layers only"):
+        ModelConfig.from_hf_dict(_moe_config(use_sliding_window=True, sliding_window=64,
+                                             layer_types=["full_attention", "sliding_attention"]))
+
+
+def test_quantising_at_load_keeps_the_router_float(moe):
+    """quantization= rounds the experts' matrices, never the router's (rounding it changes which experts run)."""
+    path, _ = moe
+    model = LLM(path, **ENGINE, quantization="int8").llm_engine.model
+    sparse = [layer.mlp for layer in model.layers if hasattr(layer.mlp, "experts")]
+    assert all(m.gate.quant is None and m.experts[0].gate_up_proj.quant is not None for m in sparse)
+    assert all(m.shared_expert_gate is None or m.shared_expert_gate.quant is None for m in sparse)
 
 
 def test_a_missing_expert_is_named(moe, tmp_path):

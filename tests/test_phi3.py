@@ -101,6 +101,9 @@ def test_unimplemented_rope_is_named(phi3):
     with pytest.raises(ValueError, match="rope type 'su' is not implemented; tokenmill's are linear, llama3, yarn, "
                                          "longrope"):
         ModelConfig.from_hf_dict(bad)
+    with pytest.raises(ValueError, match="longrope needs short_factor in the config"):
+        ModelConfig.from_hf_dict({**cfg, "rope_parameters": {k: v for k, v in cfg["rope_parameters"].items()
+                                                             if k != "short_factor"}})
     short = {**cfg, "rope_parameters": {**cfg["rope_parameters"], "short_factor": [1.0] * 5}}
     with pytest.raises(ValueError, match="longrope factors have 5 entries; the rotary dims need 6"):
         LLM(_saved(phi3[0], short), **ENGINE)

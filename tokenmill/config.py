@@ -84,6 +84,10 @@ class ModelConfig:
                 scaling = None
         if scaling is not None and scaling["rope_type"] == "longrope":     # Phi-3 keeps this beside rope_scaling
             scaling.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+            missing = [k for k in ("original_max_position_embeddings", "long_factor", "short_factor")
+                       if scaling.get(k) is None]
+            if missing:
+                raise ValueError(f"longrope needs {', '.join(missing)} in the config")
         if scaling is not None and scaling["rope_type"] not in ROPE_TYPES:
             raise ValueError(f"rope type {scaling['rope_type']!r} is not implemented; tokenmill's are "
                              f"{', '.join(ROPE_TYPES)}")
@@ -93,6 +97,11 @@ class ModelConfig:
                                                         "Phi3ForCausalLM") else None
         if arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM") and cfg.get("use_sliding_window"):
             sliding = cfg.get("sliding_window")
+        types = cfg.get("layer_types")
+        if sliding is not None and types is not None and "full_attention" in types and arch not in GEMMA_ARCHITECTURES:
+            # transformers slides only some of these layers (Qwen's max_window_layers): one window for all is wrong
+            raise ValueError(f"{arch}: sliding windows on some layers only (layer_types) are implemented for Gemma, "
+                             f"not here; set use_sliding_window false or use a config without mixed layer_types")
         moe = _moe_fields(arch, cfg)
         return ModelConfig(
             architecture=arch,
@@ -108,8 +117,10 @@ class ModelConfig:
             rope_scaling=scaling,
             partial_rotary_factor=partial,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") or bool(cfg.get("attention_bias", False)),
+            # transformers' default where the key is absent: Gemma ties, the others do not
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in GEMMA_ARCHITECTURES)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("qkv_bias", True) if arch == "Qwen2MoeForCausalLM"
+                                                              else cfg.get("attention_bias", False)),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             sliding_window=sliding,
             bos_token_id=cfg.get("bos_token_id"),
@@ -141,10 +152,17 @@ def _gemma_fields(arch: str, cfg: dict[str, Any], rope: dict[str, Any]) -> dict[
     """ModelConfig's Gemma fields (none for another architecture). Which layers slide: transformers 5's
     layer_types, else Gemma 2's every other layer from the first and Gemma 3's all but every sliding_window_pattern-th."""
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
-    if act not in ACTIVATIONS:
-        raise ValueError(f"{arch}: hidden activation {act!r} is not implemented; tokenmill's are {', '.join(ACTIVATIONS)}")
+    allowed = ACTIVATIONS if arch in GEMMA_ARCHITECTURES else ("silu",)
+    if act not in allowed:
+        raise ValueError(f"{arch}: hidden activation {act!r} is not implemented; tokenmill's are {', '.join(allowed)}")
     if arch not in GEMMA_ARCHITECTURES:
-        return {"hidden_act": act} if act != "silu" else {}
+        return {}
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError(f"{arch}: use_bidirectional_attention is not implemented (tokenmill's attention is causal)")
+    local_rope = rope.get("sliding_attention") or {}
+    if local_rope.get("rope_type", "default") != "default":
+        raise ValueError(f"{arch}: rope type {local_rope['rope_type']!r} on the local layers is not implemented "
+                         f"(tokenmill turns them unscaled)")
     layers = cfg["num_hidden_layers"]
     types = cfg.get("layer_types")
     if types is None:

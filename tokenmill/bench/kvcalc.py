@@ -301,8 +301,10 @@ def _layer_extras(cfg: Any, s: KVShape, hidden: int, ffn: int) -> int:
         n += q + 2 * kv + hidden
     if _get(cfg, "mlp_bias"):
         n += 2 * ffn + hidden
-    if kind in ("qwen3", "qwen3_moe"):
+    if kind in ("qwen3", "qwen3_moe", "gemma3_text"):
         n += 2 * s.head_dim
+    if kind in ("gemma2", "gemma3_text"):         # the norms before and after the MLP
+        n += 2 * hidden
     return n
 
 

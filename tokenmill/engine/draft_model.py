@@ -1,15 +1,19 @@
 """The draft-model proposer: a smaller model of the same vocabulary guesses each decoding request's next k tokens.
 
 The draft keeps its own paged KV cache (its own block pool, sized with the target's) holding, per request, the
-tokens it was fed. After a step the verified tokens are compared with those: the draft keeps the common prefix (the
-accepted guesses among it), drops the rest and catches up in one pass, then guesses one token a pass. A greedy
-request's guesses are the draft's argmax; a sampled one's are drawn from the draft's distribution q, which travels
-with them to the verification (rejection sampling against the target's p).
+tokens it was fed. After a step the guesses it was fed are compared with the verified tokens: the draft keeps the
+accepted ones, drops the rest and catches up in one pass (a new prompt over steps of at most max_num_batched_tokens,
+guessing once caught up), then guesses one token a pass. A greedy request's guesses are the draft's argmax; a
+sampled one's are drawn from the draft's distribution q, which travels with them to the verification (rejection
+sampling against the target's p). A seeded request's guesses draw from its generator too, so its text depends on
+when it could guess (a full pool, a busy step), though never its distribution.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from tokenmill.config import ModelConfig
 from tokenmill.engine.kv_cache_manager import KVCacheManager
@@ -21,12 +25,26 @@ from tokenmill.executor.sampler import SamplingInput
 @dataclass
 class DraftState:
     """One request in the draft's cache. The KVCacheManager reads request_id and num_computed_tokens."""
-    request_id: str
+    request: Any                                        # the request it follows (a reused id starts over)
     fed: list[int] = field(default_factory=list)        # the tokens whose K/V the draft's cache holds, in order
+    verified: int = 0                                   # fed[:verified] are the request's own tokens, not guesses
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
 
     @property
     def num_computed_tokens(self) -> int:
         return len(self.fed)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def check_draft_config(target: ModelConfig, draft: ModelConfig, max_model_len: int) -> None:
@@ -49,51 +67,68 @@ def check_draft_tokenizer(target_tokenizer: Any, draft_tokenizer: Any) -> None:
 
 
 class DraftModelProposer:
-    def __init__(self, config: SpeculativeConfig, runner: ModelRunner, kv: KVCacheManager, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, runner: ModelRunner, kv: KVCacheManager, max_model_len: int,
+                 max_num_batched_tokens: int):
         self.config = config
         self.runner = runner
         self.kv = kv
         self.max_model_len = max_model_len
+        self.max_catch_up = max_num_batched_tokens      # tokens the draft computes in a step, guesses aside
         self.states: dict[str, DraftState] = {}
 
     def propose(self, reqs: list[Any]) -> None:
-        """Set spec_token_ids (and, sampling, spec_draft_probs) of each request in reqs, the running ones; requests
-        that left (finished, aborted, preempted) give their draft blocks back."""
-        live = {r.request_id for r in reqs}
-        for rid in [rid for rid in self.states if rid not in live]:
+        """Set spec_token_ids (and, sampling, spec_draft_probs) of each request in reqs, the running ones. A request
+        the draft is far behind (a new prompt) catches up over several steps, guessing once it has; requests that
+        left (finished, aborted, preempted) give their draft blocks back."""
+        live = {r.request_id: r for r in reqs}
+        for rid in [rid for rid, st in self.states.items() if live.get(rid) is not st.request]:
             self.kv.free(self.states.pop(rid))
-        todo: list[tuple[Any, DraftState, int]] = []
+        budget = self.max_catch_up
+        todo: list[tuple[Any, DraftState, list[int], int]] = []      # request, state, tokens to feed, guesses
         for req in reqs:
             req.spec_token_ids, req.spec_draft_probs = [], None
             room = guess_room(req, self.config.num_speculative_tokens, self.max_model_len)
-            if room <= 0:
+            if room <= 0 or budget <= 0:
                 continue
-            st = self.states.setdefault(req.request_id, DraftState(req.request_id))
-            keep, most = 0, min(len(st.fed), req.num_tokens - 1)      # the last token is always new to it
-            while keep < most and st.fed[keep] == req.all_token_ids[keep]:
-                keep += 1
+            st = self.states.setdefault(req.request_id, DraftState(req))
+            # what it fed past `verified` were guesses: it keeps those the step accepted, never the last token
+            keep = st.verified + _common_prefix(st.fed[st.verified:], req.all_token_ids[st.verified:-1])
             del st.fed[keep:]
+            st.verified = keep
             self.kv.trim(st)
-            # slots for the tokens it has not seen and every guess but the last (which is never fed)
-            if not self.kv.allocate_slots(st, req.num_tokens - keep + room - 1):
-                self.kv.free(self.states.pop(req.request_id))     # the pool is full: no guesses this time
-                continue
-            if not req.params.greedy:
-                req.spec_draft_probs = []
-            todo.append((req, st, room))
-        for j in range(max((room for _, _, room in todo), default=0)):
-            batch = [(req, st) for req, st, room in todo if room > j]
-            feed = [req.all_token_ids[len(st.fed):] if j == 0 else req.spec_token_ids[-1:] for req, st in batch]
+            n = min(req.num_tokens - keep, budget)
+            guesses = room if n == req.num_tokens - keep else 0
+            while n and not self.kv.allocate_slots(st, n + max(guesses - 1, 0)):
+                n, guesses = (n, 0) if guesses else (n // 2, 0)     # a full pool: guesses go first, then tokens
+            if n:
+                budget -= n
+                todo.append((req, st, req.all_token_ids[keep:keep + n], guesses))
+        if todo:
+            self._guess(todo)
+
+    def _guess(self, todo: list[tuple[Any, DraftState, list[int], int]]) -> None:
+        """Pass 0 feeds every request's tokens and draws the first guess of those caught up; pass j draws guess j+1
+        from guess j."""
+        for j in range(max(1, max(guesses for *_, guesses in todo))):
+            batch = [(req, st, toks if j == 0 else req.spec_token_ids[-1:], guesses)
+                     for req, st, toks, guesses in todo if j == 0 or guesses > j]
             logits = self.runner.last_logits([(toks, len(st.fed), self.kv.blocks_of(st.request_id))
-                                              for toks, (_, st) in zip(feed, batch)])
-            guesses, probs = self.runner.sampler.draw(logits, [
-                SamplingInput(req.params, req.prompt_token_ids, req.output_token_ids + req.spec_token_ids,
-                              req.generator, req.bad_words_token_ids) for req, _ in batch])
-            for (req, st), toks, tok, q in zip(batch, feed, guesses, probs):
+                                              for _, st, toks, _ in batch])
+            for _, st, toks, _ in batch:
                 st.fed.extend(toks)
+                if j == 0:
+                    st.verified = len(st.fed)
+            rows = [i for i, (*_, guesses) in enumerate(batch) if guesses > j]
+            if not rows:
+                continue
+            drafting = [batch[i][0] for i in rows]
+            tokens, probs = self.runner.sampler.draw(logits[torch.tensor(rows, device=logits.device)], [
+                SamplingInput(req.params, req.prompt_token_ids, req.output_token_ids + req.spec_token_ids,
+                              req.generator, req.bad_words_token_ids) for req in drafting])
+            for req, tok, q in zip(drafting, tokens, probs):
                 req.spec_token_ids.append(tok)
                 if q is not None:
-                    req.spec_draft_probs.append(q)
+                    req.spec_draft_probs = (req.spec_draft_probs or []) + [q]
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

@@ -131,6 +131,16 @@ def load_model(path: str, mc: ModelConfig, dtype: torch.dtype, device: torch.dev
     return model.eval()
 
 
+def open_model(path: str, quantization: Optional[str], device: torch.device) -> tuple[Checkpoint, ModelConfig]:
+    """A checkpoint (quantised at load when asked) and its config."""
+    ckpt = open_checkpoint(path)
+    if quantization is not None:
+        if device.type != "cpu":
+            raise ValueError("quantization= quantises for the CPU kernels; on a GPU load the float checkpoint")
+        ckpt = quantized_at_load(ckpt, quantization)
+    return ckpt, ModelConfig.from_hf_dict(ckpt.config)
+
+
 def _available_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
@@ -166,12 +176,7 @@ class LLMEngine:
         path = resolve_model_path(model)
         dev = pick_device(device)
         torch_dtype = resolve_dtype(dtype, dev)
-        ckpt = open_checkpoint(path)
-        if quantization is not None:
-            if dev.type != "cpu":
-                raise ValueError("quantization= quantises for the CPU kernels; on a GPU load the float checkpoint")
-            ckpt = quantized_at_load(ckpt, quantization)
-        mc = ModelConfig.from_hf_dict(ckpt.config)
+        ckpt, mc = open_model(path, quantization, dev)
         if max_model_len is None:
             max_model_len = mc.max_position_embeddings
         elif max_model_len > mc.max_position_embeddings:
@@ -194,9 +199,8 @@ class LLMEngine:
         self.draft_config: Optional[EngineConfig] = None
         if spec_config is not None and spec_config.method == "draft_model" and use_kv_cache:
             draft_path = resolve_model_path(spec_config.model)
-            draft_ckpt = open_checkpoint(draft_path)
-            self.draft_config = dataclasses.replace(self.config, model=draft_path,
-                                                    model_config=ModelConfig.from_hf_dict(draft_ckpt.config))
+            draft_ckpt, draft_mc = open_model(draft_path, quantization, dev)
+            self.draft_config = dataclasses.replace(self.config, model=draft_path, model_config=draft_mc)
             check_draft_config(mc, self.draft_config.model_config, max_model_len)
             draft_model = load_model(draft_path, self.draft_config.model_config, torch_dtype, dev, max_model_len,
                                      draft_ckpt, quantized_kernels, cpu_kernels, int8_activations)
@@ -216,7 +220,7 @@ class LLMEngine:
             self.proposer = DraftModelProposer(
                 spec_config, ModelRunner(self.draft_config, draft_model, num_blocks, threads),
                 KVCacheManager(num_blocks, block_size, enable_caching=False, sliding_window=dmc.sliding_window),
-                max_model_len)
+                max_model_len, max_num_batched_tokens)
         elif spec_config is not None and use_kv_cache:
             self.proposer = NgramProposer(spec_config, max_model_len)
         self.requests: dict[str, Request] = {}

@@ -77,7 +77,7 @@ class Scheduler:
             while not self.kv.allocate_slots(req, n):
                 if req.spec_token_ids:               # guesses give way before any request is preempted for them
                     n = min(n, req.num_tokens - req.num_computed_tokens)
-                    req.spec_token_ids = []
+                    req.spec_token_ids, req.spec_draft_probs = [], None
                     continue
                 victim = self.running.pop()          # the newest request gives its blocks back
                 self._preempt(victim)
@@ -152,7 +152,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
-        req.spec_token_ids = []
+        req.spec_token_ids, req.spec_draft_probs = [], None
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
@@ -174,7 +174,7 @@ class Scheduler:
             if guesses:
                 req.num_computed_tokens -= len(guesses) - (len(toks) - 1)
                 self.kv.trim(req)
-            req.spec_token_ids = []                  # spent: the proposer guesses again from the new tokens
+            req.spec_token_ids, req.spec_draft_probs = [], None    # spent: the proposer guesses again
             for tok in toks:
                 req.append_token(tok)
             if not self.config.use_kv_cache:

@@ -11,6 +11,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.scheduler import SchedulerOutput
+from tokenmill.engine.spec_decode import MAX_SPECULATIVE_TOKENS
 from tokenmill.executor.cpus import FixedThreads, ThreadGovernor
 from tokenmill.executor.memory import PageToucher, advise_huge_pages, keep_freed_memory
 from tokenmill.executor.attention import AttentionMetadata, get_backend
@@ -20,8 +21,9 @@ from tokenmill.executor.sampler import Sampler, SamplingInput, compute_prompt_lo
 from tokenmill.outputs import Logprob
 
 
-# up to this many new tokens of a request attend as one-token decodes (the decode kernels' path, cheaper for few rows)
-FEW_ROWS = 17
+# up to this many new tokens of a request attend as one-token decodes (the decode kernels' path, cheaper for few
+# rows): as many as a verification or a draft's catch-up after one (the guesses and one more)
+FEW_ROWS = MAX_SPECULATIVE_TOKENS + 1
 
 
 def accepted_length(guesses: list[int], drawn: list[int]) -> int:

@@ -284,7 +284,7 @@ def _uniform(rows: list[SamplingInput], shape: tuple[int, ...], device: torch.de
 
 def _race(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """A draw from softmax(logits) per row by the Gumbel-max race: with E = -log(U) ~ Exp(1), argmax(logits - log E).
-    uniform_ is ~4x cheaper than exponential_ on CPU; E is clamped away from 0 so a -inf token can never win."""
+    From uniform noise, the cheaper kernel on CPU; E is clamped away from 0 so a -inf token can never win."""
     return (logits - u.log().neg().clamp_min(1e-30).log()).argmax(dim=-1)
 
 

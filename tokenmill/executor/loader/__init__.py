@@ -53,6 +53,9 @@ class Checkpoint:
 
 QUANTIZATION_METHODS = ("int8", "int4", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 _HEAD_NAMES = ("embed_tokens", "lm_head")
+# a Mixture-of-Experts router and shared-expert gate stay float: rounding them changes which experts run (llama.cpp
+# and vLLM keep them so too)
+_ROUTER_NAMES = {"gate", "shared_expert_gate"}
 
 
 def quantized_at_load(ckpt: Checkpoint, method: str) -> Checkpoint:
@@ -71,7 +74,8 @@ def quantized_at_load(ckpt: Checkpoint, method: str) -> Checkpoint:
     def tensors(keep_blocks: bool = False) -> Iterator[tuple[str, Union[torch.Tensor, QuantWeight]]]:
         in_float = []
         for name, w in ckpt.tensors(keep_blocks=keep_blocks):
-            if not isinstance(w, torch.Tensor) or w.dim() != 2 or not name.endswith(".weight"):
+            if not isinstance(w, torch.Tensor) or w.dim() != 2 or not name.endswith(".weight") \
+                    or name.split(".")[-2] in _ROUTER_NAMES:
                 yield name, w
             elif w.shape[1] % 32:
                 in_float.append(f"{name} (rows of {w.shape[1]})")
