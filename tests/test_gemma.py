@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from tests.family_checks import (PRESSURE, check_blocks_equal_dequantised, check_prefix_hits, check_under_pressure,
+                                 greedy)
 from tests.tiny_models import build_tiny, hf_greedy, random_prompts
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM
 from tokenmill.config import ModelConfig
 
 ENGINE = dict(dtype="float32", kv_cache_memory_gb=0.02, max_model_len=512)
@@ -16,12 +18,6 @@ ENGINE = dict(dtype="float32", kv_cache_memory_gb=0.02, max_model_len=512)
 @pytest.fixture(scope="module", params=["gemma2", "gemma3"])
 def gemma(request, tmp_path_factory):
     return build_tiny(request.param, tmp_path_factory.mktemp(request.param))
-
-
-def greedy(llm: LLM, prompts, n: int) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def test_config_reads_the_layer_pattern(gemma):
@@ -44,31 +40,13 @@ def test_long_prompts_past_the_window(gemma, backend):
         assert got == hf_greedy(hf, p, 30), len(p)
 
 
-@pytest.mark.parametrize("engine_kw", [dict(max_num_batched_tokens=12), dict(kv_blocks=14, max_model_len=128)],
-                         ids=["chunked", "preempted"])
-def test_under_pressure(gemma, engine_kw):
-    path, hf = gemma
-    kw = {**ENGINE, **engine_kw}
-    if kw.pop("kv_blocks", None):
-        kw["kv_cache_memory_gb"] = 14.5 * LLM(path, **ENGINE).llm_engine.kv_bytes_per_block() / 2 ** 30
-    llm = LLM(path, **kw)
-    prompts = random_prompts([37, 5, 60, 22, 48, 9], seed=4)
-    for p, got in zip(prompts, greedy(llm, prompts, 40)):
-        assert got == hf_greedy(hf, p, 40), len(p)
-    if "kv_blocks" in engine_kw:
-        assert llm.llm_engine.stats.num_preemptions > 0
+@pytest.mark.parametrize("pressure", PRESSURE)
+def test_under_pressure(gemma, pressure):
+    check_under_pressure(*gemma, ENGINE, pressure)
 
 
 def test_prefix_hits(gemma):
-    path, hf = gemma
-    base = random_prompts([48], seed=6)[0]
-    prompts = [base + random_prompts([n], seed=7 + n)[0] for n in (3, 11)]
-    llm = LLM(path, **ENGINE)
-    greedy(llm, [base], 1)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
-    for p, o in zip(prompts, outs):
-        assert o.num_cached_tokens >= 32 and o.outputs[0].token_ids == hf_greedy(hf, p, 20)
+    check_prefix_hits(*gemma, ENGINE)
 
 
 def test_kernel_attention_is_refused(gemma):
@@ -182,10 +160,6 @@ def test_gguf_gives_transformers_tokens(kind, tmp_path):
 
 def test_gguf_quantised_stays_in_blocks(gemma, tmp_path):
     import gguf
-    path, _ = gemma
-    write_gemma_gguf(path, tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)
-    blocks = LLM(str(tmp_path / "q8.gguf"), **ENGINE, tokenizer=None)
+    write_gemma_gguf(gemma[0], tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)
+    blocks = check_blocks_equal_dequantised(str(tmp_path / "q8.gguf"), ENGINE)
     assert blocks.llm_engine.model.layers[0].mlp.gate_up_proj.quant is not None
-    plain = LLM(str(tmp_path / "q8.gguf"), **ENGINE, tokenizer=None, quantized_kernels=False)
-    prompts = random_prompts([9, 33, 4], seed=9)
-    assert greedy(blocks, prompts, 16) == greedy(plain, prompts, 16)

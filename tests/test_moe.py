@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
+from tests.family_checks import PRESSURE, check_blocks_equal_dequantised, check_prefix_hits, check_under_pressure
 from tests.tiny_models import build_tiny, hf_greedy, random_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import ModelConfig
@@ -31,37 +32,13 @@ def test_layers_are_sparse_where_transformers_makes_them(moe):
     assert any(hasattr(layer.mlp, "experts") for layer in ours.layers)
 
 
-@pytest.mark.parametrize("engine_kw", [
-    dict(max_num_batched_tokens=16),                       # prompts in chunks beside decodes
-    dict(kv_blocks=14, max_model_len=128),                 # room for about two requests: preemption
-], ids=["chunked", "preempted"])
-def test_greedy_matches_transformers_under_pressure(moe, engine_kw):
-    path, hf = moe
-    prompts = random_prompts([37, 5, 60, 22, 48, 9], seed=4)
-    kw = {**ENGINE, **engine_kw}
-    if kw.pop("kv_blocks", None):
-        kw["kv_cache_memory_gb"] = 14.5 * LLM(path, **ENGINE).llm_engine.kv_bytes_per_block() / 2 ** 30
-    llm = LLM(path, **kw)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
-    for p, o in zip(prompts, outs):
-        assert o.outputs[0].token_ids == hf_greedy(hf, p, 40), len(p)
-    if "kv_blocks" in engine_kw:
-        assert llm.llm_engine.stats.num_preemptions > 0
-    llm.llm_engine.kv.check_integrity()
+@pytest.mark.parametrize("pressure", PRESSURE)
+def test_greedy_matches_transformers_under_pressure(moe, pressure):
+    check_under_pressure(*moe, ENGINE, pressure)
 
 
 def test_prefix_hits_match_transformers(moe):
-    path, hf = moe
-    base = random_prompts([48], seed=6)[0]
-    prompts = [base + random_prompts([n], seed=7 + n)[0] for n in (3, 11)]
-    llm = LLM(path, **ENGINE)
-    llm.generate([{"prompt_token_ids": base}], SamplingParams(max_tokens=1), use_tqdm=False)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
-    for p, o in zip(prompts, outs):
-        assert o.num_cached_tokens >= 32
-        assert o.outputs[0].token_ids == hf_greedy(hf, p, 20)
+    check_prefix_hits(*moe, ENGINE)
 
 
 def test_sliding_window_mixtral(tmp_path):
@@ -171,7 +148,8 @@ def write_moe_gguf(kind: str, hf_path: str, out, expert_type=None) -> None:
     cfg = json.loads(open(f"{hf_path}/config.json").read())
     sd = load_file(f"{hf_path}/model.safetensors")
     arch = GGUF_ARCH[kind]
-    L, H, heads, kv = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    L, H = cfg["num_hidden_layers"], cfg["hidden_size"]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or H // heads
     E = cfg.get("num_experts") or cfg["num_local_experts"]
     w = gguf.GGUFWriter(str(out), arch)
@@ -264,13 +242,8 @@ def test_gguf_experts_stay_quantised(tmp_path_factory):
     from tokenmill.executor.layers.quant import QuantWeight
     path, _ = build_tiny("qwen2_moe", tmp_path_factory.mktemp("q_moe"))
     out = tmp_path_factory.mktemp("q_gguf")
-    prompts = [{"prompt_token_ids": p} for p in random_prompts([9, 33, 4], seed=9)]
-    p = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     for qtype in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0):
         write_moe_gguf("qwen2_moe", path, out / f"{qtype.name}.gguf", qtype)
-        blocks = LLM(str(out / f"{qtype.name}.gguf"), **ENGINE, tokenizer=None)
+        blocks = check_blocks_equal_dequantised(str(out / f"{qtype.name}.gguf"), ENGINE)
         expert = blocks.llm_engine.model.layers[1].mlp.experts[0]
         assert isinstance(expert.gate_up_proj.quant, QuantWeight) and expert.gate_up_proj.weight is None
-        plain = LLM(str(out / f"{qtype.name}.gguf"), **ENGINE, tokenizer=None, quantized_kernels=False)
-        assert [o.outputs[0].token_ids for o in blocks.generate(prompts, p, use_tqdm=False)] == \
-            [o.outputs[0].token_ids for o in plain.generate(prompts, p, use_tqdm=False)], qtype.name

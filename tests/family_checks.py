@@ -1,0 +1,50 @@
+"""What every model family added beside the first four shows against transformers: greedy tokens under chunked
+prefill, preemption and prefix-cache hits, and a quantised GGUF's blocks against the same weights dequantised."""
+from __future__ import annotations
+
+from tests.tiny_models import hf_greedy, random_prompts
+from tokenmill import LLM, SamplingParams
+
+# chunked: prompts in chunks of 16 beside decodes; preempted: a pool of about 14 blocks, room for two requests
+PRESSURE = {"chunked": dict(max_num_batched_tokens=16), "preempted": dict(kv_blocks=14, max_model_len=128)}
+
+
+def greedy(llm: LLM, prompts: list[list[int]], n: int) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def check_under_pressure(path: str, hf, engine: dict, pressure: str) -> None:
+    kw = {**engine, **PRESSURE[pressure]}
+    if kw.pop("kv_blocks", None):
+        kw["kv_cache_memory_gb"] = 14.5 * LLM(path, **engine).llm_engine.kv_bytes_per_block() / 2 ** 30
+    llm = LLM(path, **kw)
+    prompts = random_prompts([37, 5, 60, 22, 48, 9], seed=4)
+    for p, got in zip(prompts, greedy(llm, prompts, 40)):
+        assert got == hf_greedy(hf, p, 40), len(p)
+    if pressure == "preempted":
+        assert llm.llm_engine.stats.num_preemptions > 0
+    llm.llm_engine.kv.check_integrity()
+
+
+def check_prefix_hits(path: str, hf, engine: dict) -> None:
+    """Two prompts extending a cached 48-token one: both hit its blocks and give transformers' tokens."""
+    base = random_prompts([48], seed=6)[0]
+    prompts = [base + random_prompts([n], seed=7 + n)[0] for n in (3, 11)]
+    llm = LLM(path, **engine)
+    greedy(llm, [base], 1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.num_cached_tokens >= 32 and o.outputs[0].token_ids == hf_greedy(hf, p, 20)
+
+
+def check_blocks_equal_dequantised(gguf_path: str, engine: dict) -> LLM:
+    """A quantised GGUF read from its blocks gives the tokens of its weights dequantised at load; returns the
+    blocks' engine for the caller to inspect."""
+    blocks = LLM(gguf_path, **engine, tokenizer=None)
+    plain = LLM(gguf_path, **engine, tokenizer=None, quantized_kernels=False)
+    prompts = random_prompts([9, 33, 4], seed=9)
+    assert greedy(blocks, prompts, 16) == greedy(plain, prompts, 16)
+    return blocks
