@@ -163,3 +163,25 @@ def test_gguf_quantised_stays_in_blocks(gemma, tmp_path):
     write_gemma_gguf(gemma[0], tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)
     blocks = check_blocks_equal_dequantised(str(tmp_path / "q8.gguf"), ENGINE)
     assert blocks.llm_engine.model.layers[0].mlp.gate_up_proj.quant is not None
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_bfloat16_norm_rounds_once_as_transformers(residual):
+    """Gemma's norm in bfloat16: normalised and scaled by (1 + w) in float32, rounded once, as transformers does;
+    bit for bit, with and without the fused residual add."""
+    import torch
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+    from tokenmill.executor.layers.norm import RMSNorm
+    from tokenmill.executor.ops.reference import ReferenceOps
+    torch.manual_seed(0)
+    theirs = Gemma2RMSNorm(64, eps=1e-6).to(torch.bfloat16)
+    theirs.weight.data.normal_()
+    ours = RMSNorm(64, 1e-6, ReferenceOps(), offset=1.0)
+    ours.weight.data = theirs.weight.data.clone()
+    ours.finalize()
+    x, r = torch.randn(5, 64).to(torch.bfloat16), torch.randn(5, 64).to(torch.bfloat16)
+    if residual:
+        got, summed = ours(x, r.clone())
+        assert torch.equal(got, theirs(x + r)) and torch.equal(summed, x + r)
+    else:
+        assert torch.equal(ours(x), theirs(x))

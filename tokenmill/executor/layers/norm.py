@@ -14,8 +14,9 @@ class RMSNorm(nn.Module):
         self.offset = offset
 
     def finalize(self) -> None:
+        """Fold the offset in, kept in float32: transformers scales Gemma's norms in float32."""
         if self.offset:
-            self.weight.data = (self.offset + self.weight.data.float()).to(self.weight.dtype)
+            self.weight.data = self.offset + self.weight.data.float()
             self.offset = 0.0
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):

@@ -78,8 +78,9 @@ class ReferenceOps:
         if residual is not None:
             residual += x
             x = residual
-        # normalise in float32 as transformers does (one fused op), then scale in the model's dtype
-        return weight * F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype), x
+        # normalise in float32 as transformers does (one fused op), then scale in the weight's dtype: the model's
+        # (Llama's rounding), or float32 for Gemma's (1 + w), which transformers rounds once, after the scaling
+        return (weight * F.rms_norm(x.float(), weight.shape, eps=eps).to(weight.dtype)).to(x.dtype), x
 
     def rotary(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """qk [T, heads, D] rotated by its token's position (cos, sin [T, 1, D]), "rotate half": returns the
