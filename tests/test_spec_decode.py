@@ -279,6 +279,36 @@ def test_sampled_tokens_follow_the_target(tmp_path, method):
     assert stat < _chi2_critical(len(obs) - 1), (stat, len(obs))
 
 
+def test_a_sliding_window_draft_guesses_on_long_requests(tmp_path_factory, llama):
+    """A draft with a window shorter than the prompts, in a pool sized for the window: it catches up over steps, keeps
+    guessing, and greedy tokens are the target's."""
+    sw, _ = build_tiny("mistral_sw", tmp_path_factory.mktemp("sw_draft"))          # window 24
+    prompts = repetitive_prompts(2, seed=8)
+    prompts = [{"prompt_token_ids": (p["prompt_token_ids"] * 30)[:250]} for p in prompts]
+    p = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    kw = {**ENGINE, "max_model_len": 512}
+    want = tokens(LLM(sw, **kw), prompts, p)
+    config = draft(sw, 3)
+    per_block = LLM(sw, **kw, speculative_config=config).llm_engine.kv_bytes_per_block()
+    spec = LLM(sw, **{**kw, "kv_cache_memory_gb": 12.5 * per_block / 2 ** 30}, max_num_batched_tokens=32,
+               speculative_config=config)                   # 12 blocks: 192 tokens, less than one prompt
+    assert tokens(spec, prompts, p) == want
+    st = spec.llm_engine.stats
+    assert st.spec_num_draft_tokens >= 30 and st.spec_acceptance_rate > 0.9, st
+    check_pools(spec)
+
+
+def test_n_samples_with_a_draft(llama, bad_draft):
+    """n = 4 sampled children share a prompt; each guesses with its own draft state and generator."""
+    spec = LLM(llama, **ENGINE, speculative_config=draft(llama, 3))
+    out = spec.generate(repetitive_prompts(1, seed=12), SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=25,
+                                                                       ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs) == 4 and all(len(c.token_ids) == 25 for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    assert spec.llm_engine.stats.spec_num_accepted_tokens > 0
+    check_pools(spec)
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_seeded_requests_repeat(llama, bad_draft, method):
     """A seed gives the same tokens again, alone or beside other requests (its guesses and its draws use its own

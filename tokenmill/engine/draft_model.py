@@ -2,8 +2,8 @@
 
 The draft keeps its own paged KV cache (its own block pool, sized with the target's) holding, per request, the
 tokens it was fed. After a step the guesses it was fed are compared with the verified tokens: the draft keeps the
-accepted ones, drops the rest and catches up in one pass (a new prompt over steps of at most max_num_batched_tokens,
-guessing once caught up), then guesses one token a pass. A greedy request's guesses are the draft's argmax; a
+accepted ones, drops the rest and catches up in one pass, then guesses one token a pass. A prompt is fed as the target
+computes it, at most max_num_batched_tokens a step. A greedy request's guesses are the draft's argmax; a
 sampled one's are drawn from the draft's distribution q, which travels with them to the verification (rejection
 sampling against the target's p). A seeded request's guesses draw from its generator too, so its text depends on
 when it could guess (a full pool, a busy step), though never its distribution.
@@ -77,9 +77,9 @@ class DraftModelProposer:
         self.states: dict[str, DraftState] = {}
 
     def propose(self, reqs: list[Any]) -> None:
-        """Set spec_token_ids (and, sampling, spec_draft_probs) of each request in reqs, the running ones. A request
-        the draft is far behind (a new prompt) catches up over several steps, guessing once it has; requests that
-        left (finished, aborted, preempted) give their draft blocks back."""
+        """Set spec_token_ids (and, sampling, spec_draft_probs) of each request in reqs, the running ones. The draft
+        follows a prompt as the target computes it, and a request it is still behind catches up over several steps,
+        guessing once it has; requests that left (finished, aborted, preempted) give their draft blocks back."""
         live = {r.request_id: r for r in reqs}
         for rid in [rid for rid, st in self.states.items() if live.get(rid) is not st.request]:
             self.kv.free(self.states.pop(rid))
@@ -88,7 +88,8 @@ class DraftModelProposer:
         for req in reqs:
             req.spec_token_ids, req.spec_draft_probs = [], None
             room = guess_room(req, self.config.num_speculative_tokens, self.max_model_len)
-            if room <= 0 or budget <= 0:
+            prefilling = req.num_computed_tokens < req.num_tokens - 1
+            if budget <= 0 or req.is_pooling or req.grammar is not None or not (room > 0 or prefilling):
                 continue
             st = self.states.setdefault(req.request_id, DraftState(req))
             # what it fed past `verified` were guesses: it keeps those the step accepted, never the last token
@@ -96,8 +97,12 @@ class DraftModelProposer:
             del st.fed[keep:]
             st.verified = keep
             self.kv.trim(st)
-            n = min(req.num_tokens - keep, budget)
-            guesses = room if n == req.num_tokens - keep else 0
+            # a prompt is fed as far as the target has computed it, so the draft is ready when decoding starts
+            end = req.num_computed_tokens if prefilling else req.num_tokens
+            n = min(end - keep, budget)
+            if n <= 0:
+                continue
+            guesses = room if keep + n == req.num_tokens else 0
             while n and not self.kv.allocate_slots(st, n + max(guesses - 1, 0)):
                 n, guesses = (n, 0) if guesses else (n // 2, 0)     # a full pool: guesses go first, then tokens
             if n:
