@@ -8,6 +8,8 @@ from typing import Any, Optional
 
 import torch
 
+from tokenmill.layout import sliding_layers, sparse_layers
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM",
                            "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
@@ -149,8 +151,7 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "int4", "fp8", "fp8_e4
 
 
 def _gemma_fields(arch: str, cfg: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
-    """ModelConfig's Gemma fields (none for another architecture). Which layers slide: transformers 5's
-    layer_types, else Gemma 2's every other layer from the first and Gemma 3's all but every sliding_window_pattern-th."""
+    """ModelConfig's Gemma fields (none for another architecture); which layers slide follows layout.py."""
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
     allowed = ACTIVATIONS if arch in GEMMA_ARCHITECTURES else ("silu",)
     if act not in allowed:
@@ -163,13 +164,7 @@ def _gemma_fields(arch: str, cfg: dict[str, Any], rope: dict[str, Any]) -> dict[
     if local_rope.get("rope_type", "default") != "default":
         raise ValueError(f"{arch}: rope type {local_rope['rope_type']!r} on the local layers is not implemented "
                          f"(tokenmill turns them unscaled)")
-    layers = cfg["num_hidden_layers"]
-    types = cfg.get("layer_types")
-    if types is None:
-        pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
-        types = ["sliding_attention" if (i % 2 == 0 if arch == "Gemma2ForCausalLM" else (i + 1) % pattern)
-                 else "full_attention" for i in range(layers)]
-    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    unknown = sorted(set(cfg.get("layer_types") or ()) - {"sliding_attention", "full_attention"})
     if unknown:
         raise ValueError(f"{arch}: layer type(s) {', '.join(unknown)} are not implemented")
     window = cfg.get("sliding_window")
@@ -178,7 +173,9 @@ def _gemma_fields(arch: str, cfg: dict[str, Any], rope: dict[str, Any]) -> dict[
     return dict(hidden_act=act, gemma=True, query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
                 attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
                 final_logit_softcapping=cfg.get("final_logit_softcapping"),
-                layer_windows=tuple(window if t == "sliding_attention" else None for t in types),
+                layer_windows=tuple(window if s else None for s in sliding_layers(
+                    {**cfg, "model_type": "gemma2" if arch == "Gemma2ForCausalLM" else "gemma3_text"},
+                    cfg["num_hidden_layers"])),
                 rope_local_theta=float(local) if arch == "Gemma3ForCausalLM" and local else None)
 
 
@@ -196,9 +193,7 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     if arch == "MixtralForCausalLM":
         return dict(moe_layers=tuple(range(layers)), num_experts=experts, num_experts_per_tok=top_k,
                     moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
-    step = cfg.get("decoder_sparse_step", 1) or 1
-    dense = set(cfg.get("mlp_only_layers") or ())
-    return dict(moe_layers=tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
+    return dict(moe_layers=sparse_layers(layers, cfg.get("decoder_sparse_step"), cfg.get("mlp_only_layers")),
                 num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=cfg["moe_intermediate_size"],
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
                 shared_expert_intermediate_size=(cfg.get("shared_expert_intermediate_size") or 0)

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from ..layout import sliding_layers, sparse_layers
 from .workload import read_json
 
 GB = 1e9  # decimal, as memory is sold; GiB figures are printed alongside
@@ -115,18 +116,7 @@ def _layer_windows(cfg: Any, layers: int) -> tuple[Optional[int], ...]:
     sw = _get(cfg, "sliding_window")
     if not sw or _get(cfg, "use_sliding_window") is False:  # Qwen2 ships a window it does not use
         return (None,) * layers
-    types = _get(cfg, "layer_types")
-    if types and len(types) == layers:  # transformers >= 4.53 spells the layout out
-        return tuple(sw if t == "sliding_attention" else None for t in types)
-    if _get(cfg, "max_window_layers") is not None:  # older Qwen2: layers from this index on slide
-        mwl = _get(cfg, "max_window_layers")
-        return tuple(sw if i >= mwl else None for i in range(layers))
-    pattern = _get(cfg, "sliding_window_pattern")
-    if pattern:  # Gemma 3: every pattern-th layer is global
-        return tuple(None if (i + 1) % pattern == 0 else sw for i in range(layers))
-    if _get(cfg, "model_type") == "gemma2":  # Gemma 2: even layers slide, odd layers are global
-        return tuple(sw if i % 2 == 0 else None for i in range(layers))
-    return (sw,) * layers  # Mistral-7B-v0.1: every layer slides
+    return tuple(sw if s else None for s in sliding_layers(cfg, layers))
 
 
 def kv_calc(cfg: Any, context: int = 4096, kv_dtype: str = "bf16",
@@ -282,9 +272,7 @@ def _mlp_params(cfg: Any, hidden: int, ffn: int, layers: int) -> int:
     if _get(cfg, "model_type", default="") == "mixtral":
         sparse, inter, shared = layers, ffn, 0
     else:
-        step = _get(cfg, "decoder_sparse_step", default=1) or 1
-        dense = set(_get(cfg, "mlp_only_layers", default=None) or ())
-        sparse = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+        sparse = len(sparse_layers(layers, _get(cfg, "decoder_sparse_step"), _get(cfg, "mlp_only_layers")))
         inter = _get(cfg, "moe_intermediate_size")
         shared = _get(cfg, "shared_expert_intermediate_size", default=0) or 0
     per_sparse = experts * (3 * hidden * inter + hidden) + (3 * hidden * shared + hidden if shared else 0)

@@ -71,18 +71,28 @@ _LAYER_NAMES = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
-# all experts of a layer in one [experts, rows, columns] tensor -> each expert's matrix in HF form
-_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
-# Mixtral's HF names for its MoE block (Qwen-MoE's are the ones above)
-_MIXTRAL_NAMES = {"mlp.gate": "block_sparse_moe.gate", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+# all experts of a layer in one [experts, rows, columns] tensor -> each expert's matrix in HF form ({e}: its index)
+_EXPERT_NAMES = {"ffn_gate_exps": "mlp.experts.{e}.gate_proj", "ffn_up_exps": "mlp.experts.{e}.up_proj",
+                 "ffn_down_exps": "mlp.experts.{e}.down_proj"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# where an architecture's HF names differ from the ones above (one table each, chosen when a file is read):
+# Mixtral's MoE block; Gemma's four norms a layer (llama.cpp's ffn_norm is the one before the MLP, and Gemma's norm
+# after attention takes Llama's HF name); Phi-3's q/k/v and gate/up, fused as in its HF checkpoint
+_ARCH_NAMES: dict[str, dict[str, str]] = {
+    "MixtralForCausalLM": {"ffn_gate_inp": "block_sparse_moe.gate",
+                           "ffn_gate_exps": "block_sparse_moe.experts.{e}.w1",
+                           "ffn_up_exps": "block_sparse_moe.experts.{e}.w3",
+                           "ffn_down_exps": "block_sparse_moe.experts.{e}.w2"},
+    "Gemma2ForCausalLM": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                          "post_ffw_norm": "post_feedforward_layernorm"},
+    "Phi3ForCausalLM": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+_ARCH_NAMES["Gemma3ForCausalLM"] = _ARCH_NAMES["Gemma2ForCausalLM"]
 
-# Gemma's four norms a layer: llama.cpp's ffn_norm is the one before the MLP, as in Llama, but Gemma has a norm after
-# attention too, which takes Llama's HF name
-_GEMMA_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
-                "post_ffw_norm": "post_feedforward_layernorm"}
-# Phi-3 keeps q/k/v and gate/up fused, as the HF checkpoint does
-_PHI3_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+
+def layer_names(hf_arch: str) -> dict[str, str]:
+    """llama.cpp's per-layer tensor kinds -> HF names, for an architecture."""
+    return {**_LAYER_NAMES, **_EXPERT_NAMES, **_ARCH_NAMES.get(hf_arch, {})}
 # Tensors in the file that are not model parameters in HF form. rope_freqs holds Llama 3's rope scaling factors and
 # rope_factors_long/short Phi-3's longrope ones, which we turn into config["rope_scaling"] instead.
 _SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
@@ -409,32 +419,19 @@ def _moe_config(meta: dict[str, Any], arch: str, experts: int, cfg: dict[str, An
     return out
 
 
-def hf_name(gguf_name: str, mixtral: bool = False, expert: int = 0, phi3: bool = False,
-            gemma: bool = False) -> str | None:
-    """The Hugging Face parameter name for a GGUF tensor name (None for a skipped tensor); for a tensor of all of a
-    layer's experts, that of expert `expert`'s matrix. Mixtral's MoE names where mixtral, Phi-3's fused ones where
-    phi3, Gemma's norms where gemma."""
+def hf_name(gguf_name: str, names: dict[str, str] | None = None, expert: int = 0) -> str | None:
+    """The Hugging Face parameter name for a GGUF tensor name (None for a skipped tensor), by names (layer_names(),
+    Llama's by default); for a tensor of all of a layer's experts, that of expert `expert`'s matrix."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     if gguf_name in _SKIPPED:
         return None
+    names = names or layer_names("")
     m = _LAYER_RE.fullmatch(gguf_name)
-    if phi3 and m is not None and m.group(2) in _PHI3_NAMES:
-        return f"model.layers.{m.group(1)}.{_PHI3_NAMES[m.group(2)]}.{m.group(3)}"
-    if gemma and m is not None and m.group(2) in _GEMMA_NAMES:
-        return f"model.layers.{m.group(1)}.{_GEMMA_NAMES[m.group(2)]}.{m.group(3)}"
-    if m is None or (m.group(2) not in _LAYER_NAMES and m.group(2) not in _EXPERT_NAMES):
+    if m is None or m.group(2) not in names:
         raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent we know of")
     layer, kind, suffix = m.groups()
-    if kind in _EXPERT_NAMES:
-        proj = _EXPERT_NAMES[kind]
-        if mixtral:
-            return f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{_MIXTRAL_NAMES[proj]}.{suffix}"
-        return f"model.layers.{layer}.mlp.experts.{expert}.{proj}.{suffix}"
-    name = _LAYER_NAMES[kind]
-    if mixtral and name == "mlp.gate":
-        name = _MIXTRAL_NAMES[name]
-    return f"model.layers.{layer}.{name}.{suffix}"
+    return f"model.layers.{layer}.{names[kind].format(e=expert)}.{suffix}"
 
 
 def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -474,15 +471,14 @@ def read_gguf(path: str) -> GGUFCheckpoint:
     """Read metadata now; give tensors (HF names and shapes) when iterated."""
     f = open_gguf(path)
     config = _config(f)
-    mixtral = config["architectures"] == [_MIXTRAL[1]]
-    phi3 = config["architectures"] == ["Phi3ForCausalLM"]
+    names = layer_names(config["architectures"][0])
     gemma = config["architectures"][0] in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
     for info in f.tensors.values():  # fail at load time, not halfway through iterating
         if info.type_name not in _SUPPORTED_TYPES:
             raise ValueError(
                 f"GGUF tensor {info.name!r} has type {info.type_name}, which tokenmill cannot read; "
                 f"supported: {', '.join(sorted(_SUPPORTED_TYPES))}")
-        hf_name(info.name, mixtral, phi3=phi3, gemma=gemma)
+        hf_name(info.name, names)
     permuted = f.metadata["general.architecture"] in _PERMUTED_ARCHS
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
 
@@ -494,7 +490,7 @@ def read_gguf(path: str) -> GGUFCheckpoint:
     def tensors(keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
         in_float: list[str] = []
         for info in f.tensors.values():
-            name = hf_name(info.name, mixtral, phi3=phi3, gemma=gemma)
+            name = hf_name(info.name, names)
             if name is None:
                 continue
             if len(info.shape) == 3:          # every expert of a layer: a matrix each
@@ -527,12 +523,12 @@ def read_gguf(path: str) -> GGUFCheckpoint:
             kept = [_kept(info.type_name, raw[e], shape, 0) for e in range(info.shape[0])]
             if all(w is not None for w in kept):
                 for e, w in enumerate(kept):
-                    yield hf_name(info.name, mixtral, e), w
+                    yield hf_name(info.name, names, e), w
                 return
             in_float.append(f"{info.name} ({info.type_name}, rows of {shape[1]}: not whole blocks)")
         whole = _dequantize(f, info)
         for e in range(info.shape[0]):
-            yield hf_name(info.name, mixtral, e), whole[e]
+            yield hf_name(info.name, names, e), whole[e]
 
     quantized = any(i.type_name not in ("F32", "F16", "BF16") for i in f.tensors.values() if len(i.shape) >= 2)
     return GGUFCheckpoint(config=config, tensors=tensors, release=f.release, quantized=quantized)
