@@ -74,17 +74,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    gemma = False
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, ops: ReferenceOps):
         super().__init__()
         self.layer_idx = layer_idx
-        self.gemma = cfg.gemma
         offset = 1.0 if cfg.gemma else 0.0
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, offset)
         self.self_attn = Attention(cfg, layer_idx, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, offset)
-        if cfg.gemma:    # Gemma's sandwich: a norm after attention, and one before and one after the MLP
-            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, offset)
-            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, offset)
         if layer_idx in cfg.moe_layers:
             self.mlp = SparseMoeBlock(cfg, ops, lambda inter: MLP(cfg, ops, inter))
         else:
@@ -94,16 +92,34 @@ class DecoderLayer(nn.Module):
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """vLLM's residual form: x is the previous layer's MLP output (the embeddings, with residual None, on
         the first layer) and residual the running sum before it. Returns this layer's (MLP output, residual)."""
+        h, residual = self._attention(x, residual, rope, backend, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+    def _attention(self, x: torch.Tensor, residual: Optional[torch.Tensor], rope: Rope, backend: AttentionBackend,
+                   meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x added into the residual, normalised and attended: (attention output, residual)."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, rope, backend, meta)
-        if self.gemma:
-            h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
-            return self.post_feedforward_layernorm(self.mlp(h)), residual
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return self.self_attn(h, rope, backend, meta), residual
+
+
+class GemmaDecoderLayer(DecoderLayer):
+    """Gemma's sandwich: a norm after attention (before the residual add), and one before and one after the MLP."""
+    gemma = True
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, ops: ReferenceOps):
+        super().__init__(cfg, layer_idx, ops)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, 1.0)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, 1.0)
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor], rope: Rope, backend: AttentionBackend,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self._attention(x, residual, rope, backend, meta)
+        h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 # HF checkpoint names -> (our fused parameter, shard index) for the fused projections
@@ -136,7 +152,8 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config, self.ops = cfg, ops
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, ops)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops) for i in range(cfg.num_hidden_layers))
+        layer = GemmaDecoderLayer if cfg.gemma else DecoderLayer
+        self.layers = nn.ModuleList(layer(cfg, i, ops) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, 1.0 if cfg.gemma else 0.0)
         # a tied head is made by finalize(), from the loaded embeddings
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, ops)
