@@ -9,6 +9,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest
 import torch
 
+if not torch.cuda.is_available():     # the Triton kernels run on CPU tensors under Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from tests.tiny_models import build_tiny  # noqa: E402
 
 

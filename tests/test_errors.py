@@ -119,3 +119,19 @@ def test_int4_kv_cache_needs_head_dim_in_groups_of_32(tiny_llama):
     with pytest.raises(ValueError, match="kv_cache_dtype='int4' quantises groups of 32 along head_dim, and this "
                                          "model's head_dim is 8; use kv_cache_dtype='int8'"):
         LLM(tiny_llama[0], dtype="float32", kv_cache_memory_gb=0.01, kv_cache_dtype="int4")
+
+
+def test_kv_cache_out_of_memory_names_the_budget(tiny_llama):
+    """A KV budget the device cannot allocate (here more than the address space) is a ValueError naming it."""
+    with pytest.raises(ValueError, match=r"out of memory on cpu allocating the KV cache: [\d,]+ blocks of 16 tokens, "
+                                         r"[\d,.]+ GiB \(kv_cache_memory_gb=1000000.0\); lower kv_cache_memory_gb"):
+        LLM(tiny_llama[0], dtype="float32", kv_cache_memory_gb=1e6, attention_backend="torch")
+
+
+def test_gpu_without_bfloat16_runs_float16(caplog):
+    from tokenmill.config import gpu_half_dtype
+    assert gpu_half_dtype(True) == torch.bfloat16
+    with caplog.at_level("WARNING", logger="tokenmill"):
+        assert gpu_half_dtype(False) == torch.float16
+    assert "this GPU has no bfloat16 (it needs compute capability 8.0, Ampere); the model runs in float16" \
+        in caplog.text

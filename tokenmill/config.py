@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -244,7 +245,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     dtype: torch.dtype
     device: torch.device
-    attention_backend: str = "auto"   # "auto" | "torch" (reference) | "batched" | "cpu" (C kernel)
+    attention_backend: str = "auto"   # "auto" | "torch" (reference) | "batched" | "cpu" (C kernel) | "triton"
     # a GGUF's matrices stay in their quantised blocks on CPU, read by the kernels (layers/quant.py); False
     # dequantises them to float at load (the plain path the kernels are tested against)
     quantized_kernels: bool = True
@@ -267,7 +268,7 @@ class EngineConfig:
 
 def default_dtype(device: torch.device) -> torch.dtype:
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return gpu_half_dtype(torch.cuda.is_bf16_supported())
     # bfloat16 pays on CPUs with native support (AVX512-BF16 / AMX); emulated bf16 is slower than fp32
     return torch.bfloat16 if _cpu_has_bf16() else torch.float32
 
@@ -296,6 +297,15 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {dtype!r}")
     if device.type == "cpu" and out == torch.float16:
         raise ValueError("dtype float16 is not supported on CPU; use float32 or bfloat16")
-    if device.type == "cuda" and out == torch.float32:
-        return out
+    if device.type == "cuda" and out == torch.bfloat16:
+        return gpu_half_dtype(torch.cuda.is_bf16_supported())
     return out
+
+
+def gpu_half_dtype(bf16_supported: bool) -> torch.dtype:
+    """bfloat16 where the GPU computes it (Ampere and later), else float16, said once."""
+    if bf16_supported:
+        return torch.bfloat16
+    logging.getLogger("tokenmill").warning("this GPU has no bfloat16 (it needs compute capability 8.0, Ampere); "
+                                           "the model runs in float16")
+    return torch.float16

@@ -205,7 +205,7 @@ class LLMEngine:
             draft_model = load_model(draft_path, self.draft_config.model_config, torch_dtype, dev, max_model_len,
                                      draft_ckpt, quantized_kernels, cpu_kernels, int8_activations)
         num_blocks = self._size_kv_cache()
-        self.runner = ModelRunner(self.config, self.model, num_blocks, threads)
+        self.runner = self._runner(self.config, self.model, num_blocks, threads)
         # the tokenizer loads on one core (the bundled GGUF's: ~2.4 s); the other faults in the KV cache meanwhile
         with self.runner.faulting_in_kv_cache():
             self.tokenizer = self._load_tokenizer(path) if tokenizer == "auto" else tokenizer
@@ -218,7 +218,7 @@ class LLMEngine:
             dmc = self.draft_config.model_config
             check_draft_tokenizer(self.tokenizer, self._load_tokenizer(self.draft_config.model))
             self.proposer = DraftModelProposer(
-                spec_config, ModelRunner(self.draft_config, draft_model, num_blocks, threads),
+                spec_config, self._runner(self.draft_config, draft_model, num_blocks, threads),
                 KVCacheManager(num_blocks, block_size, enable_caching=False, sliding_window=dmc.sliding_window),
                 max_model_len, max_num_batched_tokens)
         elif spec_config is not None and use_kv_cache:
@@ -248,6 +248,22 @@ class LLMEngine:
         """The KV bytes a block of tokens takes: the target's, and the draft model's beside it."""
         extra = 0 if self.draft_config is None else ModelRunner.kv_bytes_per_block(self.draft_config)
         return ModelRunner.kv_bytes_per_block(self.config) + extra
+
+    def _runner(self, config: EngineConfig, model: DecoderForCausalLM, num_blocks: int, threads) -> ModelRunner:
+        """The model's runner with its KV cache allocated; running out of memory doing so is a ValueError that
+        names the budget it tried."""
+        try:
+            return ModelRunner(config, model, num_blocks, threads)
+        except RuntimeError as e:       # torch.OutOfMemoryError on a GPU, the allocator's RuntimeError on CPU
+            if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
+                raise
+            cc = config.cache_config
+            asked = f"kv_cache_memory_gb={cc.kv_cache_memory_gb}" if cc.kv_cache_memory_gb is not None else \
+                "a share of the free memory"
+            gib = num_blocks * ModelRunner.kv_bytes_per_block(config) / 2 ** 30
+            raise ValueError(f"out of memory on {config.device} allocating the KV cache: {num_blocks:,} blocks of "
+                             f"{cc.block_size} tokens, {gib:,.2f} GiB ({asked}); lower kv_cache_memory_gb, or free "
+                             f"memory on the device") from None
 
     def _size_kv_cache(self) -> int:
         cfg = self.config

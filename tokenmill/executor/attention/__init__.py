@@ -3,6 +3,7 @@ forward() per layer. The backend is chosen once at load (get_backend)."""
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional
 
 import torch
@@ -10,6 +11,7 @@ import torch
 from tokenmill.executor.attention.backend import (AttentionBackend, AttentionMetadata, BatchedBackend,
                                                   TorchReferenceBackend)
 from tokenmill.executor.attention.cpu import CpuKernelBackend, kernel_fits
+from tokenmill.executor.attention.gpu import TritonBackend, triton_fits
 from tokenmill.executor.kernels import KernelLibrary
 
 __all__ = ["AttentionMetadata", "AttentionBackend", "get_backend"]
@@ -20,7 +22,8 @@ def get_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: i
                 kernels: Optional[KernelLibrary], softcap: Optional[float] = None,
                 layer_windows: bool = False) -> AttentionBackend:
     """'auto': the CPU kernels on CPU where they take the model's shapes and attention (else torch, said once),
-    batched SDPA elsewhere; 'cpu', 'batched' or 'torch' by name. kernels: the CPU kernel library, None without one.
+    the Triton kernels on a GPU where Triton is installed and they take the shapes (else torch, said once);
+    'cpu', 'triton', 'batched' or 'torch' by name ('triton' on CPU only under TRITON_INTERPRET=1, for tests). kernels: the CPU kernel library, None without one.
     softcap: the model's attention logit soft cap; layer_windows: whether its layers have sliding windows of their
     own (Gemma)."""
     why_not = "the CPU kernels are off (reference)" if kernels is None else \
@@ -30,7 +33,19 @@ def get_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: i
             return CpuKernelBackend(kernels)
         if device.type == "cpu" and kernels is not None:
             log.warning("attention runs on torch (batched SDPA): the CPU kernels do not take %s", why_not)
+        if device.type == "cuda":
+            why_not = triton_fits(num_heads, num_kv_heads, head_dim)
+            if why_not is None:
+                return TritonBackend(device)
+            log.warning("attention runs on torch (batched SDPA): the Triton kernels do not take %s", why_not)
         return BatchedBackend()
+    if name == "triton":
+        why_not = triton_fits(num_heads, num_kv_heads, head_dim)
+        if why_not is None and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            why_not = "the device is not a GPU (Triton runs on CPU only under TRITON_INTERPRET=1, slowly)"
+        if why_not is not None:
+            raise ValueError(f"attention_backend='triton' cannot run here: {why_not}; use 'auto'")
+        return TritonBackend(device)
     if name == "cpu":
         if why_not is not None or device.type != "cpu":
             raise ValueError(f"attention_backend='cpu' cannot run here: "
@@ -40,4 +55,4 @@ def get_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: i
         return BatchedBackend()
     if name == "torch":
         return TorchReferenceBackend()
-    raise ValueError(f"unknown attention_backend {name!r}; choose auto, cpu, batched or torch")
+    raise ValueError(f"unknown attention_backend {name!r}; choose auto, cpu, triton, batched or torch")

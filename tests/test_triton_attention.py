@@ -1,0 +1,142 @@
+"""The Triton attention kernels (the GPU's backend) against the torch reference: run here on CPU tensors under
+Triton's interpreter (conftest sets TRITON_INTERPRET=1 without a GPU), on the GPU itself where there is one.
+
+Under the interpreter, bfloat16 values are read and converted to float32 correctly but a float32 result is
+truncated, not rounded, when stored as bfloat16; the bfloat16 cases allow for it, as they allow for bfloat16's
+own rounding."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="Triton's wheel is not installed for this platform")
+
+from tests.family_checks import check_prefix_hits, greedy  # noqa: E402
+from tests.test_attention_backends import CASES, _backend, _cache, _clone, _compare_with_reference, _meta  # noqa
+from tests.tiny_models import build_tiny, hf_greedy, random_prompts  # noqa: E402
+from tokenmill import LLM  # noqa: E402
+
+ENGINE = dict(dtype="float32", kv_cache_memory_gb=0.02, max_model_len=512, attention_backend="triton")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("window", [None, 20])
+def test_kernels_match_reference(window, case):
+    """Decodes (one and several, split or not), fresh prompts, prompts over a cached context (later chunks of a
+    chunked prefill, prefix hits) and mixed steps, with and without a sliding window."""
+    _compare_with_reference("triton", window, torch.float32, case, 6, 2, 32)
+
+
+@pytest.mark.parametrize("case", ["mixed", "decode6", "long", "long_prompt"])
+def test_bfloat16_model(case):
+    _compare_with_reference("triton", None, torch.bfloat16, case, 6, 2, 32)
+
+
+# GQA groups of 1, 4 and 8 query heads per kv head; head dims that are not a power of two; Gemma's 256
+@pytest.mark.parametrize("shape", [(4, 4, 40), (8, 2, 64), (8, 1, 80), (16, 2, 256)])
+@pytest.mark.parametrize("case", ["mixed", "long"])
+def test_kernels_take_gqa_groups_and_head_dims(shape, case):
+    _compare_with_reference("triton", None, torch.float32, case, *shape)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16, "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("case", ["mixed", "long"])
+def test_rounded_kv_cache_matches_reference(kv_dtype, case):
+    _compare_with_reference("triton", 20 if case == "mixed" else None, torch.float32, case, 6, 2, 32,
+                            kv_dtype=kv_dtype)
+
+
+@pytest.mark.parametrize("case", ["mixed", "long"])
+def test_layer_window_and_soft_cap(case):
+    """A layer's own window (Gemma's local layers, the model having none) and soft-capped scores (Gemma 2)."""
+    H, KV, D, bs, nblocks = 8, 2, 32, 4, 300
+    ctx, qn, _ = CASES[case]
+    torch.manual_seed(5)
+    cache = _cache(torch.randn(nblocks * bs, KV, D), torch.randn(nblocks * bs, KV, D), torch.float32)
+    q = torch.randn(sum(qn), H, D) * 3           # scores large enough that the cap bends them
+    k, v = torch.randn(sum(qn), KV, D), torch.randn(sum(qn), KV, D)
+    for window, softcap in ((16, None), (None, 5.0), (16, 5.0)):
+        outs = []
+        for name in ("torch", "triton"):
+            be = _backend(name, H, KV, D)
+            be.bind_kv_cache([_clone(cache)])
+            outs.append(be.forward(0, q, k, v, be.prepare(_meta(ctx, qn, bs, None, nblocks)), D ** -0.5,
+                                   window=window, softcap=softcap))
+        torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+
+
+def test_long_decodes_are_split_and_merged():
+    """A long context's decode is split over several programs and the partial results merged by their
+    log-sum-exp; the result is the unsplit one."""
+    be = _backend("triton", 6, 2, 32)
+    be.bind_kv_cache([_cache(torch.randn(1200, 2, 32), torch.randn(1200, 2, 32), torch.float32)])
+    assert be.prepare(_meta([1100, 40], [1, 1], 4, None, 300)).num_splits > 1
+    assert be.prepare(_meta([40], [1], 4, None, 300)).num_splits == 1
+
+
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory):
+    return build_tiny("gemma2", tmp_path_factory.mktemp("gemma2"))
+
+
+def test_engine_token_exact(tiny_llama):
+    """Greedy tokens through the Triton backend equal transformers' for a batch of mixed lengths."""
+    path, hf = tiny_llama
+    llm = LLM(path, **ENGINE)
+    assert llm.llm_engine.runner.backend.name == "triton"
+    prompts = random_prompts([5, 33, 70, 1], seed=11)
+    for p, got in zip(prompts, greedy(llm, prompts, 12)):
+        assert got == hf_greedy(hf, p, 12)
+
+
+def test_engine_chunked_and_preempted(tiny_llama):
+    """Prompts in chunks of 16 beside decodes, in a pool of 4 blocks of 16 that cannot hold two requests' growth."""
+    path, hf = tiny_llama
+    per_block = LLM(path, **ENGINE).llm_engine.kv_bytes_per_block()
+    llm = LLM(path, **{**ENGINE, "max_num_batched_tokens": 16, "max_model_len": 64,
+                       "kv_cache_memory_gb": 4.5 * per_block / 2 ** 30})
+    prompts = random_prompts([30, 5, 22, 9], seed=4)
+    for p, got in zip(prompts, greedy(llm, prompts, 16)):
+        assert got == hf_greedy(hf, p, 16)
+    assert llm.llm_engine.stats.num_preemptions > 0
+    llm.llm_engine.kv.check_integrity()
+
+
+def test_engine_prefix_hits(tiny_llama):
+    check_prefix_hits(*tiny_llama, ENGINE)
+
+
+def test_engine_sliding_window(tiny_mistral_sw):
+    """Prompts longer than the window, whose early blocks the cache frees."""
+    path, hf = tiny_mistral_sw
+    llm = LLM(path, **ENGINE)
+    prompts = random_prompts([45, 7], seed=2)
+    for p, got in zip(prompts, greedy(llm, prompts, 12)):
+        assert got == hf_greedy(hf, p, 12)
+
+
+def test_engine_gemma2_soft_cap_and_layer_windows(gemma2):
+    path, hf = gemma2
+    llm = LLM(path, **ENGINE)
+    prompts = random_prompts([40, 10], seed=2)
+    for p, got in zip(prompts, greedy(llm, prompts, 12)):
+        assert got == hf_greedy(hf, p, 12)
+
+
+def test_engine_fp8_cache_matches_reference(tiny_llama):
+    """An fp8 cache read by the kernels gives the reference backend's tokens over the same cache."""
+    prompts = random_prompts([5, 40], seed=12)
+    got = greedy(LLM(tiny_llama[0], **{**ENGINE, "kv_cache_dtype": "fp8"}), prompts, 12)
+    want = greedy(LLM(tiny_llama[0], **{**ENGINE, "kv_cache_dtype": "fp8", "attention_backend": "torch"}),
+                  prompts, 12)
+    assert got == want
+
+
+def test_refusals(tiny_llama, monkeypatch):
+    with pytest.raises(ValueError, match="kv_cache_dtype='int8' cannot be served by the 'triton' attention "
+                                         "backend: the Triton kernels read float and fp8 caches"):
+        LLM(tiny_llama[0], **{**ENGINE, "kv_cache_dtype": "int8"})
+    if not torch.cuda.is_available():
+        monkeypatch.delenv("TRITON_INTERPRET")
+        with pytest.raises(ValueError, match="attention_backend='triton' cannot run here: the device is not a GPU"):
+            LLM(tiny_llama[0], **ENGINE)

@@ -1,0 +1,99 @@
+"""The GPU's attention backend: the Triton kernels (triton_kernels.py) read K/V in place from the paged cache.
+Decoding requests go to the split-K decode kernel, all in one launch per layer; prompt rows (fresh prompts, later
+chunks of a chunked prefill, prefix-cache hits) to the varlen prompt kernel, in tiles of BLOCK_M rows.
+
+prepare() builds the step's index arrays once for every layer, in one int32 buffer copied to the device in one
+transfer (pinned on CUDA, so the copy does not wait for the host)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from tokenmill.executor.attention.backend import AttentionBackend, AttentionMetadata, extend
+from tokenmill.executor.kv_cache import LayerKV
+
+
+def triton_fits(num_heads: int, num_kv_heads: int, head_dim: int) -> Optional[str]:
+    """None when the Triton kernels can serve these shapes here, else why not (Triton missing included)."""
+    try:
+        from tokenmill.executor.attention import triton_kernels
+    except ImportError as e:
+        return f"Triton is not installed ({e})"
+    return triton_kernels.fits(num_heads, num_kv_heads, head_dim)
+
+
+@dataclass
+class TritonMetadata(AttentionMetadata):
+    qsl: Optional[torch.Tensor] = None            # [B + 1] int32, on the device
+    computed: Optional[torch.Tensor] = None       # [B] num_computed
+    lens: Optional[torch.Tensor] = None           # [B] seq_lens
+    tables: Optional[torch.Tensor] = None         # [B, W] block tables (freed and padding entries: block 0)
+    decode_reqs: Optional[torch.Tensor] = None    # [Bd] requests with one query row
+    tile_req: Optional[torch.Tensor] = None       # [tiles] the request of each prompt tile
+    tile_m0: Optional[torch.Tensor] = None        # [tiles] its first row within the request
+    num_splits: int = 1                           # decode splits of each context (a power of two)
+
+
+class TritonBackend(AttentionBackend):
+    """min_programs: how many decode programs (requests x kv heads x splits) keep the device busy; contexts are
+    split until there are that many, never into pieces shorter than two key tiles."""
+    name = "triton"
+
+    def __init__(self, device: torch.device, min_programs: Optional[int] = None) -> None:
+        super().__init__()
+        from tokenmill.executor.attention import triton_kernels
+        self.kernels = triton_kernels
+        if min_programs is None:     # off a GPU (the interpreter): enough that long contexts take the split path
+            min_programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count \
+                if device.type == "cuda" else 16
+        self.min_programs = min_programs
+
+    def kv_cache_dtype_error(self, dtype: str, device: torch.device) -> Optional[str]:
+        if LayerKV.allocate(1, 1, 32, dtype).k.dtype not in self.kernels.CACHE_DTYPES:
+            return "the Triton kernels read float and fp8 caches (int8 and int4 are the CPU kernels')"
+        return super().kv_cache_dtype_error(dtype, device)
+
+    def prepare(self, meta: AttentionMetadata) -> TritonMetadata:
+        decode, prompt = meta.split()
+        qsl = meta.query_start_loc
+        bm = self.kernels.BLOCK_M
+        tiles = [(i, m0) for i in prompt for m0 in range(0, qsl[i + 1] - qsl[i], bm)]
+        width = max(len(t) for t in meta.block_tables)
+        parts = [qsl, meta.num_computed, meta.seq_lens,
+                 [max(b, 0) for t in meta.block_tables for b in t + [0] * (width - len(t))],
+                 decode, [i for i, _ in tiles], [m0 for _, m0 in tiles]]
+        flat = torch.tensor([x for p in parts for x in p], dtype=torch.int32)
+        if meta.device.type == "cuda":
+            flat = flat.pin_memory().to(meta.device, non_blocking=True)
+        views = list(torch.split(flat, [len(p) for p in parts]))
+        views[3] = views[3].view(meta.num_reqs, width)
+        return extend(meta, TritonMetadata, qsl=views[0], computed=views[1], lens=views[2], tables=views[3],
+                      decode_reqs=views[4] if decode else None, tile_req=views[5] if tiles else None,
+                      tile_m0=views[6], num_splits=self._splits(meta, decode))
+
+    def _splits(self, meta: AttentionMetadata, decode: list[int]) -> int:
+        if not decode or not self.kv_caches:
+            return 1
+        kv_heads = self.kv_caches[0].k.shape[1]
+        longest = max(meta.seq_lens[i] for i in decode)
+        splits = 1
+        while (splits < self.kernels.MAX_SPLITS and len(decode) * kv_heads * splits < self.min_programs
+               and longest >= 4 * self.kernels.BLOCK_N * splits):
+            splits *= 2
+        return splits
+
+    def _attend(self, q, k, v, cache: LayerKV, meta: TritonMetadata, scale, window, softcap) -> torch.Tensor:
+        if q.stride(2) != 1:
+            q = q.contiguous()
+        out = torch.empty_like(q)
+        bs = meta.block_size
+        if meta.decode_reqs is not None:
+            self.kernels.paged_decode(out, q, cache.k, cache.v, cache.k_scale, cache.v_scale, meta.qsl, meta.lens,
+                                      meta.tables, meta.decode_reqs, meta.num_splits, bs, scale, window, softcap)
+        if meta.tile_req is not None:
+            self.kernels.paged_prompt(out, q, cache.k, cache.v, cache.k_scale, cache.v_scale, meta.qsl,
+                                      meta.computed, meta.tables, meta.tile_req, meta.tile_m0, bs, scale, window,
+                                      softcap)
+        return out
