@@ -10,8 +10,9 @@ VOCAB = 320
 
 
 def _configs() -> dict:
-    from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config,
-                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
+    from transformers import (DeepseekV2Config, DeepseekV3Config, Gemma2Config, Gemma3TextConfig, LlamaConfig,
+                              MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+                              Qwen3MoeConfig)
     common = dict(vocab_size=VOCAB, max_position_embeddings=512, eos_token_id=None, bos_token_id=None,
                   pad_token_id=None, initializer_range=0.1)
     return {
@@ -78,6 +79,23 @@ def _configs() -> dict:
                                             decoder_sparse_step=2, tie_word_embeddings=False, **common),
         "qwen3": lambda: Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                                      num_key_value_heads=2, head_dim=24, tie_word_embeddings=False, **common),
+        # latent attention without a query bottleneck; top-2 of 8 experts within the best 1 of 2 groups (softmax,
+        # not renormalised), one shared expert, a dense first layer
+        "deepseek_v2": lambda: DeepseekV2Config(
+            hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=24,
+            v_head_dim=20, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+            topk_method="group_limited_greedy", n_group=2, topk_group=1, routed_scaling_factor=2.0,
+            tie_word_embeddings=False, **common),
+        # a query bottleneck, interleaved rope with yarn scaling (its softmax mscale), sigmoid routing with a bias
+        # (build_tiny makes it random) over the best 2 of 4 groups, renormalised and scaled
+        "deepseek_v3": lambda: DeepseekV3Config(
+            hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=24,
+            v_head_dim=20, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+            n_group=4, topk_group=2, routed_scaling_factor=2.5, tie_word_embeddings=False,
+            rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                          "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}, **common),
     }
 
 
@@ -90,6 +108,9 @@ def build_tiny(kind: str, path: Path, seed: int = 0):
     torch.manual_seed(seed)
     cfg = _configs()[kind]()
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    for name, buf in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):      # zeros at init: random, so that the choice uses it
+            buf.copy_(torch.rand_like(buf) * 0.5)
     model.save_pretrained(path)
     return str(path), model
 

@@ -13,11 +13,14 @@ from tokenmill.layout import sliding_layers, sparse_layers
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM",
-                           "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+                           "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM",
+                           "DeepseekV3ForCausalLM")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 ROPE_TYPES = ("linear", "llama3", "yarn", "longrope")      # besides the default (layers/rotary.py)
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+TOPK_METHODS = ("greedy", "group_limited_greedy")        # DeepSeek-V2's routings (V3 always routes by groups)
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,25 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     shared_expert_intermediate_size: int = 0
+    # DeepSeek's routing: softmax or sigmoid scores (V3, plus a per-expert bias for the choice only), experts
+    # picked among the topk_group best of n_group groups (V2's group_limited_greedy: a group's best score; V3: its
+    # best two), the weights times routed_scaling_factor; its shared experts have no gate
+    moe_scoring: str = "softmax"
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_gated: bool = True
+    # DeepSeek's Multi-head Latent Attention (kv_lora_rank > 0): the cache holds per token the normalised latent
+    # (kv_lora_rank) and one rotary key (qk_rope_head_dim) shared by all heads; queries are of qk_nope_head_dim +
+    # qk_rope_head_dim per head (through a q_lora_rank bottleneck, or none), values of v_head_dim; rope_interleave:
+    # the rotary dims come as interleaved pairs
+    kv_lora_rank: int = 0
+    q_lora_rank: Optional[int] = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
 
     @staticmethod
     def from_hf_dict(cfg: dict[str, Any]) -> "ModelConfig":
@@ -105,7 +127,7 @@ class ModelConfig:
             # transformers slides only some of these layers (Qwen's max_window_layers): one window for all is wrong
             raise ValueError(f"{arch}: sliding windows on some layers only (layer_types) are implemented for Gemma, "
                              f"not here; set use_sliding_window false or use a config without mixed layer_types")
-        moe = _moe_fields(arch, cfg)
+        moe = _moe_fields(arch, cfg) if arch not in DEEPSEEK_ARCHITECTURES else _deepseek_fields(arch, cfg)
         return ModelConfig(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -114,7 +136,8 @@ class ModelConfig:
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or hidden // heads,
+            head_dim=cfg.get("qk_rope_head_dim") if arch in DEEPSEEK_ARCHITECTURES else
+            cfg.get("head_dim") or hidden // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             rope_scaling=scaling,
@@ -141,6 +164,25 @@ class ModelConfig:
     @property
     def num_layers(self) -> int:
         return self.num_hidden_layers
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def cache_kv_heads(self) -> int:
+        """The KV cache's heads per token: the model's kv heads, or latent attention's one latent."""
+        return 1 if self.mla else self.num_key_value_heads
+
+    @property
+    def cache_head_dim(self) -> int:
+        """The KV cache's dims per head: head_dim, or the latent and the rotary key (its value is the latent)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim if self.mla else self.head_dim
+
+    @property
+    def cache_value_dim(self) -> Optional[int]:
+        """Latent attention's values: the first kv_lora_rank dims of each cached key (None: K and V apart)."""
+        return self.kv_lora_rank if self.mla else None
 
     @property
     def rotary_dim(self) -> int:
@@ -199,6 +241,35 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
                 shared_expert_intermediate_size=(cfg.get("shared_expert_intermediate_size") or 0)
                 if arch == "Qwen2MoeForCausalLM" else 0)
+
+
+def _deepseek_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's latent attention and routing fields of DeepSeek-V2/V3, as transformers reads them: the layers
+    from first_k_dense_replace on are sparse; V2 never renormalises its top-k weights."""
+    v3 = arch == "DeepseekV3ForCausalLM"
+    experts = cfg.get("n_routed_experts") or 0
+    top_k = cfg.get("num_experts_per_tok") or 0
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"{arch}: num_experts_per_tok={top_k} must be in [1, n_routed_experts={experts}]")
+    method = "group_limited_greedy" if v3 else cfg.get("topk_method") or "greedy"
+    if method not in TOPK_METHODS:
+        raise ValueError(f"{arch}: topk_method {method!r} is not implemented; tokenmill's are {', '.join(TOPK_METHODS)}")
+    groups, topk_group = (cfg.get("n_group") or 1, cfg.get("topk_group") or 1) if method != "greedy" else (1, 1)
+    if experts % groups or not 1 <= topk_group <= groups:
+        raise ValueError(f"{arch}: n_group={groups} must divide n_routed_experts={experts}, and topk_group="
+                         f"{topk_group} be in [1, n_group]")
+    if not cfg.get("kv_lora_rank"):
+        raise ValueError(f"{arch}: kv_lora_rank is required (latent attention)")
+    layers = cfg["num_hidden_layers"]
+    return dict(moe_layers=tuple(range(cfg.get("first_k_dense_replace") or 0, layers)), num_experts=experts,
+                num_experts_per_tok=top_k, moe_intermediate_size=cfg["moe_intermediate_size"],
+                norm_topk_prob=bool(cfg.get("norm_topk_prob")) and v3,
+                shared_expert_intermediate_size=cfg["moe_intermediate_size"] * (cfg.get("n_shared_experts") or 0),
+                shared_expert_gated=False, moe_scoring="sigmoid" if v3 else "softmax", topk_method=method,
+                n_group=groups, topk_group=topk_group, routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1)),
+                kv_lora_rank=cfg["kv_lora_rank"], q_lora_rank=cfg.get("q_lora_rank"),
+                qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
+                v_head_dim=cfg["v_head_dim"], rope_interleave=bool(cfg.get("rope_interleave", True)) or not v3)
 
 
 @dataclass(frozen=True)

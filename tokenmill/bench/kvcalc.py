@@ -3,7 +3,8 @@ sequences of N tokens fit in M GB once the weights are loaded (`tokenmill kv-cal
 
 KV arithmetic: 2 (K and V) × layers × kv_heads × head_dim × bytes per token. Context is never free: every
 token of every running sequence holds this much memory until the sequence ends. GQA/MQA shrink it by sharing
-K/V heads; a sliding-window layer stops growing at its window.
+K/V heads; a sliding-window layer stops growing at its window; DeepSeek's latent attention (MLA) keeps one vector
+per layer, the latent and the rotary key (kv_lora_rank + qk_rope_head_dim), for K and V of every head.
 """
 from __future__ import annotations
 
@@ -67,10 +68,18 @@ class KVShape:
     num_kv_heads: int
     head_dim: int
     layer_windows: tuple[Optional[int], ...]  # per layer: None = full attention, else its sliding window
+    latent_dim: Optional[int] = None          # MLA: the one vector a token keeps per layer (head_dim is it then)
 
     @property
     def attention(self) -> str:
+        if self.latent_dim is not None:
+            return "MLA"
         return "MHA" if self.num_kv_heads == self.num_heads else "MQA" if self.num_kv_heads == 1 else "GQA"
+
+    @property
+    def vectors(self) -> int:
+        """Vectors a token keeps per layer: K and V of each kv head, or MLA's one latent."""
+        return 1 if self.latent_dim is not None else 2 * self.num_kv_heads
 
     def head_bytes(self, kv_dtype: str = "bf16") -> int:
         """One token's K (or V) for one head, scales included."""
@@ -78,12 +87,12 @@ class KVShape:
 
     def bytes_per_token(self, kv_dtype: str = "bf16") -> int:
         """Full-attention cost of one more token (before any window caps it)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_bytes(kv_dtype)
+        return self.vectors * self.num_layers * self.head_bytes(kv_dtype)
 
     def bytes_per_seq(self, context: int, kv_dtype: str = "bf16") -> int:
         """One sequence of `context` tokens: each layer keeps min(context, its window) tokens."""
         kept = sum(context if w is None else min(context, w) for w in self.layer_windows)
-        return 2 * self.num_kv_heads * self.head_bytes(kv_dtype) * kept
+        return self.vectors * self.head_bytes(kv_dtype) * kept
 
 
 def _get(cfg: Any, *names: str, default: Any = None) -> Any:
@@ -103,6 +112,9 @@ def kv_shape(cfg: Any) -> KVShape:
         raise ValueError("config needs num_hidden_layers and num_attention_heads")
     kv = _get(cfg, "num_key_value_heads", "num_kv_heads", "n_head_kv",
               default=1 if _get(cfg, "multi_query") else heads)
+    if _get(cfg, "kv_lora_rank"):          # latent attention: one latent and one rotary key per token per layer
+        latent = int(_get(cfg, "kv_lora_rank") + _get(cfg, "qk_rope_head_dim", default=0))
+        return KVShape(int(layers), int(heads), 1, latent, (None,) * int(layers), latent)
     head_dim = _get(cfg, "head_dim")
     if head_dim is None:
         hidden = _get(cfg, "hidden_size", "n_embd")
@@ -164,7 +176,9 @@ def format_report(r: dict[str, Any], label: str = "") -> str:
         f"({r['attention']}), head_dim {r['head_dim']}{slide}",
         f"KV dtype: {r['kv_dtype']} ({r['dtype_bytes']:g} B{_scales_note(r['kv_dtype'], ' + ')})",
         f"per token: {r['bytes_per_token']:,} B = 2 x {r['num_layers']} layers x {r['num_kv_heads']} kv_heads"
-        f" x {_head_formula(r)}",
+        f" x {_head_formula(r)}" if r["latent_dim"] is None else
+        f"per token: {r['bytes_per_token']:,} B = {r['num_layers']} layers x 1 latent (K and V of every head) x "
+        f"{_head_formula(r)}",
         f"per sequence of {r['context']:,} tokens: {r['bytes_per_seq']:,} B = {_human(r['bytes_per_seq'])}",
     ]
     if windows:
@@ -258,9 +272,29 @@ def param_count(cfg: Any) -> ParamCount:
         raise ValueError(f"counting weights needs {', '.join(missing)} in the config")
     q, kv, layers = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_layers
     tied = bool(_get(cfg, "tie_word_embeddings", default=False))  # Llama/Mistral/Qwen default to untied
+    if s.latent_dim is not None:
+        return _latent_params(cfg, s, vocab, hidden, ffn, tied)
     return ParamCount(embedding=vocab * hidden, attention=layers * (hidden * (q + 2 * kv) + q * hidden),
                       mlp=_mlp_params(cfg, hidden, ffn, layers), lm_head=0 if tied else vocab * hidden,
                       vectors=layers * (2 * hidden + _layer_extras(cfg, s, hidden, ffn)) + hidden)
+
+
+def _latent_params(cfg: Any, s: KVShape, vocab: int, hidden: int, ffn: int, tied: bool) -> ParamCount:
+    """DeepSeek-V2/V3: latent attention's projections, dense layers before first_k_dense_replace, then routed
+    experts with their router and ungated shared experts."""
+    heads, layers, rank = s.num_heads, s.num_layers, _get(cfg, "kv_lora_rank")
+    nope, rope, v = (_get(cfg, n) for n in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    q_rank = _get(cfg, "q_lora_rank")
+    q = hidden * q_rank + q_rank * heads * (nope + rope) if q_rank else hidden * heads * (nope + rope)
+    attention = q + hidden * (rank + rope) + rank * heads * (nope + v) + heads * v * hidden
+    dense = min(_get(cfg, "first_k_dense_replace", default=0), layers)
+    experts, inter = _get(cfg, "n_routed_experts", default=0), _get(cfg, "moe_intermediate_size", default=0)
+    shared = inter * (_get(cfg, "n_shared_experts", default=0) or 0)
+    per_sparse = experts * (3 * hidden * inter + hidden) + 3 * hidden * shared
+    norms = 2 * hidden + rank + (q_rank or 0)
+    return ParamCount(embedding=vocab * hidden, attention=layers * attention,
+                      mlp=dense * 3 * hidden * ffn + (layers - dense) * per_sparse,
+                      lm_head=0 if tied else vocab * hidden, vectors=layers * norms + hidden)
 
 
 def _mlp_params(cfg: Any, hidden: int, ffn: int, layers: int) -> int:

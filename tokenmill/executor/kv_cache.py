@@ -35,10 +35,17 @@ class LayerKV:
 
     @staticmethod
     def allocate(slots: int, kv_heads: int, head_dim: int, dtype: str,
-                 device: torch.device = torch.device("cpu")) -> "LayerKV":
+                 device: torch.device = torch.device("cpu"), value_dim: Optional[int] = None) -> "LayerKV":
         """dtype: a name in FORMATS, or any torch dtype's name off CPU. Untouched memory (torch.empty): attention
-        reads only slots that a step wrote."""
+        reads only slots that a step wrote. value_dim: V is the first value_dim dims of K, stored once (latent
+        attention: the latent is both), in a float cache."""
         check_kv_dtype(dtype, head_dim)
+        if value_dim is not None:
+            if dtype not in ("float32", "bfloat16", "float16"):
+                raise ValueError(f"kv_cache_dtype={dtype!r}: latent attention's cache is float (auto, bfloat16 or "
+                                 f"float32); its latent is already a compressed K/V")
+            k = torch.empty(slots, kv_heads, head_dim, dtype=getattr(torch, dtype), device=device)
+            return LayerKV(k, k[..., :value_dim])
         codes, scales = _shapes(slots, kv_heads, head_dim, dtype)
         k, v = (torch.empty(codes, dtype=_CODES.get(dtype) or getattr(torch, dtype), device=device) for _ in "kv")
         if dtype in FP8:      # vLLM's default scale where a checkpoint brings none
@@ -49,13 +56,14 @@ class LayerKV:
         return LayerKV(k, v, *(torch.empty(scales, dtype=scale_dtype, device=device) for _ in "kv"))
 
     @staticmethod
-    def bytes_per_slot(kv_heads: int, head_dim: int, dtype: str) -> int:
-        """K and V of one token of one layer, its scales included (fp8's are the layer's, not a token's)."""
+    def bytes_per_slot(kv_heads: int, head_dim: int, dtype: str, value_dim: Optional[int] = None) -> int:
+        """K and V of one token of one layer, its scales included (fp8's are the layer's, not a token's); with
+        value_dim (V inside K), K's alone."""
         codes, scales = _shapes(1, kv_heads, head_dim, dtype)
         n = math.prod(codes) * (_CODES.get(dtype) or getattr(torch, dtype)).itemsize
         if scales is not None:
             n += math.prod(scales) * (4 if dtype == "int8" else 2)
-        return 2 * n
+        return n if value_dim is not None else 2 * n
 
     @property
     def dtype(self) -> str:
@@ -77,14 +85,24 @@ class LayerKV:
         """tm_kv_cache.format."""
         return FORMATS[self.dtype]
 
+    @property
+    def value_in_key(self) -> bool:
+        """V is a view of K's first dims (latent attention), stored once."""
+        return self.v.data_ptr() == self.k.data_ptr()
+
+    def planes(self) -> tuple[torch.Tensor, ...]:
+        """K and V's codes, each stored tensor once."""
+        return (self.k,) if self.value_in_key else (self.k, self.v)
+
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None]
+        return [t for t in (*self.planes(), self.k_scale, self.v_scale) if t is not None]
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [T, KV, D] into their slots, converted or quantised."""
         if not self.quantized:
             self.k[slots] = k.to(self.k.dtype)
-            self.v[slots] = v.to(self.v.dtype)
+            if not self.value_in_key:     # else V is K's first dims, just written
+                self.v[slots] = v.to(self.v.dtype)
             return
         if self.dtype in FP8:
             self.k[slots] = quantize_fp8(k, self.k_scale, self.k.dtype)

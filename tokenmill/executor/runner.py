@@ -54,8 +54,8 @@ class ModelRunner:
         mc = config.model_config
         self.block_size = config.cache_config.block_size
         self.backend = get_backend(config.attention_backend, self.device, mc.num_attention_heads,
-                                   mc.num_key_value_heads, mc.head_dim, model.ops.kernels, mc.attn_logit_softcapping,
-                                   any(w is not None for w in mc.layer_windows))
+                                   mc.cache_kv_heads, mc.cache_head_dim, model.ops.kernels, mc.attn_logit_softcapping,
+                                   any(w is not None for w in mc.layer_windows), mc.cache_value_dim)
         why_not = self.backend.kv_cache_dtype_error(config.kv_cache_dtype, self.device)
         if why_not is not None:
             raise ValueError(f"kv_cache_dtype={config.cache_config.cache_dtype!r} cannot be served by the "
@@ -65,8 +65,8 @@ class ModelRunner:
         # Untouched memory: start-up does not wait for the whole budget to be touched (kv_pages faults it in while
         # the engine loads the tokenizer, and in a server between requests);
         # attention reads only slots that this or an earlier step wrote (padding repeats a real slot)
-        self.kv_caches = [LayerKV.allocate(num_blocks * self.block_size, mc.num_key_value_heads, mc.head_dim,
-                                           config.kv_cache_dtype, self.device)
+        self.kv_caches = [LayerKV.allocate(num_blocks * self.block_size, mc.cache_kv_heads, mc.cache_head_dim,
+                                           config.kv_cache_dtype, self.device, mc.cache_value_dim)
                           for _ in range(mc.num_hidden_layers)]
         for kv in self.kv_caches:
             for t in kv.tensors():
@@ -74,7 +74,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory()
         self.backend.bind_kv_cache(self.kv_caches)
-        self.kv_pages = PageToucher(model.ops.kernels, [t for kv in self.kv_caches for t in (kv.k, kv.v)])
+        self.kv_pages = PageToucher(model.ops.kernels, [t for kv in self.kv_caches for t in kv.planes()])
         self.sampler = Sampler(mc.vocab_size, set(mc.eos_token_ids), model.ops.argmax)
         self.threads = threads or FixedThreads(torch.get_num_threads())
 
@@ -88,7 +88,8 @@ class ModelRunner:
     @staticmethod
     def kv_bytes_per_block(config: EngineConfig) -> int:
         mc = config.model_config
-        per_slot = LayerKV.bytes_per_slot(mc.num_key_value_heads, mc.head_dim, config.kv_cache_dtype)
+        per_slot = LayerKV.bytes_per_slot(mc.cache_kv_heads, mc.cache_head_dim, config.kv_cache_dtype,
+                                          mc.cache_value_dim)
         return mc.num_hidden_layers * config.cache_config.block_size * per_slot
 
     @torch.inference_mode()

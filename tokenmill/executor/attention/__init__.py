@@ -20,27 +20,27 @@ log = logging.getLogger("tokenmill")
 
 def get_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int,
                 kernels: Optional[KernelLibrary], softcap: Optional[float] = None,
-                layer_windows: bool = False) -> AttentionBackend:
+                layer_windows: bool = False, value_dim: Optional[int] = None) -> AttentionBackend:
     """'auto': the CPU kernels on CPU where they take the model's shapes and attention (else torch, said once),
     the Triton kernels on a GPU where Triton is installed and they take the shapes (else torch, said once);
     'cpu', 'triton', 'batched' or 'torch' by name ('triton' on CPU only under TRITON_INTERPRET=1, for tests). kernels: the CPU kernel library, None without one.
     softcap: the model's attention logit soft cap; layer_windows: whether its layers have sliding windows of their
-    own (Gemma)."""
+    own (Gemma); value_dim: values narrower than keys (latent attention's), which only torch attends."""
     why_not = "the CPU kernels are off (reference)" if kernels is None else \
-        kernel_fits(kernels, num_heads, num_kv_heads, head_dim, softcap, layer_windows)
+        kernel_fits(kernels, num_heads, num_kv_heads, head_dim, softcap, layer_windows, value_dim)
     if name == "auto":
         if device.type == "cpu" and why_not is None:
             return CpuKernelBackend(kernels)
         if device.type == "cpu" and kernels is not None:
             log.warning("attention runs on torch (batched SDPA): the CPU kernels do not take %s", why_not)
         if device.type == "cuda":
-            why_not = triton_fits(num_heads, num_kv_heads, head_dim)
+            why_not = triton_fits(num_heads, num_kv_heads, head_dim, value_dim)
             if why_not is None:
                 return TritonBackend(device)
             log.warning("attention runs on torch (batched SDPA): the Triton kernels do not take %s", why_not)
         return BatchedBackend()
     if name == "triton":
-        why_not = triton_fits(num_heads, num_kv_heads, head_dim)
+        why_not = triton_fits(num_heads, num_kv_heads, head_dim, value_dim)
         if why_not is None and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             why_not = "the device is not a GPU (Triton runs on CPU only under TRITON_INTERPRET=1, slowly)"
         if why_not is not None:

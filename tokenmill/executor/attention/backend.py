@@ -122,7 +122,8 @@ class AttentionBackend:
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 scale: float, window: Optional[int] = None, softcap: Optional[float] = None) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KV, D], written into the layer's cache first. Returns [T, H, D]. window: this
+        """q: [T, H, D]; k, v: [T, KV, D] (v's D may be narrower: latent attention), written into the layer's cache
+        first. Returns [T, H, v's D]. window: this
         layer's sliding window (Gemma's local layers; else the model's, meta.sliding_window); softcap: tanh
         soft-capping of the scores (Gemma 2)."""
         cache = self.kv_caches[layer]
@@ -151,7 +152,7 @@ class TorchReferenceBackend(AttentionBackend):
     name = "torch"
 
     def _attend(self, q, k, v, cache, meta, scale, window, softcap):
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:2], v.shape[-1])
         for i in range(meta.num_reqs):
             a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             out[a:b] = self._one_request(q[a:b], cache, meta, i, scale, window, softcap)
@@ -201,7 +202,7 @@ class BatchedBackend(AttentionBackend):
         return out
 
     def _attend(self, q, k, v, cache, meta, scale, window, softcap):
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:2], v.shape[-1])      # values may be narrower than keys (latent attention)
         if meta.decode_rows is not None:
             rows = meta.decode_rows
             keys, vals = cache.read(meta.decode_slots, q.dtype)

@@ -24,9 +24,13 @@ _KV_FORMATS = {"float32": "TM_KV_F32", "bfloat16": "TM_KV_BF16", "int8": "TM_KV_
 
 
 def kernel_fits(kernels: KernelLibrary, num_heads: int, num_kv_heads: int, head_dim: int,
-                softcap: Optional[float] = None, layer_windows: bool = False) -> Optional[str]:
+                softcap: Optional[float] = None, layer_windows: bool = False,
+                value_dim: Optional[int] = None) -> Optional[str]:
     """None when the attention kernels take these shapes (tokenmill.h's TM_ATTN_ limits) and this attention, else
-    why not. They take one sliding window for every layer, and no soft-capping of the scores."""
+    why not. They take one sliding window for every layer, no soft-capping of the scores, and values as wide as
+    keys."""
+    if value_dim is not None:
+        return "values narrower than keys (latent attention)"
     if softcap is not None:
         return "attention logit soft-capping"
     if layer_windows:

@@ -15,8 +15,10 @@ from tokenmill.executor.attention.backend import AttentionBackend, AttentionMeta
 from tokenmill.executor.kv_cache import LayerKV
 
 
-def triton_fits(num_heads: int, num_kv_heads: int, head_dim: int) -> Optional[str]:
+def triton_fits(num_heads: int, num_kv_heads: int, head_dim: int, value_dim: Optional[int] = None) -> Optional[str]:
     """None when the Triton kernels can serve these shapes here, else why not (Triton missing included)."""
+    if value_dim is not None:
+        return "values narrower than keys (latent attention)"
     try:
         from tokenmill.executor.attention import triton_kernels
     except ImportError as e:

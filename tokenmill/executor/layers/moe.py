@@ -1,5 +1,6 @@
-"""The Mixture-of-Experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router scores every expert per token, the top k
-run, and their outputs are summed by the router's (renormalised) weights. Each expert is a gated MLP of its own,
+"""The Mixture-of-Experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3): a router scores every expert per
+token, the top k run (DeepSeek: among the best groups of experts only), and their outputs are summed by the
+router's (renormalised, scaled) weights. Each expert is a gated MLP of its own,
 float or quantised like any other; the plan's fused_moe op groups the tokens by expert so that each active expert
 runs once for all its tokens."""
 from __future__ import annotations
@@ -17,21 +18,44 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, ops, make_mlp: Callable[[int], nn.Module]):
         """make_mlp(intermediate size) builds one gated MLP (an expert, or the shared expert)."""
         super().__init__()
-        self.ops = ops
-        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.ops, self.cfg = ops, cfg
         self.gate = Linear(cfg.hidden_size, cfg.num_experts, False, ops)            # the router
+        # DeepSeek-V3: a per-expert bias added to the scores for choosing experts only (float32, as transformers)
+        self.e_score_correction_bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.moe_scoring == "sigmoid" \
+            else None
         self.experts = nn.ModuleList(make_mlp(cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
         shared = cfg.shared_expert_intermediate_size
         self.shared_expert: Optional[nn.Module] = make_mlp(shared) if shared else None
-        self.shared_expert_gate = Linear(cfg.hidden_size, 1, False, ops) if shared else None
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1, False, ops) if shared and cfg.shared_expert_gated \
+            else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, expert ids) [T, k] of each token, in float32."""
+        cfg = self.cfg
+        logits = self.gate(x).float()
+        scores = logits.sigmoid() if cfg.moe_scoring == "sigmoid" else logits.softmax(dim=-1)
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias.float()
+        if cfg.topk_method == "group_limited_greedy":
+            groups = choice.view(x.shape[0], cfg.n_group, -1)
+            # a group's score: its best expert's (V2), or its best two's sum (V3)
+            best = groups.max(dim=-1).values if cfg.moe_scoring == "softmax" else groups.topk(2, dim=-1)[0].sum(-1)
+            kept = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(cfg.topk_group, dim=-1)[1], True)
+            out = 0.0 if cfg.moe_scoring == "softmax" else float("-inf")
+            choice = choice.masked_fill(~kept[:, :, None].expand_as(groups).reshape_as(choice), out)
+        ids = choice.topk(cfg.num_experts_per_tok, dim=-1)[1]
+        # the weights: V3's from the unbiased scores, V2's from the masked ones (an expert of a dropped group weighs 0)
+        weights = (choice if self.e_score_correction_bias is None else scores).gather(1, ids)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
-        probs = self.gate(x).float().softmax(dim=-1)
-        weights, ids = probs.topk(self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, ids = self.route(x)
         out = self.ops.fused_moe(x, weights, ids, self.experts)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         return out

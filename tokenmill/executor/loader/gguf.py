@@ -37,7 +37,11 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "deepseek2": ("deepseek_v2", "DeepseekV2ForCausalLM"),
 }
+# a "deepseek2" GGUF whose experts are gated by sigmoid scores (llama.cpp's expert_gating_func 2) is DeepSeek-V3
+_DEEPSEEK3 = ("deepseek_v3", "DeepseekV3ForCausalLM")
+_SIGMOID_GATING = 2
 # a "llama" GGUF with experts is Mixtral
 _MIXTRAL = ("mixtral", "MixtralForCausalLM")
 # whether the router's top-k weights are renormalised, where the file does not say (llama.cpp's choice per arch)
@@ -86,8 +90,16 @@ _ARCH_NAMES: dict[str, dict[str, str]] = {
     "Gemma2ForCausalLM": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                           "post_ffw_norm": "post_feedforward_layernorm"},
     "Phi3ForCausalLM": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    # latent attention's projections; recent converters split kv_b into k_b ([heads, rank, nope], transposed) and
+    # v_b ([heads, v, rank]), which read_gguf joins back; exp_probs_b is V3's routing bias
+    "DeepseekV2ForCausalLM": {"attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm",
+                              "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+                              "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
+                              "attn_k_b": "self_attn.k_b_proj", "attn_v_b": "self_attn.v_b_proj",
+                              "exp_probs_b": "mlp.gate"},
 }
 _ARCH_NAMES["Gemma3ForCausalLM"] = _ARCH_NAMES["Gemma2ForCausalLM"]
+_ARCH_NAMES["DeepseekV3ForCausalLM"] = _ARCH_NAMES["DeepseekV2ForCausalLM"]
 
 
 def layer_names(hf_arch: str) -> dict[str, str]:
@@ -294,6 +306,8 @@ def _config(f: GGUFFile) -> dict[str, Any]:
     experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
     if arch == "llama" and experts:
         model_type, hf_arch = _MIXTRAL
+    if arch == "deepseek2" and meta.get(f"{arch}.expert_gating_func") == _SIGMOID_GATING:
+        model_type, hf_arch = _DEEPSEEK3
 
     def get(key: str, default: Any = None) -> Any:
         key = f"{arch}.{key}"
@@ -347,7 +361,9 @@ def _config(f: GGUFFile) -> dict[str, Any]:
         cfg["rope_parameters"]["partial_rotary_factor"] = cfg["partial_rotary_factor"]
     if f"{arch}.attention.sliding_window" in meta:
         cfg["sliding_window"] = int(get("attention.sliding_window"))
-    if experts:
+    if arch == "deepseek2":
+        cfg.update(_deepseek_config(meta, arch, experts, cfg, scaling))
+    elif experts:
         cfg.update(_moe_config(meta, arch, experts, cfg, tensors))
     if arch in ("gemma2", "gemma3"):
         cfg.update(_gemma_config(meta, arch, cfg))
@@ -378,6 +394,44 @@ def _gemma_config(meta: dict[str, Any], arch: str, cfg: dict[str, Any]) -> dict[
     }
     if arch == "gemma3":
         out["rope_local_base_freq"] = 10000.0
+    return out
+
+
+def _deepseek_config(meta: dict[str, Any], arch: str, experts: int, cfg: dict[str, Any],
+                     scaling: dict[str, Any] | None) -> dict[str, Any]:
+    """DeepSeek-V2/V3's HF keys. key_length and value_length are the latent's (rank + rope, rank) where the file
+    also has the _mla lengths (the heads' own), else the heads'. The file keeps rope dims interleaved, as HF does.
+    Expert groups only where the file names them: without, experts are picked among all (as llama.cpp does)."""
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata is missing {arch}.{key}")
+        return _scalar(value, key)
+
+    rope = int(get("rope.dimension_count"))
+    key_len = int(get("attention.key_length_mla", 0) or get("attention.key_length"))
+    v_len = int(get("attention.value_length_mla", 0) or get("attention.value_length"))
+    groups, used = int(get("expert_group_count", 1)), int(get("expert_group_used_count", 1))
+    v3 = cfg["architectures"] == [_DEEPSEEK3[1]]
+    out: dict[str, Any] = {
+        "kv_lora_rank": int(get("attention.kv_lora_rank")), "q_lora_rank": meta.get(f"{arch}.attention.q_lora_rank"),
+        "qk_rope_head_dim": rope, "qk_nope_head_dim": key_len - rope, "v_head_dim": v_len, "head_dim": rope,
+        "num_key_value_heads": cfg["num_attention_heads"], "rope_interleave": True,
+        "n_routed_experts": experts, "num_experts_per_tok": int(get("expert_used_count")),
+        "n_shared_experts": int(get("expert_shared_count", 0)),
+        "moe_intermediate_size": int(get("expert_feed_forward_length")),
+        "first_k_dense_replace": int(get("leading_dense_block_count", 0)),
+        "routed_scaling_factor": _f32(get("expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(get("expert_weights_norm", False)),
+        "n_group": groups, "topk_group": used,
+        "topk_method": "group_limited_greedy" if groups > 1 or v3 else "greedy",
+    }
+    log_mul = meta.get(f"{arch}.rope.scaling.yarn_log_multiplier")
+    if scaling is not None and scaling["rope_type"] == "yarn" and log_mul:
+        # llama.cpp keeps 0.1 * mscale_all_dim; DeepSeek's configs set mscale to the same value
+        m = round(float(log_mul) / 0.1, 6)
+        scaling.update(mscale=m, mscale_all_dim=m)
+        out["rope_parameters"] = {**cfg["rope_parameters"], **scaling}
     return out
 
 
@@ -432,6 +486,19 @@ def hf_name(gguf_name: str, names: dict[str, str] | None = None, expert: int = 0
         raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent we know of")
     layer, kind, suffix = m.groups()
     return f"model.layers.{layer}.{names[kind].format(e=expert)}.{suffix}"
+
+
+def _joined_kv_b(name: str, half: torch.Tensor, seen: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor] | None:
+    """kv_b_proj [heads * (nope + v), rank] once both of a layer's halves have come: k_b [heads, rank, nope]
+    (stored transposed) and v_b [heads, v, rank]."""
+    layer = name.rsplit(".", 2)[0]
+    other = seen.pop(layer, None)
+    if other is None:
+        seen[layer] = half
+        return None
+    k_b, v_b = (half, other) if name.endswith(".k_b_proj.weight") else (other, half)
+    w = torch.cat([k_b.transpose(1, 2), v_b], dim=1)
+    return f"{layer}.kv_b_proj.weight", w.reshape(-1, w.shape[-1])
 
 
 def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -489,9 +556,18 @@ def read_gguf(path: str) -> GGUFCheckpoint:
 
     def tensors(keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
         in_float: list[str] = []
+        latent_halves: dict[str, torch.Tensor] = {}      # a layer's k_b or v_b, until its other half comes
         for info in f.tensors.values():
             name = hf_name(info.name, names)
             if name is None:
+                continue
+            if name.endswith((".k_b_proj.weight", ".v_b_proj.weight")):
+                kv_b = _joined_kv_b(name, _dequantize(f, info), latent_halves)
+                if kv_b is not None:
+                    yield kv_b
+                continue
+            if name.endswith("mlp.gate.bias"):              # DeepSeek-V3's routing bias
+                yield name.replace("gate.bias", "gate.e_score_correction_bias"), _dequantize(f, info)
                 continue
             if len(info.shape) == 3:          # every expert of a layer: a matrix each
                 yield from _experts(info, keep_blocks, in_float)

@@ -1,6 +1,6 @@
-"""One decoder for Llama, Mistral, Qwen2, Qwen3 and Phi-3, and the Mixture-of-Experts kin Mixtral, Qwen2-MoE and
-Qwen3-MoE: config switches for bias, qk-norm, sliding window, tying, partial rotary, and which layers' MLP is a set
-of experts.
+"""One decoder for Llama, Mistral, Qwen2, Qwen3 and Phi-3, Gemma 2/3, the Mixture-of-Experts kin Mixtral, Qwen2-MoE
+and Qwen3-MoE, and DeepSeek-V2/V3 (latent attention, layers/mla.py): config switches for bias, qk-norm, sliding
+window, tying, partial rotary, and which layers' MLP is a set of experts.
 
 Every tensor here is flattened over the batch: [T, ...] with T = all scheduled tokens of all requests.
 q/k/v and gate/up are fused at load time into one matmul each.
@@ -16,6 +16,7 @@ from torch import nn
 from tokenmill.config import ModelConfig
 from tokenmill.executor.attention import AttentionBackend, AttentionMetadata
 from tokenmill.executor.layers.linear import Embedding, Linear
+from tokenmill.executor.layers.mla import LatentAttention
 from tokenmill.executor.layers.moe import SparseMoeBlock
 from tokenmill.executor.layers.quant import PackedWeight, QuantWeight, RowParts, concat_rows, dequantize_rows
 from tokenmill.executor.layers.norm import RMSNorm
@@ -81,7 +82,7 @@ class DecoderLayer(nn.Module):
         self.layer_idx = layer_idx
         offset = 1.0 if cfg.gemma else 0.0
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, offset)
-        self.self_attn = Attention(cfg, layer_idx, ops)
+        self.self_attn = LatentAttention(cfg, layer_idx, ops) if cfg.mla else Attention(cfg, layer_idx, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, offset)
         if layer_idx in cfg.moe_layers:
             self.mlp = SparseMoeBlock(cfg, ops, lambda inter: MLP(cfg, ops, inter))
@@ -132,16 +133,21 @@ _NUM_SHARDS = Counter(target for target, _ in _FUSED.values())    # qkv_proj: 3,
 _MIXTRAL = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
-def _our_name(name: str) -> tuple[str, Optional[int]]:
-    """An HF parameter name -> (our parameter name, shard index within a fused projection, or None)."""
+def _our_name(name: str, latent: bool = False) -> tuple[str, Optional[int]]:
+    """An HF parameter name -> (our parameter name, shard index within a fused projection, or None). latent:
+    DeepSeek's, whose q_proj stands alone."""
     if name.startswith("model."):
         name = name[len("model."):]
     parts = name.split(".")
     if "block_sparse_moe" in parts:
         parts = [_MIXTRAL.get(p, p) for p in parts]
-        name = ".".join(parts)
+    if "shared_experts" in parts:                       # DeepSeek's name for its (ungated) shared expert
+        parts = ["shared_expert" if p == "shared_experts" else p for p in parts]
+    if parts[-2:] == ["gate", "e_score_correction_bias"]:
+        parts = parts[:-2] + parts[-1:]
+    name = ".".join(parts)
     for i, p in enumerate(parts):
-        if p in _FUSED:
+        if p in _FUSED and not (latent and p == "q_proj"):
             target, shard = _FUSED[p]
             return ".".join(parts[:i] + [target] + parts[i + 1:]), shard
     return name, None
@@ -219,10 +225,12 @@ class DecoderForCausalLM(nn.Module):
         loaded: set[str] = set()
         quant: dict[str, dict[int, QuantWeight]] = {}     # parameter -> its quantised shards
         for name, tensor in weights:
-            pname, shard = _our_name(name)
+            pname, shard = _our_name(name, cfg.mla)
             name = name[len("model."):] if name.startswith("model.") else name
             if "rotary_emb" in name:
                 continue
+            if name.startswith("layers.") and int(name.split(".")[1]) >= cfg.num_hidden_layers:
+                continue       # DeepSeek-V3's multi-token-prediction layer, unused for decoding (as transformers)
             if cfg.tie_word_embeddings and name == "lm_head.weight":
                 continue  # some tied checkpoints store a copy anyway
             if pname not in params:
@@ -236,7 +244,9 @@ class DecoderForCausalLM(nn.Module):
             if not isinstance(tensor, torch.Tensor):
                 quant.setdefault(pname, {})[shard or 0] = tensor
                 continue
-            p = self._allocated(modules, params, pname, dtype, device)
+            # DeepSeek-V3's routing bias stays float32, as transformers keeps it
+            p = self._allocated(modules, params, pname, torch.float32 if pname.endswith("e_score_correction_bias")
+                                else dtype, device)
             dst = p.data if rows is None else p.data.narrow(0, sum(rows[:shard]), rows[shard])
             dst.copy_(tensor.to(dst.dtype))
         for pname, shards in quant.items():

@@ -117,7 +117,7 @@ class CpuKernelOps(ReferenceOps):
         no q/k norm, a float32 or bfloat16 model), its four tm_matrix and float32 norm weights (kept alive with
         it) and the most rows of x it takes; else None."""
         attn, mlp = layer.self_attn, layer.mlp
-        if not hasattr(mlp, "gate_up_proj") or layer.gemma:     # a Mixture-of-Experts or a Gemma layer
+        if not hasattr(mlp, "gate_up_proj") or layer.gemma or not hasattr(attn, "qkv_proj"):  # MoE, Gemma, latent
             return None
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
