@@ -195,10 +195,13 @@ class ModelRunner:
                  seq_lens: list[int], tables: list[list[int]]) -> torch.Tensor:
         """One forward pass over the flattened rows: the final-norm hidden states, [rows, hidden]."""
         dev = self.device
+        # token ids, positions and KV slots go to the device in one copy
+        rows = torch.tensor([ids, pos, slots], dtype=torch.long)
+        if dev.type == "cuda":
+            rows = rows.pin_memory().to(dev, non_blocking=True)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev), query_start_loc=qsl,
-            num_computed=num_computed, seq_lens=seq_lens, block_tables=tables, block_size=self.block_size,
-            sliding_window=self.config.model_config.sliding_window, device=dev)
+            slot_mapping=rows[2], query_start_loc=qsl, num_computed=num_computed, seq_lens=seq_lens,
+            block_tables=tables, block_size=self.block_size, sliding_window=self.config.model_config.sliding_window,
+            device=dev)
         meta = self.backend.prepare(meta)
-        return self.model(torch.tensor(ids, dtype=torch.long, device=dev),
-                          torch.tensor(pos, dtype=torch.long, device=dev), self.backend, meta)
+        return self.model(rows[0], rows[1], self.backend, meta)
