@@ -1,0 +1,243 @@
+#!/usr/bin/env python3
+"""The GPU path's figures, in one run on one device (random weights from transformers configs: nothing is
+downloaded):
+
+  bandwidth   a device-to-device copy, bytes read and written over its time (the HBM ceiling)
+  compute     a bf16 8192^3 matrix product (the compute ceiling)
+  decode-8b   single-stream decode of a Llama-3.1-8B-shaped bf16 model: weight bytes a step over the measured
+              bandwidth, against the step's time (target: at least 70% of that limit)
+  ttft-8b     a 2,048-token prompt on the same model against 2 x parameters x tokens over the measured compute
+  offline-1b  1,000 requests (in and out U(100, 512), seeded) on a Llama-3.2-1B-shaped model: tokenmill, and
+              transformers with its static cache and torch.compile in batches, useful tokens a second each
+              (target: tokenmill at least 5x)
+  smollm2     the bundled SmolLM2 (its GGUF dequantised to bf16): one stream's decode, and offline-64
+
+  python3 benchmarks/gpu.py [--tiny] [--skip offline-1b ...] [--out results/NAME.json]
+
+--tiny shrinks every model and count so that the script runs anywhere in a minute or two, CPU included: a check of
+the script, not a measurement.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+PARTS = ("bandwidth", "compute", "decode-8b", "ttft-8b", "offline-1b", "smollm2")
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192)
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192,
+                tie_word_embeddings=True)
+TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+            vocab_size=4096, max_position_embeddings=2048)
+
+
+def device_info(dev: torch.device) -> dict[str, Any]:
+    info: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version()}
+    if dev.type == "cuda":
+        p = torch.cuda.get_device_properties(dev)
+        info.update(device=p.name, multiprocessors=p.multi_processor_count, memory_gib=round(p.total_memory / 2**30, 1),
+                    cuda=torch.version.cuda)
+        try:
+            info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                            capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            info["driver"] = "unknown (no nvidia-smi)"
+        try:
+            import triton
+            info["triton"] = triton.__version__
+        except ImportError:
+            info["triton"] = None
+    else:
+        info["device"] = platform.processor() or platform.machine()
+    return info
+
+
+def timed(fn: Callable[[], Any], dev: torch.device, repeat: int) -> float:
+    """Median seconds of fn over repeat runs after one warm-up (device events on CUDA)."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        if dev.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def bandwidth(dev: torch.device, tiny: bool) -> float:
+    """Bytes a second of a device-to-device copy, read and written both counted."""
+    n = (64 if tiny else 2048) * 2**20
+    src = torch.randn(n // 2, dtype=torch.bfloat16, device=dev)
+    dst = torch.empty_like(src)
+    return 2 * src.nbytes / timed(lambda: dst.copy_(src), dev, 10 if tiny else 50)
+
+
+def compute(dev: torch.device, tiny: bool) -> float:
+    """FLOP/s of a bf16 matrix product on random data."""
+    n = 512 if tiny else 8192
+    a, b = (torch.randn(n, n, dtype=torch.bfloat16, device=dev) for _ in range(2))
+    return 2 * n ** 3 / timed(lambda: a @ b, dev, 3 if tiny else 20)
+
+
+def random_checkpoint(shape: dict, folder: Path, dev: torch.device) -> tuple[str, int]:
+    """A Llama of this shape with random bf16 weights (drawn on the device, saved in shards): (path, parameters)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    cfg = LlamaConfig(**shape, eos_token_id=None, bos_token_id=None, pad_token_id=None, torch_dtype="bfloat16",
+                      architectures=["LlamaForCausalLM"])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    cfg.save_pretrained(folder)
+    shard, size, total, weight_map = {}, 0, 0, {}
+    names = [k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
+
+    def flush() -> None:
+        file = f"model-{len(set(weight_map.values())):05d}.safetensors"
+        save_file(shard, str(folder / file), metadata={"format": "pt"})
+        weight_map.update({k: file for k in shard})
+    for name in names:
+        shape_ = model.state_dict()[name].shape
+        t = torch.ones(shape_) if name.endswith("norm.weight") else torch.randn(shape_, device=dev) * 0.02
+        shard[name] = t.to(torch.bfloat16).cpu()
+        size += shard[name].nbytes
+        total += shard[name].numel()
+        if size > 2 * 2**30:
+            flush()
+            shard, size = {}, 0
+    if shard:
+        flush()
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return str(folder), total
+
+
+def workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    r = random.Random(seed)
+    return [([r.randrange(100, vocab) for _ in range(r.randint(lo, hi))], r.randint(lo, hi)) for _ in range(n)]
+
+
+def single_stream(path: str, dev: torch.device, prompt: int, out: int, **kw) -> dict[str, float]:
+    """Time to the first token and the inter-token latency of one request alone."""
+    from tokenmill import SamplingParams
+    from tokenmill.engine.engine import LLMEngine
+    eng = LLMEngine(path, dtype="bfloat16", device=dev.type, max_model_len=prompt + out + 16, **kw)
+
+    def run() -> tuple[float, list[float]]:
+        eng.add_request(str(time.monotonic()), {"prompt_token_ids": list(range(100, 100 + prompt))},
+                        SamplingParams(temperature=0, max_tokens=out, ignore_eos=True))
+        stamps = [time.perf_counter()]
+        while eng.has_unfinished_requests():
+            eng.step()
+            stamps.append(time.perf_counter())
+        return stamps[1] - stamps[0], [b - a for a, b in zip(stamps[1:], stamps[2:])]
+    run()                                    # warm-up: compiles the kernels
+    ttft, gaps = run()
+    gaps.sort()
+    return {"ttft_s": ttft, "itl_s": gaps[len(gaps) // 2]}
+
+
+def offline(path: str, dev: torch.device, reqs: list[tuple[list[int], int]], **kw) -> float:
+    """Generated tokens a second of tokenmill over the whole workload."""
+    from tokenmill import LLM, SamplingParams
+    llm = LLM(path, dtype="bfloat16", device=dev.type, **kw)
+    prompts = [{"prompt_token_ids": p} for p, _ in reqs]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
+    llm.generate(prompts[:4], params[:4], use_tqdm=False)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=True)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)
+
+
+def transformers_offline(path: str, dev: torch.device, reqs: list[tuple[list[int], int]], batch: int) -> float:
+    """Useful generated tokens a second of transformers: batches of similar prompt length, left-padded, its static
+    cache and torch.compile; a batch runs to its longest output, the rest of each row counted as waste. Its cache
+    length follows each batch's longest prompt and output, so the compiled step may be rebuilt per batch: the
+    first batch is untimed, the rest are counted as they come."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(dev).eval()
+    # with a static cache, generate() compiles the decoding step itself on a GPU (torch.compile)
+    model.generation_config.cache_implementation = "static"
+    order = sorted(range(len(reqs)), key=lambda i: len(reqs[i][0]))
+    useful, t = 0, None
+    for b0 in range(0, len(order), batch):
+        rows = [reqs[i] for i in order[b0:b0 + batch]]
+        width = max(len(p) for p, _ in rows)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in rows], device=dev)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in rows], device=dev)
+        if t is None:                # the first batch compiles: not timed
+            model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+            t = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=max(n for _, n in rows),
+                           do_sample=False, pad_token_id=0, eos_token_id=None)
+        useful += sum(n for _, n in rows)
+    return useful / (time.perf_counter() - t)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--skip", nargs="*", default=[], choices=PARTS)
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    res: dict[str, Any] = {"machine": device_info(dev), "tiny": a.tiny}
+    print(json.dumps(res["machine"]), flush=True)
+    bw = bandwidth(dev, a.tiny)
+    flops = compute(dev, a.tiny)
+    res.update(bandwidth_gbs=bw / 1e9, compute_tflops=flops / 1e12)
+    print(f"bandwidth {bw / 1e9:,.0f} GB/s; bf16 matmul {flops / 1e12:,.1f} TFLOP/s", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        if not {"decode-8b", "ttft-8b"} <= set(a.skip):
+            path, params = random_checkpoint(TINY if a.tiny else LLAMA_8B, Path(tmp) / "8b", dev)
+            prompt = 128 if a.tiny else 2048
+            s = single_stream(path, dev, prompt, 32 if a.tiny else 256, kv_cache_memory_gb=1 if a.tiny else 8)
+            limit = 2 * params / bw                  # bf16 weights read once a step
+            ttft_limit = 2 * params * prompt / flops
+            res["decode_8b"] = {"params": params, "itl_ms": 1e3 * s["itl_s"], "hbm_limit_ms": 1e3 * limit,
+                                "of_limit": limit / s["itl_s"], "ttft_2048_ms": 1e3 * s["ttft_s"],
+                                "compute_limit_ms": 1e3 * ttft_limit, "ttft_of_limit": ttft_limit / s["ttft_s"]}
+            print(f"decode-8b: {res['decode_8b']}", flush=True)
+        if "offline-1b" not in a.skip:
+            path, _ = random_checkpoint(TINY if a.tiny else LLAMA_1B, Path(tmp) / "1b", dev)
+            reqs = workload(20 if a.tiny else 1000, 10 if a.tiny else 100, 40 if a.tiny else 512,
+                            TINY["vocab_size"] if a.tiny else LLAMA_1B["vocab_size"])
+            ours = offline(path, dev, reqs, max_model_len=1100, kv_cache_memory_gb=1 if a.tiny else 40)
+            peer = transformers_offline(path, dev, reqs, 8 if a.tiny else 64)
+            res["offline_1b"] = {"tokenmill_tok_s": ours, "transformers_tok_s": peer, "ratio": ours / peer}
+            print(f"offline-1b: {res['offline_1b']}", flush=True)
+        if "smollm2" not in a.skip:
+            from tokenmill.executor.loader import default_model_path
+            path = default_model_path()
+            s = single_stream(path, dev, 64, 32 if a.tiny else 256, kv_cache_memory_gb=1)
+            reqs = workload(64, 16, 64 if a.tiny else 256, 40000, seed=1)
+            res["smollm2"] = {"itl_ms": 1e3 * s["itl_s"], "decode_tok_s": 1 / s["itl_s"],
+                              "offline_64_tok_s": offline(path, dev, reqs, max_model_len=600, kv_cache_memory_gb=2)}
+            print(f"smollm2: {res['smollm2']}", flush=True)
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(res, indent=1))
+    print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
