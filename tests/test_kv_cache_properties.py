@@ -3,7 +3,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokenmill.config import SchedulerConfig
-from tokenmill.engine.kv_cache_manager import KVCacheManager
+from tokenmill.engine.kv_cache_manager import NO_BLOCK, HybridKVCacheManager, KVCacheManager
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.sampling_params import SamplingParams
@@ -34,10 +34,16 @@ def _sampled(out, accept: int) -> dict[str, list[int]]:
     return res
 
 
+WINDOW = 6     # the hybrid cache's window groups (Gemma's local layers), in tokens
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=ops, num_blocks=st.integers(12, 40), budget=st.integers(1, 24), caching=st.booleans())
-def test_random_operations_keep_integrity(ops, num_blocks, budget, caching):
-    kv = KVCacheManager(num_blocks, BS, enable_caching=caching)
+@given(ops=ops, num_blocks=st.integers(12, 40), budget=st.integers(1, 24), caching=st.booleans(),
+       hybrid=st.booleans())
+def test_random_operations_keep_integrity(ops, num_blocks, budget, caching, hybrid):
+    """The plain cache, and a hybrid one (a full-attention group and two window groups over one pool)."""
+    kv = HybridKVCacheManager(num_blocks, BS, caching, [None, WINDOW, WINDOW]) if hybrid else \
+        KVCacheManager(num_blocks, BS, enable_caching=caching)
     sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=budget, max_model_len=64), kv)
     live: list[Request] = []
     accept = 0
@@ -55,6 +61,10 @@ def test_random_operations_keep_integrity(ops, num_blocks, budget, caching):
         elif op[0] == "step":
             out = sched.schedule()
             assert out.total_tokens <= budget
+            for r in out.reqs:       # a window group has given back the blocks its window passed
+                for table in kv.tables_of(r.request_id)[1:]:
+                    passed = max(0, r.num_computed_tokens - WINDOW + 1) // BS
+                    assert all(b == NO_BLOCK for b in table[:passed]), "a window group kept a passed block"
             sched.update(out, _sampled(out, accept))
             for r in list(sched.running):
                 if len(r.output_token_ids) >= r.max_tokens:
@@ -64,10 +74,12 @@ def test_random_operations_keep_integrity(ops, num_blocks, budget, caching):
             if not req.is_finished:
                 sched.finish(req, RequestStatus.FINISHED_ABORTED if op[0] == "abort" else RequestStatus.FINISHED_STOPPED)
         kv.check_integrity()
-        for r in sched.running:   # a request holds exactly the blocks its computed tokens need
-            assert len(kv.blocks_of(r.request_id)) == kv.blocks_needed(r.num_computed_tokens)
+        for r in sched.running:   # a request holds exactly the blocks its computed tokens need (a window, at most
+            # the blocks that its window and the next chunk reach)
+            for table in kv.tables_of(r.request_id):
+                assert len(table) == -(-r.num_computed_tokens // BS)
         for r in sched.waiting:
-            assert kv.blocks_of(r.request_id) == []
+            assert all(t == [] for t in kv.tables_of(r.request_id))
     # drain: everything finishes, nothing deadlocks, every block comes back
     for _ in range(2000):
         if not sched.has_unfinished():

@@ -3,6 +3,11 @@
 Plain Python over integers; the runner owns the tensors. Invariants (check_integrity):
 free + in use == total; a block is in the free queue iff its ref count is 0; the prefix-cache map points only
 at blocks that carry that hash; ref counts equal the number of requests holding each block.
+
+A model whose layers attend differently (Gemma: global layers and sliding-window ones) keeps its layers in groups
+of equal size, each group with a block table per request, all drawing blocks ("pages": a block of tokens for one
+group's layers) from one pool (HybridKVCacheManager, vLLM's hybrid allocator): a sliding-window group gives its
+blocks back as the window passes them, so its layers hold a window's worth of KV, not the whole context.
 """
 from __future__ import annotations
 
@@ -23,17 +28,37 @@ class Block:
     key: Optional[tuple] = None           # (parent hash, token ids, extra keys): verified on a hit
 
 
-class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 sliding_window: Optional[int] = None):
+class BlockPool:
+    """The blocks, their free queue (least recently freed first) and the prefix-cache map (a group's block hash ->
+    block id), shared by the managers of one cache's groups."""
+
+    def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
-        self.block_size = block_size
-        # a sliding window frees blocks mid-sequence, which the hash chain cannot describe: no caching then
-        self.enable_caching = enable_caching and sliding_window is None
-        self.sliding_window = sliding_window
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[int, int] = {}                  # block hash -> block id
+        self.cached: dict[tuple[int, int], int] = {}
+
+
+class KVCacheManager:
+    """One group's block tables (the whole cache's, for a model whose layers all attend alike). pool: the blocks
+    it shares with other groups (its own by default); group: its hashes' namespace in the pool's prefix cache;
+    cache_windowed: cache blocks under a sliding window too (a hybrid cache's window groups, whose hits
+    HybridKVCacheManager finds)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 sliding_window: Optional[int] = None, pool: Optional[BlockPool] = None, group: int = 0,
+                 cache_windowed: bool = False):
+        self.pool = pool or BlockPool(num_blocks)
+        self.num_blocks = self.pool.num_blocks
+        self.block_size = block_size
+        self.group = group
+        # a sliding window frees blocks mid-sequence, which the hash chain alone cannot describe: no caching then,
+        # unless the hybrid manager finds the window's blocks on a hit
+        self.enable_caching = enable_caching and (sliding_window is None or cache_windowed)
+        self.sliding_window = sliding_window
+        self.blocks = self.pool.blocks
+        self.free_queue = self.pool.free_queue
+        self.cached = self.pool.cached                   # (group, block hash) -> block id
         self.req_blocks: dict[str, list[int]] = {}
         self.req_hashes: dict[str, list[int]] = {}
         self.num_queries = 0                             # prefix-cache statistics, in tokens (as vLLM counts)
@@ -84,32 +109,53 @@ class KVCacheManager:
         hit: list[int] = []
         bs = self.block_size
         for i in range(max_blocks):
-            bid = self.cached.get(hashes[i])
+            bid = self._cached_block(req, hashes, i)
             if bid is None:
                 break
-            parent = hashes[i - 1] if i else None
-            if self.blocks[bid].key != self._block_key(parent, req.all_token_ids[i * bs:(i + 1) * bs]):
-                break      # a hash collision: treat as a miss
             hit.append(bid)
         self.num_queries += req.num_tokens
         self.num_hits += len(hit) * bs
         return hit, len(hit) * bs
 
+    def _cached_block(self, req: Request, hashes: list[int], i: int) -> Optional[int]:
+        """The cached block holding req's block i, None on a miss (or a hash collision)."""
+        bid = self.cached.get((self.group, hashes[i]))
+        if bid is None:
+            return None
+        parent = hashes[i - 1] if i else None
+        bs = self.block_size
+        if self.blocks[bid].key != self._block_key(parent, req.all_token_ids[i * bs:(i + 1) * bs]):
+            return None
+        return bid
+
+    def window_hit(self, req: Request, num_blocks: int) -> Optional[list[int]]:
+        """A sliding-window group's table for a hit on req's first num_blocks blocks: the blocks that the next
+        query's window reaches, all cached, after NO_BLOCK for those it does not; None if one is missing."""
+        hashes = self._hashes(req, num_blocks)
+        first = max(0, num_blocks * self.block_size - self.sliding_window + 1) // self.block_size
+        found = [self._cached_block(req, hashes, i) for i in range(first, num_blocks)]
+        return None if None in found else [NO_BLOCK] * first + found
+
     # ---- allocation ----------------------------------------------------------------------------------------
     def can_allocate(self, req: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
         """Whether allocate_slots would succeed now, counting the blocks a sliding window would free first."""
+        need, freed = self.demand(req, num_new_tokens, computed_blocks)
+        return need <= self.num_free_blocks + freed
+
+    def demand(self, req: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> tuple[int, int]:
+        """(blocks the pool must supply for num_new_tokens more tokens of req, blocks its window frees first)."""
         table = self.req_blocks.get(req.request_id, [])
         freed = 0
         if self.sliding_window is not None:
             freed = sum(1 for b in table[:self._first_needed(req) // self.block_size] if b != NO_BLOCK)
-        return self._new_blocks(req, table, num_new_tokens, computed_blocks) <= self.num_free_blocks + freed
+        return self._new_blocks(req, table, num_new_tokens, computed_blocks), freed
 
     def _new_blocks(self, req: Request, table: list[int], num_new_tokens: int, computed_blocks) -> int:
         """Blocks the pool must supply for num_new_tokens more tokens of req: its own new ones, and the hit blocks
         that sit in the free queue (a hit takes them out of it, so they can't be counted as free)."""
         total = req.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         need = self.blocks_needed(total) - len(table) - len(computed_blocks)
-        return need + sum(1 for b in computed_blocks if self.blocks[b].ref_cnt == 0)
+        return need + sum(1 for b in computed_blocks if b != NO_BLOCK and self.blocks[b].ref_cnt == 0)
 
     def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
         """Make room for num_new_tokens more tokens of req (after computed_blocks, a prefix hit, on first call).
@@ -120,19 +166,31 @@ class KVCacheManager:
             self._free_out_of_window(req, table)
         if self._new_blocks(req, table, num_new_tokens, computed_blocks) > self.num_free_blocks:
             return False
-        total = req.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
-        need = self.blocks_needed(total) - len(table) - len(computed_blocks)
+        self.take_hit(req, computed_blocks)
+        self.grow(req, num_new_tokens, len(computed_blocks))
+        return True
+
+    def take_hit(self, req: Request, computed_blocks: list[int]) -> None:
+        """Put a prefix hit's blocks in req's table (taking them out of the free queue): before any block is
+        popped for new tokens, which could evict one of them."""
+        table = self.req_blocks.setdefault(req.request_id, [])
         for b in computed_blocks:
+            table.append(b)
+            if b == NO_BLOCK:                # before a window group's hit: attended by no query
+                continue
             blk = self.blocks[b]
             if blk.ref_cnt == 0:
                 del self.free_queue[b]
             blk.ref_cnt += 1
-            table.append(b)
-        for _ in range(max(need, 0)):
+
+    def grow(self, req: Request, num_new_tokens: int, num_hit_blocks: int = 0) -> None:
+        """New blocks for num_new_tokens tokens of req past its computed ones and the hit just taken."""
+        table = self.req_blocks.setdefault(req.request_id, [])
+        total = req.num_computed_tokens + num_hit_blocks * self.block_size + num_new_tokens
+        for _ in range(max(self.blocks_needed(total) - len(table), 0)):
             table.append(self._pop_free())
         if self.enable_caching:     # speculative guesses are not tokens of the request yet: never cached
             self._cache_full_blocks(req, table, min(total, req.num_tokens))
-        return True
 
     def trim(self, req: Request) -> None:
         """Return the blocks past req's computed tokens (those that only rejected guesses used)."""
@@ -159,13 +217,15 @@ class KVCacheManager:
         full = num_tokens // bs
         hashes = self._hashes(req, full)
         for i in range(full):
+            if table[i] == NO_BLOCK:
+                continue
             blk = self.blocks[table[i]]
             if blk.block_hash is not None:
                 continue
             parent = hashes[i - 1] if i else None
-            blk.block_hash = hashes[i]
+            blk.block_hash = (self.group, hashes[i])
             blk.key = self._block_key(parent, req.all_token_ids[i * bs:(i + 1) * bs])
-            self.cached.setdefault(hashes[i], blk.block_id)
+            self.cached.setdefault(blk.block_hash, blk.block_id)
 
     def _free_out_of_window(self, req: Request, table: list[int]) -> None:
         """Give back blocks that no future query of req can attend (all positions < next_pos - window + 1)."""
@@ -196,19 +256,148 @@ class KVCacheManager:
     def reset_hashes(self, req: Request) -> None:
         self.req_hashes.pop(req.request_id, None)
 
+    def tables_of(self, request_id: str) -> list[list[int]]:
+        """req's block table of each group (one here)."""
+        return [self.blocks_of(request_id)]
+
+    @property
+    def num_groups(self) -> int:
+        return 1
+
     # ---- invariants ----------------------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        refs = [0] * self.num_blocks
-        for table in self.req_blocks.values():
+        _check_pool(self.pool, [self.req_blocks])
+
+
+def _check_pool(pool: BlockPool, groups: list[dict[str, list[int]]]) -> None:
+    """The invariants of a pool whose blocks the given groups' tables (request id -> table) hold."""
+    refs = [0] * pool.num_blocks
+    owner: dict[int, int] = {}
+    for g, group in enumerate(groups):
+        for table in group.values():
             for b in table:
                 if b != NO_BLOCK:
                     refs[b] += 1
-        in_use = sum(1 for b in self.blocks if b.ref_cnt > 0)
-        cached_free = sum(1 for b in self.free_queue if self.blocks[b].block_hash is not None)
-        uncached_free = self.num_free_blocks - cached_free
-        assert uncached_free + cached_free + in_use == self.num_blocks, "free + cached + in use != total"
-        for b in self.blocks:
-            assert b.ref_cnt == refs[b.block_id], f"block {b.block_id}: ref {b.ref_cnt} != holders {refs[b.block_id]}"
-            assert (b.ref_cnt == 0) == (b.block_id in self.free_queue), f"block {b.block_id} free-queue mismatch"
-        for h, bid in self.cached.items():
-            assert self.blocks[bid].block_hash == h, f"cache map points at block {bid} without hash"
+                    assert owner.setdefault(b, g) == g, f"block {b} is in the tables of groups {owner[b]} and {g}"
+    in_use = sum(1 for b in pool.blocks if b.ref_cnt > 0)
+    cached_free = sum(1 for b in pool.free_queue if pool.blocks[b].block_hash is not None)
+    uncached_free = len(pool.free_queue) - cached_free
+    assert uncached_free + cached_free + in_use == pool.num_blocks, "free + cached + in use != total"
+    for b in pool.blocks:
+        assert b.ref_cnt == refs[b.block_id], f"block {b.block_id}: ref {b.ref_cnt} != holders {refs[b.block_id]}"
+        assert (b.ref_cnt == 0) == (b.block_id in pool.free_queue), f"block {b.block_id} free-queue mismatch"
+    for h, bid in pool.cached.items():
+        assert pool.blocks[bid].block_hash == h, f"cache map points at block {bid} without hash"
+
+
+def make_kv_manager(num_blocks: int, block_size: int, enable_caching: bool,
+                    windows: tuple[Optional[int], ...]) -> "KVCacheManager | HybridKVCacheManager":
+    """The manager for a model's KV groups (layout.KVGroups.windows)."""
+    if len(windows) == 1:
+        return KVCacheManager(num_blocks, block_size, enable_caching, windows[0])
+    return HybridKVCacheManager(num_blocks, block_size, enable_caching, list(windows))
+
+
+def blocks_for(windows: tuple[Optional[int], ...], block_size: int, num_tokens: int) -> int:
+    """Blocks of all groups that one request of num_tokens holds at most: a window group its window's and two
+    more (the block being filled, and a prompt chunk's start)."""
+    full = -(-num_tokens // block_size)
+    return sum(full if w is None else min(full, -(-w // block_size) + 2) for w in windows)
+
+
+class HybridKVCacheManager:
+    """Groups of layers that attend differently (windows: each group's sliding window, None for full attention),
+    each with its own block tables over one pool: the KVCacheManager interface the scheduler and engine use. A
+    request's allocation succeeds in every group or in none. A prefix hit is the full-attention groups' hit,
+    shortened until every window group still caches the blocks its window reaches there."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, windows: list[Optional[int]]):
+        self.pool = BlockPool(num_blocks)
+        self.groups = [KVCacheManager(num_blocks, block_size, enable_caching, w, self.pool, g, cache_windowed=True)
+                       for g, w in enumerate(windows)]
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_caching = enable_caching
+        # the scheduler fits prompt chunks to the free blocks where a window bounds what a request holds
+        self.sliding_window = max((w for w in windows if w is not None), default=None)
+        self._full = next(g for g in self.groups if g.sliding_window is None)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.pool.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def num_queries(self) -> int:
+        return self._full.num_queries
+
+    @property
+    def num_hits(self) -> int:
+        return self._full.num_hits
+
+    def blocks_of(self, request_id: str) -> list[int]:
+        return self._full.blocks_of(request_id)
+
+    def tables_of(self, request_id: str) -> list[list[int]]:
+        return [g.blocks_of(request_id) for g in self.groups]
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return blocks_for(tuple(g.sliding_window for g in self.groups), self.block_size, num_tokens)
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[list[int]], int]:
+        blocks, _ = self._full.get_computed_blocks(req)
+        n = len(blocks)
+        while n:
+            tables = [blocks[:n] if g.sliding_window is None else g.window_hit(req, n) for g in self.groups]
+            if all(t is not None for t in tables):
+                break
+            n -= 1
+        self._full.num_hits -= (len(blocks) - n) * self.block_size
+        if not n:
+            return [], 0
+        return tables, n * self.block_size
+
+    def _hits(self, computed: list[list[int]]) -> list[list[int]]:
+        return computed or [[] for _ in self.groups]
+
+    def can_allocate(self, req: Request, num_new_tokens: int, computed: list[list[int]] = ()) -> bool:
+        demands = [g.demand(req, num_new_tokens, c) for g, c in zip(self.groups, self._hits(computed))]
+        return sum(d for d, _ in demands) <= self.num_free_blocks + sum(f for _, f in demands)
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[list[int]] = ()) -> bool:
+        hits = self._hits(computed)
+        for g in self.groups:        # blocks the windows have passed go back first, as a single group's would
+            if g.sliding_window is not None:
+                g._free_out_of_window(req, g.req_blocks.setdefault(req.request_id, []))
+        if sum(g.demand(req, num_new_tokens, c)[0] for g, c in zip(self.groups, hits)) > self.num_free_blocks:
+            return False
+        for g, c in zip(self.groups, hits):     # every group's hit first: a new block may evict a cached one
+            g.take_hit(req, c)
+        for g, c in zip(self.groups, hits):
+            g.grow(req, num_new_tokens, len(c))
+        return True
+
+    def trim(self, req: Request) -> None:
+        for g in self.groups:
+            g.trim(req)
+
+    def free(self, req: Request) -> None:
+        for g in self.groups:
+            g.free(req)
+
+    def reset_hashes(self, req: Request) -> None:
+        for g in self.groups:
+            g.reset_hashes(req)
+
+    def check_integrity(self) -> None:
+        _check_pool(self.pool, [g.req_blocks for g in self.groups])
