@@ -5,7 +5,7 @@ from __future__ import annotations
 from tests.tiny_models import hf_greedy, random_prompts
 from tokenmill import LLM, SamplingParams
 
-# chunked: prompts in chunks of 16 beside decodes; preempted: a pool of about 14 blocks, room for two requests
+# chunked: prompts in chunks of 16 beside decodes; preempted: a pool with room for about two requests
 PRESSURE = {"chunked": dict(max_num_batched_tokens=16), "preempted": dict(kv_blocks=14, max_model_len=128)}
 
 
@@ -17,8 +17,9 @@ def greedy(llm: LLM, prompts: list[list[int]], n: int) -> list[list[int]]:
 
 def check_under_pressure(path: str, hf, engine: dict, pressure: str) -> None:
     kw = {**engine, **PRESSURE[pressure]}
-    if kw.pop("kv_blocks", None):
-        kw["kv_cache_memory_gb"] = 14.5 * LLM(path, **engine).llm_engine.kv_bytes_per_block() / 2 ** 30
+    if kw.pop("kv_blocks", None):        # room for about two of the requests below at their longest
+        eng = LLM(path, **engine).llm_engine
+        kw["kv_cache_memory_gb"] = 2.2 * eng.kv.blocks_needed(100) * eng.kv_bytes_per_block() / 2 ** 30
     llm = LLM(path, **kw)
     prompts = random_prompts([37, 5, 60, 22, 48, 9], seed=4)
     for p, got in zip(prompts, greedy(llm, prompts, 40)):

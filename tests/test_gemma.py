@@ -68,6 +68,44 @@ def test_config_options_outside_the_implementation_are_named(gemma):
     assert ModelConfig.from_hf_dict({k: v for k, v in cfg.items() if k != "tie_word_embeddings"}).tie_word_embeddings
 
 
+def test_local_layers_keep_a_window_of_blocks(gemma):
+    """The local layers' groups give their blocks back as the window passes them: a long request holds its whole
+    context in the global group only, and the same budget carries its KV in far fewer bytes than with every layer
+    keeping every token."""
+    from tokenmill import SamplingParams
+    from tokenmill.engine.kv_cache_manager import NO_BLOCK
+    path, hf = gemma
+    eng = LLM(path, **ENGINE).llm_engine
+    groups = eng.model_config.kv_groups
+    assert groups.hybrid and groups.windows[0] is None and set(groups.windows[1:]) == {16}
+    prompt = random_prompts([100], seed=3)[0]
+    eng.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    eng.step()                       # the prompt, whose 100 positions all took blocks while it was computed
+    for _ in range(30):
+        eng.step()
+        n = eng.requests["r"].num_computed_tokens
+        full, *local = eng.kv.tables_of("r")
+        assert len(full) == -(-n // 16) and NO_BLOCK not in full
+        for table in local:
+            assert sum(b != NO_BLOCK for b in table) <= 3          # the window's blocks and the one being filled
+    bytes_used = eng.kv.num_used_blocks * eng.kv_bytes_per_block()
+    every_layer = -(-n // 16) * hf.config.num_hidden_layers * eng.kv_bytes_per_block() // groups.group_size
+    assert bytes_used * 2 < every_layer
+    eng.kv.check_integrity()
+
+
+def test_speculation_over_the_hybrid_cache(gemma):
+    """n-gram guesses verified as one-token rows in every group's tables, rejected ones trimmed from each."""
+    path, hf = gemma
+    llm = LLM(path, **ENGINE, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    seg = random_prompts([12], seed=5)[0]
+    prompts = [seg * 4, random_prompts([40], seed=6)[0] + seg * 2]
+    for p, got in zip(prompts, greedy(llm, prompts, 30)):
+        assert got == hf_greedy(hf, p, 30)
+    assert llm.llm_engine.stats.spec_num_draft_tokens > 0
+    llm.llm_engine.kv.check_integrity()
+
+
 # ---- GGUF ----------------------------------------------------------------------------------------------------------
 def write_gemma_gguf(hf_path: str, out, qtype=None) -> None:
     """As llama.cpp's converter writes Gemma 2/3: norms stored as 1 + w, ffn_norm the norm before the MLP,

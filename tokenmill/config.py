@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import torch
 
-from tokenmill.layout import sliding_layers, sparse_layers
+from tokenmill.layout import KVGroups, kv_groups, sliding_layers, sparse_layers
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM",
@@ -164,6 +164,11 @@ class ModelConfig:
     @property
     def num_layers(self) -> int:
         return self.num_hidden_layers
+
+    @property
+    def kv_groups(self) -> KVGroups:
+        """How the layers share the KV cache's blocks (layout.py): one group, or Gemma's global and local ones."""
+        return kv_groups(self.layer_windows, self.num_hidden_layers, self.sliding_window)
 
     @property
     def mla(self) -> bool:

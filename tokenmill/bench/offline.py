@@ -62,8 +62,9 @@ def kv_record(llm: Any) -> dict[str, Any]:
     if eng is None:
         return {}
     cfg = eng.config
+    # a hybrid cache's block holds one group's layers: a token within every window costs a block of each group
     return {"kv_cache_dtype": cfg.kv_cache_dtype,
-            "kv_bytes_per_token": eng.runner.kv_bytes_per_block(cfg) // cfg.cache_config.block_size}
+            "kv_bytes_per_token": eng.runner.kv_bytes_per_block(cfg) * eng.kv.num_groups // cfg.cache_config.block_size}
 
 
 def run_throughput(llm: Any, workload: Workload, warmup: bool = True, use_tqdm: bool = True,

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from tokenmill.config import ModelConfig
-from tokenmill.engine.kv_cache_manager import KVCacheManager
+from tokenmill.engine.kv_cache_manager import HybridKVCacheManager, KVCacheManager
 from tokenmill.engine.spec_decode import SpeculativeConfig, guess_room
 from tokenmill.executor.runner import ModelRunner
 from tokenmill.executor.sampler import SamplingInput
@@ -67,8 +67,8 @@ def check_draft_tokenizer(target_tokenizer: Any, draft_tokenizer: Any) -> None:
 
 
 class DraftModelProposer:
-    def __init__(self, config: SpeculativeConfig, runner: ModelRunner, kv: KVCacheManager, max_model_len: int,
-                 max_num_batched_tokens: int):
+    def __init__(self, config: SpeculativeConfig, runner: ModelRunner, kv: KVCacheManager | HybridKVCacheManager,
+                 max_model_len: int, max_num_batched_tokens: int):
         self.config = config
         self.runner = runner
         self.kv = kv
@@ -117,7 +117,7 @@ class DraftModelProposer:
         for j in range(max(1, max(guesses for *_, guesses in todo))):
             batch = [(req, st, toks if j == 0 else req.spec_token_ids[-1:], guesses)
                      for req, st, toks, guesses in todo if j == 0 or guesses > j]
-            logits = self.runner.last_logits([(toks, len(st.fed), self.kv.blocks_of(st.request_id))
+            logits = self.runner.last_logits([(toks, len(st.fed), self.kv.tables_of(st.request_id))
                                               for _, st, toks, _ in batch])
             for _, st, toks, _ in batch:
                 st.fed.extend(toks)

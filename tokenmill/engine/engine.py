@@ -18,7 +18,7 @@ import torch
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_dtype
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.draft_model import DraftModelProposer, check_draft_config, check_draft_tokenizer
-from tokenmill.engine.kv_cache_manager import KVCacheManager
+from tokenmill.engine.kv_cache_manager import blocks_for, make_kv_manager
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from tokenmill.engine.spec_decode import NgramProposer, SpeculativeConfig
@@ -210,7 +210,7 @@ class LLMEngine:
         with self.runner.faulting_in_kv_cache():
             self.tokenizer = self._load_tokenizer(path) if tokenizer == "auto" else tokenizer
         self.structured_outputs = StructuredOutputManager(self.tokenizer, mc.vocab_size, mc.eos_token_ids, so_config)
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, mc.sliding_window)
+        self.kv = make_kv_manager(num_blocks, block_size, enable_prefix_caching, mc.kv_groups.windows)
         self.scheduler = Scheduler(sched_cfg, self.kv)
         # speculative decoding: guesses for the next step of each decoding request (None: no guesses)
         self.proposer: Union[NgramProposer, DraftModelProposer, None] = None
@@ -219,7 +219,7 @@ class LLMEngine:
             check_draft_tokenizer(self.tokenizer, self._load_tokenizer(self.draft_config.model))
             self.proposer = DraftModelProposer(
                 spec_config, self._runner(self.draft_config, draft_model, num_blocks, threads),
-                KVCacheManager(num_blocks, block_size, enable_caching=False, sliding_window=dmc.sliding_window),
+                make_kv_manager(num_blocks, block_size, False, dmc.kv_groups.windows),
                 max_model_len, max_num_batched_tokens)
         elif spec_config is not None and use_kv_cache:
             self.proposer = NgramProposer(spec_config, max_model_len)
@@ -240,7 +240,9 @@ class LLMEngine:
 
     def kv_cache_info(self) -> KVCacheInfo:
         cfg = self.config
-        return KVCacheInfo(self.kv.num_blocks, cfg.cache_config.block_size, cfg.kv_cache_dtype,
+        # a hybrid cache's blocks hold one group's layers each: counted as blocks of all layers, as if every group
+        # kept every token (a lower bound: its window groups keep fewer)
+        return KVCacheInfo(self.kv.num_blocks // self.kv.num_groups, cfg.cache_config.block_size, cfg.kv_cache_dtype,
                            self.kv.num_blocks * self.kv_bytes_per_block(),
                            cfg.scheduler_config.max_model_len, cfg.cache_config.enable_prefix_caching)
 
@@ -281,9 +283,10 @@ class LLMEngine:
         num_blocks = budget // per_block
         bs = cfg.cache_config.block_size
         max_len = cfg.scheduler_config.max_model_len
-        if cfg.model_config.sliding_window is not None:
-            max_len = min(max_len, cfg.model_config.sliding_window + 2 * bs)
-        need = -(-max_len // bs)
+        windows = cfg.model_config.kv_groups.windows
+        if len(windows) == 1 and windows[0] is not None:
+            max_len = min(max_len, windows[0] + 2 * bs)
+        need = blocks_for(windows, bs, max_len) if len(windows) > 1 else -(-max_len // bs)
         if num_blocks < need:
             raise ValueError(
                 f"the KV cache ({origin}: {num_blocks} blocks of {bs} tokens) cannot hold even one request of "
@@ -408,7 +411,7 @@ class LLMEngine:
         if sched.is_empty:
             return []
         masks = self.structured_outputs.fill_bitmasks(self._sampling_grammars(sched))   # while the model runs
-        out = self.runner.execute(sched, [self.kv.blocks_of(r.request_id) for r in sched.reqs], masks)
+        out = self.runner.execute(sched, [self.kv.tables_of(r.request_id) for r in sched.reqs], masks)
         self.scheduler.update(sched, out.sampled)
         outputs = self._process(sched.reqs, out)
         if self.proposer is not None:

@@ -65,16 +65,19 @@ class ModelRunner:
         # Untouched memory: start-up does not wait for the whole budget to be touched (kv_pages faults it in while
         # the engine loads the tokenizer, and in a server between requests);
         # attention reads only slots that this or an earlier step wrote (padding repeats a real slot)
-        self.kv_caches = [LayerKV.allocate(num_blocks * self.block_size, mc.cache_kv_heads, mc.cache_head_dim,
-                                           config.kv_cache_dtype, self.device, mc.cache_value_dim)
-                          for _ in range(mc.num_hidden_layers)]
-        for kv in self.kv_caches:
+        # layers in groups (layout.py's KVGroups): cache tensor j serves layer j of every group, at its group's blocks
+        self.groups = mc.kv_groups
+        tensors = [LayerKV.allocate(num_blocks * self.block_size, mc.cache_kv_heads, mc.cache_head_dim,
+                                    config.kv_cache_dtype, self.device, mc.cache_value_dim)
+                   for _ in range(self.groups.group_size)]
+        self.kv_caches = [tensors[j] for j in self.groups.layer_slot]
+        for kv in tensors:
             for t in kv.tensors():
                 advise_huge_pages(t)
         if self.device.type == "cpu":
             keep_freed_memory()
         self.backend.bind_kv_cache(self.kv_caches)
-        self.kv_pages = PageToucher(model.ops.kernels, [t for kv in self.kv_caches for t in kv.planes()])
+        self.kv_pages = PageToucher(model.ops.kernels, [t for kv in tensors for t in kv.planes()])
         self.sampler = Sampler(mc.vocab_size, set(mc.eos_token_ids), model.ops.argmax)
         self.threads = threads or FixedThreads(torch.get_num_threads())
 
@@ -87,18 +90,20 @@ class ModelRunner:
 
     @staticmethod
     def kv_bytes_per_block(config: EngineConfig) -> int:
+        """A block of tokens for one group's layers (all layers', where they form one group)."""
         mc = config.model_config
         per_slot = LayerKV.bytes_per_slot(mc.cache_kv_heads, mc.cache_head_dim, config.kv_cache_dtype,
                                           mc.cache_value_dim)
-        return mc.num_hidden_layers * config.cache_config.block_size * per_slot
+        return mc.kv_groups.group_size * config.cache_config.block_size * per_slot
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, block_tables: list[list[int]],
+    def execute(self, sched: SchedulerOutput, block_tables: list[list[list[int]]],
                 token_bitmasks: Optional[concurrent.futures.Future] = None) -> RunnerOutput:
-        """token_bitmasks: structured outputs' masks (request id -> packed row), being written while the model runs."""
+        """block_tables: each request's table of each KV group; token_bitmasks: structured outputs' masks (request
+        id -> packed row), being written while the model runs."""
         ids: list[int] = []
         pos: list[int] = []
-        slots: list[int] = []
+        slots: list[list[int]] = [[] for _ in self.groups.windows]
         qsl = [0]
         num_computed, seq_lens = [], []
         sample_rows: list[int] = []        # row of each sampling request's last token
@@ -106,21 +111,24 @@ class ModelRunner:
         prompt_lp_reqs = []                # (request, first row, number of rows) wanting prompt logprobs
         pool_reqs = []                     # (request, first row, number of rows) of pooling requests
         bs = self.block_size
-        tables: list[list[int]] = []       # the attention's entries: one a request, or one a row of a verification
-        for req, n, table in zip(sched.reqs, sched.num_scheduled, block_tables):
+        # the attention's entries (one a request, or one a row of a verification): their tables, per group
+        tables: list[list[list[int]]] = [[] for _ in self.groups.windows]
+        for req, n, req_tables in zip(sched.reqs, sched.num_scheduled, block_tables):
             start = req.num_computed_tokens
             end = start + n
             guesses = sched.spec_token_ids.get(req.request_id, [])
             ids.extend(req.all_token_ids[start:end - len(guesses)] + guesses)
             pos.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            for g, table in enumerate(req_tables):
+                slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, end))
             # a verification's rows attend as that many decodes of one token, each seeing the guesses before it:
             # the decode kernels serve them (they write every row's K/V before reading), the cheaper path
             for first, count in ((start + j, 1) for j in range(n)) if guesses else ((start, n),):
                 qsl.append(qsl[-1] + count)
                 num_computed.append(first)
                 seq_lens.append(first + count)
-                tables.append(table)
+                for g, table in enumerate(req_tables):
+                    tables[g].append(table)
             if req.is_pooling:                 # no logits: its rows of the hidden states are the output
                 pool_reqs.append((req, qsl[-2], n))
                 continue
@@ -167,41 +175,44 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
-    def last_logits(self, entries: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
-        """A draft model's pass: each entry's tokens (token ids, position of the first, block table) are computed,
-        their K/V written, and the logits of each entry's last token returned, [len(entries), V]."""
+    def last_logits(self, entries: list[tuple[list[int], int, list[list[int]]]]) -> torch.Tensor:
+        """A draft model's pass: each entry's tokens (token ids, position of the first, its table of each KV group)
+        are computed, their K/V written, and the logits of each entry's last token returned, [len(entries), V]."""
         ids: list[int] = []
         pos: list[int] = []
-        slots: list[int] = []
+        slots: list[list[int]] = [[] for _ in self.groups.windows]
         qsl = [0]
-        num_computed, seq_lens, tables, last_rows = [], [], [], []
+        num_computed, seq_lens, last_rows = [], [], []
+        tables: list[list[list[int]]] = [[] for _ in self.groups.windows]
         bs = self.block_size
-        for toks, start, table in entries:
+        for toks, start, req_tables in entries:
             ids.extend(toks)
             pos.extend(range(start, start + len(toks)))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + len(toks)))
+            for g, table in enumerate(req_tables):
+                slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, start + len(toks)))
             # a catch-up of a few tokens attends as that many one-token decodes, as verification rows do
             for first, count in (((start + j, 1) for j in range(len(toks))) if len(toks) <= FEW_ROWS
                                  else ((start, len(toks)),)):
                 qsl.append(qsl[-1] + count)
                 num_computed.append(first)
                 seq_lens.append(first + count)
-                tables.append(table)
+                for g, table in enumerate(req_tables):
+                    tables[g].append(table)
             last_rows.append(qsl[-1] - 1)
         hidden = self._forward(ids, pos, slots, qsl, num_computed, seq_lens, tables)
         return self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
 
-    def _forward(self, ids: list[int], pos: list[int], slots: list[int], qsl: list[int], num_computed: list[int],
-                 seq_lens: list[int], tables: list[list[int]]) -> torch.Tensor:
-        """One forward pass over the flattened rows: the final-norm hidden states, [rows, hidden]."""
+    def _forward(self, ids: list[int], pos: list[int], slots: list[list[int]], qsl: list[int],
+                 num_computed: list[int], seq_lens: list[int], tables: list[list[list[int]]]) -> torch.Tensor:
+        """One forward pass over the flattened rows: the final-norm hidden states, [rows, hidden]. slots and
+        tables: each KV group's."""
         dev = self.device
-        # token ids, positions and KV slots go to the device in one copy
-        rows = torch.tensor([ids, pos, slots], dtype=torch.long)
+        # token ids, positions and each group's KV slots go to the device in one copy
+        rows = torch.tensor([ids, pos, *slots], dtype=torch.long)
         if dev.type == "cuda":
             rows = rows.pin_memory().to(dev, non_blocking=True)
-        meta = AttentionMetadata(
-            slot_mapping=rows[2], query_start_loc=qsl, num_computed=num_computed, seq_lens=seq_lens,
-            block_tables=tables, block_size=self.block_size, sliding_window=self.config.model_config.sliding_window,
-            device=dev)
-        meta = self.backend.prepare(meta)
-        return self.model(rows[0], rows[1], self.backend, meta)
+        metas = [self.backend.prepare(AttentionMetadata(
+            slot_mapping=rows[2 + g], query_start_loc=qsl, num_computed=num_computed, seq_lens=seq_lens,
+            block_tables=tables[g], block_size=self.block_size, sliding_window=window, device=dev))
+            for g, window in enumerate(self.groups.windows)]
+        return self.model(rows[0], rows[1], self.backend, metas)

@@ -160,6 +160,7 @@ class DecoderForCausalLM(nn.Module):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, ops)
         layer = GemmaDecoderLayer if cfg.gemma else DecoderLayer
         self.layers = nn.ModuleList(layer(cfg, i, ops) for i in range(cfg.num_hidden_layers))
+        self.layer_group = cfg.kv_groups.layer_group        # each layer's KV group: whose metadata it attends by
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, 1.0 if cfg.gemma else 0.0)
         # a tied head is made by finalize(), from the loaded embeddings
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, ops)
@@ -177,17 +178,18 @@ class DecoderForCausalLM(nn.Module):
             cfg.rotary_dim, cfg.rope_local_theta, None, cfg.max_position_embeddings, max_len).to(device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T]. Returns hidden states [T, hidden]."""
+                metas: list[AttentionMetadata]) -> torch.Tensor:
+        """input_ids, positions: [T]; metas: the step's attention metadata of each KV group (layout.py). Returns
+        hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
         if self.config.gemma:       # transformers multiplies by sqrt(hidden) rounded to the activations' dtype
             x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
         rope = self.rotary.tables(positions, x.dtype)
         ropes = (rope, self.rotary_local.tables(positions, x.dtype) if self.rotary_local is not None else rope)
         residual = None
-        for layer in self.layers:
+        for layer, group in zip(self.layers, self.layer_group):
             x, residual = self.ops.decoder_layer(layer, x, residual, ropes[layer.self_attn.local_rope], backend,
-                                                 meta)
+                                                 metas[group])
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
