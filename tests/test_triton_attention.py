@@ -1,5 +1,5 @@
 """The Triton attention kernels (the GPU's backend) against the torch reference: run here on CPU tensors under
-Triton's interpreter (conftest sets TRITON_INTERPRET=1 without a GPU), on the GPU itself where there is one.
+Triton's interpreter (conftest sets TRITON_INTERPRET=1 without a GPU); on a GPU, tests/test_gpu.py runs them.
 
 Under the interpreter, bfloat16 values are read and converted to float32 correctly but a float32 result is
 truncated, not rounded, when stored as bfloat16; the bfloat16 cases allow for it, as they allow for bfloat16's
@@ -10,11 +10,15 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="Triton's wheel is not installed for this platform")
+if torch.cuda.is_available():    # the interpreter is on only without a GPU; there tests/test_gpu.py runs the kernels
+    pytest.skip("these run the kernels under Triton's interpreter; on a GPU, tests/test_gpu.py runs them",
+                allow_module_level=True)
 
 from tests.family_checks import check_prefix_hits, greedy  # noqa: E402
 from tests.test_attention_backends import CASES, _backend, _cache, _clone, _compare_with_reference, _meta  # noqa
 from tests.tiny_models import build_tiny, hf_greedy, random_prompts  # noqa: E402
 from tokenmill import LLM  # noqa: E402
+from tokenmill.executor.kv_cache import LayerKV  # noqa: E402
 
 ENGINE = dict(dtype="float32", kv_cache_memory_gb=0.02, max_model_len=512, attention_backend="triton")
 
@@ -65,13 +69,46 @@ def test_layer_window_and_soft_cap(case):
         torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
 
 
-def test_long_decodes_are_split_and_merged():
+@pytest.mark.parametrize("window", [None, 20])
+def test_long_decodes_are_split_and_merged(window):
     """A long context's decode is split over several programs and the partial results merged by their
-    log-sum-exp; the result is the unsplit one."""
-    be = _backend("triton", 6, 2, 32)
-    be.bind_kv_cache([_cache(torch.randn(1200, 2, 32), torch.randn(1200, 2, 32), torch.float32)])
-    assert be.prepare(_meta([1100, 40], [1, 1], 4, None, 300)).num_splits > 1
-    assert be.prepare(_meta([40], [1], 4, None, 300)).num_splits == 1
+    log-sum-exp; the result is the unsplit one's."""
+    from tokenmill.executor.attention.gpu import TritonBackend
+    cache = _cache(torch.randn(1200, 2, 32), torch.randn(1200, 2, 32), torch.float32)
+    q, k, v = torch.randn(2, 6, 32), torch.randn(2, 2, 32), torch.randn(2, 2, 32)
+    outs = []
+    for min_programs in (16, 1):
+        be = TritonBackend(torch.device("cpu"), min_programs)
+        be.bind_kv_cache([_clone(cache)])
+        meta = be.prepare(_meta([1100, 40], [1, 1], 4, window, 300))
+        assert (meta.num_splits > 1) == (min_programs > 1)
+        outs.append(be.forward(0, q, k, v, meta, 32 ** -0.5))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("window", [None, 12])
+def test_unwritten_and_freed_blocks_are_never_read(window):
+    """The cache is NaN wherever no step wrote, and a window's passed blocks are freed (-1 in the tables): no
+    output is NaN, and each equals the reference's."""
+    H, KV, D, bs, nblocks = 6, 2, 32, 4, 300
+    ctx, qn, _ = CASES["mixed"]
+    meta0 = _meta(ctx, qn, bs, window, nblocks)
+    k0, v0 = torch.full((nblocks * bs, KV, D), float("nan")), torch.full((nblocks * bs, KV, D), float("nan"))
+    for i, table in enumerate(meta0.block_tables):           # the context before this step's rows
+        pos = torch.arange(meta0.num_computed[i])
+        slots = torch.tensor(table)[pos // bs] * bs + pos % bs
+        k0[slots], v0[slots] = torch.randn(len(pos), KV, D), torch.randn(len(pos), KV, D)
+        if window is not None:                               # the blocks no query of this step can reach
+            passed = max(0, meta0.num_computed[i] - window + 1) // bs
+            table[:passed] = [-1] * passed
+    q, k, v = torch.randn(sum(qn), H, D), torch.randn(sum(qn), KV, D), torch.randn(sum(qn), KV, D)
+    outs = []
+    for name in ("torch", "triton"):
+        be = _backend(name, H, KV, D)
+        be.bind_kv_cache([LayerKV(k0.clone(), v0.clone())])
+        outs.append(be.forward(0, q, k, v, be.prepare(meta0), D ** -0.5))
+    assert not outs[1].isnan().any()
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
 
 
 @pytest.fixture(scope="module")

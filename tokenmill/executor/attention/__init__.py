@@ -20,12 +20,14 @@ log = logging.getLogger("tokenmill")
 
 def get_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int,
                 kernels: Optional[KernelLibrary], softcap: Optional[float] = None,
-                layer_windows: bool = False, value_dim: Optional[int] = None) -> AttentionBackend:
+                layer_windows: bool = False, value_dim: Optional[int] = None,
+                kv_cache_dtype: str = "auto") -> AttentionBackend:
     """'auto': the CPU kernels on CPU where they take the model's shapes and attention (else torch, said once),
     the Triton kernels on a GPU where Triton is installed and they take the shapes (else torch, said once);
     'cpu', 'triton', 'batched' or 'torch' by name ('triton' on CPU only under TRITON_INTERPRET=1, for tests). kernels: the CPU kernel library, None without one.
     softcap: the model's attention logit soft cap; layer_windows: whether its layers have sliding windows of their
-    own (Gemma); value_dim: values narrower than keys (latent attention's), which only torch attends."""
+    own (Gemma); value_dim: values narrower than keys (latent attention's), which only torch attends;
+    kv_cache_dtype: the cache's dtype by name (the Triton kernels read float and fp8 caches)."""
     why_not = "the CPU kernels are off (reference)" if kernels is None else \
         kernel_fits(kernels, num_heads, num_kv_heads, head_dim, softcap, layer_windows, value_dim)
     if name == "auto":
@@ -35,6 +37,8 @@ def get_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: i
             log.warning("attention runs on torch (batched SDPA): the CPU kernels do not take %s", why_not)
         if device.type == "cuda":
             why_not = triton_fits(num_heads, num_kv_heads, head_dim, value_dim)
+            if why_not is None and kv_cache_dtype in ("int8", "int4"):
+                why_not = f"a {kv_cache_dtype} KV cache"
             if why_not is None:
                 return TritonBackend(device)
             log.warning("attention runs on torch (batched SDPA): the Triton kernels do not take %s", why_not)

@@ -197,7 +197,9 @@ def _prompt_kernel(
 
 def fits(num_heads: int, num_kv_heads: int, head_dim: int) -> Optional[str]:
     """None when the kernels take these shapes, else why not."""
-    if num_heads % num_kv_heads or num_heads // num_kv_heads > MAX_GROUP:
+    if num_heads % num_kv_heads:
+        return f"{num_heads} query heads over {num_kv_heads} kv heads (not a whole number per kv head)"
+    if num_heads // num_kv_heads > MAX_GROUP:
         return f"{num_heads // num_kv_heads} query heads per kv head (at most {MAX_GROUP})"
     if head_dim > MAX_HEAD_DIM:
         return f"head_dim {head_dim} (at most {MAX_HEAD_DIM})"
