@@ -45,20 +45,25 @@ def test_prefix_hits(deepseek):
     check_prefix_hits(*deepseek, ENGINE)
 
 
-def test_routing_matches_transformers(deepseek):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_routing_matches_transformers(deepseek, dtype):
     """The experts each token picks and their weights, against transformers' router on the same inputs (its
-    groups and V3's bias change the choice: most tokens would pick otherwise without them)."""
+    groups and V3's bias change the choice: most tokens would pick otherwise without them); in bfloat16 too,
+    where both score in float32 from the rounded weights."""
+    import copy
     path, hf = deepseek
-    llm = LLM(path, **ENGINE)
+    llm = LLM(path, **{**ENGINE, "dtype": dtype})
     ours = llm.llm_engine.model.layers[1].mlp
-    theirs = hf.model.layers[1].mlp.gate
-    x = torch.randn(64, hf.config.hidden_size)
+    theirs = copy.deepcopy(hf.model.layers[1].mlp.gate).to(getattr(torch, dtype))
+    if hasattr(theirs, "e_score_correction_bias"):         # V3's bias stays float32 in transformers too
+        theirs.e_score_correction_bias = hf.model.layers[1].mlp.gate.e_score_correction_bias
+    x = torch.randn(64, hf.config.hidden_size).to(getattr(torch, dtype))
     weights, ids = ours.route(x)
     _, want_w, want_ids = theirs(x)
     order, want_order = ids.argsort(-1), want_ids.argsort(-1)
     assert torch.equal(ids.gather(1, order), want_ids.gather(1, want_order))
     torch.testing.assert_close(weights.gather(1, order), want_w.gather(1, want_order), atol=1e-6, rtol=1e-6)
-    plain = (x @ theirs.weight.T).softmax(-1).topk(ids.shape[1], dim=-1)[1].sort(-1)[0]
+    plain = (x.float() @ theirs.weight.float().T).softmax(-1).topk(ids.shape[1], dim=-1)[1].sort(-1)[0]
     assert (plain != ids.sort(-1)[0]).any(dim=-1).float().mean() > 0.3
 
 

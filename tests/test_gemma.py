@@ -94,16 +94,21 @@ def test_local_layers_keep_a_window_of_blocks(gemma):
     eng.kv.check_integrity()
 
 
-def test_speculation_over_the_hybrid_cache(gemma):
-    """n-gram guesses verified as one-token rows in every group's tables, rejected ones trimmed from each."""
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_over_the_hybrid_cache(gemma, method):
+    """Guesses verified as one-token rows in every group's tables, rejected ones trimmed from each; the draft
+    model (the same Gemma) keeps a hybrid cache of its own."""
     path, hf = gemma
-    llm = LLM(path, **ENGINE, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    spec = {"method": "ngram"} if method == "ngram" else {"model": path}
+    llm = LLM(path, **ENGINE, speculative_config={**spec, "num_speculative_tokens": 3})
     seg = random_prompts([12], seed=5)[0]
     prompts = [seg * 4, random_prompts([40], seed=6)[0] + seg * 2]
     for p, got in zip(prompts, greedy(llm, prompts, 30)):
         assert got == hf_greedy(hf, p, 30)
     assert llm.llm_engine.stats.spec_num_draft_tokens > 0
     llm.llm_engine.kv.check_integrity()
+    if method == "draft_model":
+        llm.llm_engine.proposer.check_integrity()
 
 
 # ---- GGUF ----------------------------------------------------------------------------------------------------------

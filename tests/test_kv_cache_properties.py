@@ -1,4 +1,6 @@
 """Property tests: the block manager and scheduler never leak or double-free, whatever the request mix."""
+import copy
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -59,6 +61,8 @@ def test_random_operations_keep_integrity(ops, num_blocks, budget, caching, hybr
                     r.spec_token_ids = [7] * min(op[1], r.max_tokens - len(r.output_token_ids) - 1, 63 - r.num_tokens)
             accept = op[2]
         elif op[0] == "step":
+            for r in sched.running:      # the scheduler fits chunks by can_allocate: it must say what happens
+                assert kv.can_allocate(r, 3) == copy.deepcopy(kv).allocate_slots(r, 3)
             out = sched.schedule()
             assert out.total_tokens <= budget
             for r in out.reqs:       # a window group has given back the blocks its window passed

@@ -80,13 +80,13 @@ def _configs() -> dict:
         "qwen3": lambda: Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                                      num_key_value_heads=2, head_dim=24, tie_word_embeddings=False, **common),
         # latent attention without a query bottleneck; top-2 of 8 experts within the best 1 of 2 groups (softmax,
-        # not renormalised), one shared expert, a dense first layer
+        # not renormalised), one shared expert, a dense first layer; layer norms' eps 1e-5 (the latent's stay 1e-6)
         "deepseek_v2": lambda: DeepseekV2Config(
             hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=24,
             v_head_dim=20, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
             topk_method="group_limited_greedy", n_group=2, topk_group=1, routed_scaling_factor=2.0,
-            tie_word_embeddings=False, **common),
+            tie_word_embeddings=False, rms_norm_eps=1e-5, **common),
         # a query bottleneck, interleaved rope with yarn scaling (its softmax mscale), sigmoid routing with a bias
         # (build_tiny makes it random) over the best 2 of 4 groups, renormalised and scaled
         "deepseek_v3": lambda: DeepseekV3Config(

@@ -68,6 +68,7 @@ class ModelConfig:
     # picked among the topk_group best of n_group groups (V2's group_limited_greedy: a group's best score; V3: its
     # best two), the weights times routed_scaling_factor; its shared experts have no gate
     moe_scoring: str = "softmax"
+    router_float32: bool = False      # DeepSeek: router logits from float32 activations and weights
     topk_method: str = "greedy"
     n_group: int = 1
     topk_group: int = 1
@@ -136,7 +137,7 @@ class ModelConfig:
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("qk_rope_head_dim") if arch in DEEPSEEK_ARCHITECTURES else
+            head_dim=cfg.get("qk_rope_head_dim", 64) if arch in DEEPSEEK_ARCHITECTURES else
             cfg.get("head_dim") or hidden // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
@@ -248,11 +249,26 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
                 if arch == "Qwen2MoeForCausalLM" else 0)
 
 
-def _deepseek_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """ModelConfig's latent attention and routing fields of DeepSeek-V2/V3, as transformers reads them: the layers
-    from first_k_dense_replace on are sparse; V2 never renormalises its top-k weights."""
+# transformers' DeepseekV2Config / DeepseekV3Config defaults, for keys a config.json leaves out
+_DEEPSEEK_DEFAULTS = {
+    "DeepseekV2ForCausalLM": dict(n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, q_lora_rank=1536,
+                                  kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                                  moe_intermediate_size=1407, first_k_dense_replace=0, routed_scaling_factor=1.0,
+                                  topk_method="greedy", n_group=None, topk_group=None),
+    "DeepseekV3ForCausalLM": dict(n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1, q_lora_rank=1536,
+                                  kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                                  moe_intermediate_size=2048, first_k_dense_replace=3, routed_scaling_factor=2.5,
+                                  norm_topk_prob=True, n_group=8, topk_group=4, rope_interleave=True),
+}
+
+
+def _deepseek_fields(arch: str, hf: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's latent attention and routing fields of DeepSeek-V2/V3, as transformers reads them (its
+    defaults for keys left out): the layers from first_k_dense_replace on are sparse; V2 never renormalises its
+    top-k weights; routers score in float32."""
     v3 = arch == "DeepseekV3ForCausalLM"
-    experts = cfg.get("n_routed_experts") or 0
+    cfg = {**_DEEPSEEK_DEFAULTS[arch], **hf}
+    experts = cfg["n_routed_experts"] or 0
     top_k = cfg.get("num_experts_per_tok") or 0
     if not 1 <= top_k <= experts:
         raise ValueError(f"{arch}: num_experts_per_tok={top_k} must be in [1, n_routed_experts={experts}]")
@@ -270,7 +286,8 @@ def _deepseek_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
                 num_experts_per_tok=top_k, moe_intermediate_size=cfg["moe_intermediate_size"],
                 norm_topk_prob=bool(cfg.get("norm_topk_prob")) and v3,
                 shared_expert_intermediate_size=cfg["moe_intermediate_size"] * (cfg.get("n_shared_experts") or 0),
-                shared_expert_gated=False, moe_scoring="sigmoid" if v3 else "softmax", topk_method=method,
+                shared_expert_gated=False, moe_scoring="sigmoid" if v3 else "softmax", router_float32=True,
+                topk_method=method,
                 n_group=groups, topk_group=topk_group, routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1)),
                 kv_lora_rank=cfg["kv_lora_rank"], q_lora_rank=cfg.get("q_lora_rank"),
                 qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],

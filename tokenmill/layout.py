@@ -54,12 +54,14 @@ class KVGroups:
 
 def kv_groups(layer_windows: tuple[Optional[int], ...], num_layers: int, sliding_window: Optional[int]) -> KVGroups:
     """One group of every layer unless the layers' windows differ (Gemma: global and local layers); then the
-    global layers are a group and the local ones groups of as many (the last one may be short), vLLM's layout."""
+    global layers are one group and the local ones groups of as many (the last one may be short), vLLM's layout;
+    without global layers, groups of the fewest layers of one window."""
     windows = tuple(layer_windows) or (sliding_window,) * num_layers
     kinds = sorted(set(windows), key=lambda w: (w is not None, w or 0))
     if len(kinds) == 1:
         return KVGroups((kinds[0],), (0,) * num_layers, tuple(range(num_layers)), num_layers)
-    size = min(sum(1 for w in windows if w == k) for k in kinds)
+    full = sum(1 for w in windows if w is None)
+    size = full or min(sum(1 for w in windows if w == k) for k in kinds)
     group, slot, group_windows = [0] * num_layers, [0] * num_layers, []
     for k in kinds:
         layers = [i for i, w in enumerate(windows) if w == k]

@@ -138,4 +138,5 @@ class DraftModelProposer:
     def check_integrity(self) -> None:
         self.kv.check_integrity()
         for st in self.states.values():
-            assert len(self.kv.blocks_of(st.request_id)) >= self.kv.blocks_needed(len(st.fed)), st.request_id
+            for table in self.kv.tables_of(st.request_id):
+                assert len(table) >= -(-len(st.fed) // self.kv.block_size), st.request_id

@@ -146,8 +146,9 @@ class KVCacheManager:
         """(blocks the pool must supply for num_new_tokens more tokens of req, blocks its window frees first)."""
         table = self.req_blocks.get(req.request_id, [])
         freed = 0
-        if self.sliding_window is not None:
-            freed = sum(1 for b in table[:self._first_needed(req) // self.block_size] if b != NO_BLOCK)
+        if self.sliding_window is not None:      # only a block no other request shares goes back to the pool
+            freed = sum(1 for b in table[:self._first_needed(req) // self.block_size]
+                        if b != NO_BLOCK and self.blocks[b].ref_cnt == 1)
         return self._new_blocks(req, table, num_new_tokens, computed_blocks), freed
 
     def _new_blocks(self, req: Request, table: list[int], num_new_tokens: int, computed_blocks) -> int:
@@ -312,14 +313,18 @@ class HybridKVCacheManager:
     shortened until every window group still caches the blocks its window reaches there."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, windows: list[Optional[int]]):
+        if sum(w is None for w in windows) > 1:
+            raise ValueError("a hybrid KV cache has at most one full-attention group (layout.kv_groups makes one)")
         self.pool = BlockPool(num_blocks)
-        self.groups = [KVCacheManager(num_blocks, block_size, enable_caching, w, self.pool, g, cache_windowed=True)
+        # without a full-attention group there is no hash chain to hit on: no prefix caching then
+        caching = enable_caching and None in windows
+        self.groups = [KVCacheManager(num_blocks, block_size, caching, w, self.pool, g, cache_windowed=True)
                        for g, w in enumerate(windows)]
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.enable_caching = enable_caching
+        self.enable_caching = caching
         # the scheduler fits prompt chunks to the free blocks where a window bounds what a request holds
         self.sliding_window = max((w for w in windows if w is not None), default=None)
-        self._full = next(g for g in self.groups if g.sliding_window is None)
+        self._full = next((g for g in self.groups if g.sliding_window is None), self.groups[0])
 
     @property
     def num_groups(self) -> int:

@@ -19,6 +19,10 @@ from tokenmill.executor.layers.linear import Linear
 from tokenmill.executor.layers.norm import RMSNorm
 
 
+# the bottlenecks' norms take their own epsilon, not the config's rms_norm_eps (transformers' and DeepSeek's code)
+LATENT_NORM_EPS = 1e-6
+
+
 class Matrix(nn.Module):
     """A weight used whole by the layer's own math (never laid out for a GEMM path, dequantised if quantised)."""
 
@@ -50,12 +54,12 @@ class LatentAttention(nn.Module):
         q_out = H * (self.nope + self.rope)
         if cfg.q_lora_rank:
             self.q_a_proj = Linear(hidden, cfg.q_lora_rank, cfg.attention_bias, ops)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, ops)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, ops)
             self.q_b_proj = Linear(cfg.q_lora_rank, q_out, False, ops)
         else:
             self.q_proj = Linear(hidden, q_out, False, ops)
         self.kv_a_proj_with_mqa = Linear(hidden, self.rank + self.rope, cfg.attention_bias, ops)
-        self.kv_a_layernorm = RMSNorm(self.rank, cfg.rms_norm_eps, ops)
+        self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS, ops)
         self.kv_b_proj = Matrix(H * (self.nope + self.v_dim), self.rank)
         self.o_proj = Linear(H * self.v_dim, hidden, cfg.attention_bias, ops)
         self.scale = softmax_scale(cfg)

@@ -28,11 +28,12 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert: Optional[nn.Module] = make_mlp(shared) if shared else None
         self.shared_expert_gate = Linear(cfg.hidden_size, 1, False, ops) if shared and cfg.shared_expert_gated \
             else None
+        self._router_f32: Optional[torch.Tensor] = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, expert ids) [T, k] of each token, in float32."""
         cfg = self.cfg
-        logits = self.gate(x).float()
+        logits = self._float_router(x) if cfg.router_float32 else self.gate(x).float()
         scores = logits.sigmoid() if cfg.moe_scoring == "sigmoid" else logits.softmax(dim=-1)
         choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias.float()
         if cfg.topk_method == "group_limited_greedy":
@@ -48,6 +49,13 @@ class SparseMoeBlock(nn.Module):
         if cfg.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * cfg.routed_scaling_factor, ids
+
+    def _float_router(self, x: torch.Tensor) -> torch.Tensor:
+        """DeepSeek's router logits: float32 activations times float32 weights (its model's weights upcast)."""
+        if self._router_f32 is None:           # routers are never quantised: weight, or weight_t after finalize
+            w = self.gate.weight if self.gate.weight is not None else self.gate.weight_t.t()
+            self._router_f32 = w.float().contiguous()
+        return x.float() @ self._router_f32.t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
