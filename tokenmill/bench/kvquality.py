@@ -73,15 +73,32 @@ def compare(name: str, want: list[list[dict[int, float]]], got: list[list[dict[i
                      max(margins, default=0.0))
 
 
-def kv_quality(model: str, kv_cache_dtype: str, prompts: Sequence[list[int]], max_tokens: int = 256,
-               **engine_args: Any) -> KVQuality:
-    """The float cache ('auto') against kv_cache_dtype on the same model, prompts and engine options."""
+@dataclass(frozen=True)
+class FloatReference:
+    """The float cache's side, shared by every cache dtype compared on the same model, prompts and options."""
+    model: str
+    prompts: list[list[int]]
+    engine_args: dict[str, Any]
+    sequences: list[list[int]]
+    want: list[list[dict[int, float]]]
+
+
+def float_reference(model: str, prompts: Sequence[list[int]], max_tokens: int = 256,
+                    **engine_args: Any) -> FloatReference:
+    """The float cache ('auto') continues each prompt greedily and scores the sequences."""
     from tokenmill import LLM
     kw = dict(enable_prefix_caching=False, max_model_len=max(len(p) for p in prompts) + max_tokens + 1,
               **engine_args)
     ref = LLM(model, kv_cache_dtype="auto", **kw)
     sequences = greedy_sequences(ref, prompts, max_tokens)
-    want = score(ref, sequences)
-    del ref
-    got = score(LLM(model, kv_cache_dtype=kv_cache_dtype, **kw), sequences)
-    return compare(kv_cache_dtype, want, got, [len(p) - 1 for p in prompts])
+    return FloatReference(model, [list(p) for p in prompts], kw, sequences, score(ref, sequences))
+
+
+def kv_quality(model: str, kv_cache_dtype: str, prompts: Sequence[list[int]], max_tokens: int = 256,
+               reference: FloatReference | None = None, **engine_args: Any) -> KVQuality:
+    """The float cache ('auto') against kv_cache_dtype on the same model, prompts and engine options (the float
+    side from reference where given: computed once for several dtypes)."""
+    from tokenmill import LLM
+    ref = reference or float_reference(model, prompts, max_tokens, **engine_args)
+    got = score(LLM(ref.model, kv_cache_dtype=kv_cache_dtype, **ref.engine_args), ref.sequences)
+    return compare(kv_cache_dtype, ref.want, got, [len(p) - 1 for p in ref.prompts])
