@@ -49,3 +49,15 @@ def check_blocks_equal_dequantised(gguf_path: str, engine: dict) -> LLM:
     prompts = random_prompts([9, 33, 4], seed=9)
     assert greedy(blocks, prompts, 16) == greedy(plain, prompts, 16)
     return blocks
+
+
+def gguf_put(w):
+    """put(name, x, qtype=None) adding x to the gguf.GGUFWriter w: float32, or quantised to qtype (a
+    gguf.GGMLQuantizationType)."""
+    import gguf
+    import numpy as np
+
+    def put(name: str, x, qtype=None) -> None:
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        w.add_tensor(name, x if qtype is None else gguf.quants.quantize(x, qtype), raw_dtype=qtype)
+    return put

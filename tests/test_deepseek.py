@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from tests.family_checks import PRESSURE, check_prefix_hits, check_under_pressure, greedy
+from tests.family_checks import PRESSURE, check_prefix_hits, check_under_pressure, gguf_put, greedy
 from tests.tiny_models import build_tiny, hf_greedy, hf_logprobs, random_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.kvcalc import kv_calc, param_count
@@ -162,12 +162,7 @@ def write_deepseek_gguf(hf_path: str, out, split_kv_b: bool = True, expert_type=
         w.add_expert_group_count(cfg["n_group"])
         w.add_expert_group_used_count(cfg["topk_group"])
 
-    def put(name, x, qtype=None):
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        if qtype is None:
-            w.add_tensor(name, x)
-        else:
-            w.add_tensor(name, gguf.quants.quantize(x, qtype), raw_dtype=qtype)
+    put = gguf_put(w)
 
     put("token_embd.weight", sd["model.embed_tokens.weight"])
     attn = {"q_proj": "attn_q", "q_a_proj": "attn_q_a", "q_a_layernorm": "attn_q_a_norm", "q_b_proj": "attn_q_b",

@@ -9,7 +9,8 @@ from collections import Counter
 import pytest
 import torch
 
-from tests.family_checks import PRESSURE, check_blocks_equal_dequantised, check_prefix_hits, check_under_pressure
+from tests.family_checks import (PRESSURE, check_blocks_equal_dequantised, check_prefix_hits, check_under_pressure,
+                                 gguf_put)
 from tests.tiny_models import build_tiny, hf_greedy, random_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import ModelConfig
@@ -174,12 +175,7 @@ def write_moe_gguf(kind: str, hf_path: str, out, expert_type=None) -> None:
     def permute(x, n):
         return x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
 
-    def put(name, x, qtype=None):
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        if qtype is None:
-            w.add_tensor(name, x)
-        else:
-            w.add_tensor(name, gguf.quants.quantize(x, qtype), raw_dtype=qtype)
+    put = gguf_put(w)
 
     put("token_embd.weight", sd["model.embed_tokens.weight"])
     for i in range(L):

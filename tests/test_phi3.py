@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.family_checks import (PRESSURE, check_blocks_equal_dequantised, check_prefix_hits, check_under_pressure,
-                                 greedy)
+                                 gguf_put, greedy)
 from tests.tiny_models import build_tiny, hf_greedy, random_prompts
 from tokenmill import LLM
 from tokenmill.config import ModelConfig
@@ -120,9 +120,7 @@ def write_phi3_gguf(hf_path: str, out, qtype=None) -> None:
     w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
 
-    def put(name, x, q=None):
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        w.add_tensor(name, x if q is None else gguf.quants.quantize(x, q), raw_dtype=q)
+    put = gguf_put(w)
 
     put("token_embd.weight", sd["model.embed_tokens.weight"])
     put("rope_factors_long.weight", np.array(rope["long_factor"]))
