@@ -43,6 +43,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='speculative decoding as JSON, vLLM\'s fields: {"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_min": 1, "prompt_lookup_max": 4}, or {"method": "draft_model", "model": PATH, '
                         '"num_speculative_tokens": 3}')
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many ranks (processes on this machine, gloo), Megatron-style; "
+                        "Llama, Mistral and Qwen2/3 float checkpoints so far")
     p.add_argument("--quantization", "-q", default=None,
                    help="quantise a float checkpoint's matrices at load: int8 (Q8_0) | int4 (Q4_1) | q4_0 | q5_0 | "
                         "q5_1 | q8_0")
@@ -56,7 +59,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 cpu_kernels=args.cpu_kernels, quantization=args.quantization, int8_activations=args.int8_activations,
                 pooling_type=args.pooling_type, num_threads=args.num_threads,
                 structured_outputs_config=args.structured_outputs_config,
-                speculative_config=args.speculative_config)
+                speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _json_object(text: str) -> dict:

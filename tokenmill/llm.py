@@ -36,7 +36,8 @@ class LLM:
     Q4_K/Q5_K/Q6_K weights multiply activations rounded to int8 per 256, as llama.cpp does (int8_activations=False
     keeps them float32, exact against the dequantised model);
     cpu_kernels picks the CPU kernel variant (auto, avx512, avx2, neon, generic) or "reference" (plain torch);
-    pooling_type ("LAST" or "MEAN") is what embed() pools over the prompt."""
+    pooling_type ("LAST" or "MEAN") is what embed() pools over the prompt; tensor_parallel_size splits the model over
+    that many ranks on this machine (README: Tensor parallelism)."""
 
     def __init__(self, model: Optional[str] = None, **engine_args: Any):
         self.llm_engine = LLMEngine(model, **engine_args)

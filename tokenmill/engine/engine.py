@@ -27,6 +27,8 @@ from tokenmill.executor.cpus import thread_policy
 from tokenmill.executor.loader import Checkpoint, open_checkpoint, quantized_at_load, resolve_model_path
 from tokenmill.executor.models.decoder import DecoderForCausalLM
 from tokenmill.executor.ops import make_ops
+from tokenmill.executor.parallel import (TensorParallelRunner, TPGroup, WorkerSpec, check_tensor_parallel, free_port,
+                                         shard_config, sharded, start_workers)
 from tokenmill.executor.runner import ModelRunner, RunnerOutput
 from tokenmill.executor.sampler import bad_words_to_token_ids, check_params_for_vocab, make_generator
 from tokenmill.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
@@ -117,8 +119,10 @@ def pick_device(device: Optional[str]) -> torch.device:
 
 def load_model(path: str, mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int,
                ckpt: Checkpoint, quantized_kernels: bool = True, cpu_kernels: str = "auto",
-               int8_activations: bool = True) -> DecoderForCausalLM:
+               int8_activations: bool = True, tp: Optional["TPGroup"] = None) -> DecoderForCausalLM:
+    """tp: the tensor-parallel group of a rank's share of a split model (mc and ckpt are that share's)."""
     ops = make_ops(device, dtype, cpu_kernels, int8_activations)     # the execution plan: what serves each op, chosen once
+    ops.tp = tp
     with torch.device("meta"):
         model = DecoderForCausalLM(mc, max_len, ops)
     model.make_rotary(max_len, device)
@@ -164,7 +168,8 @@ class LLMEngine:
                  tokenizer: Any = "auto", pooling_type: str = "LAST", num_threads: Optional[int] = None,
                  structured_outputs_config: Union[StructuredOutputsConfig, dict, None] = None,
                  reasoning_parser: Optional[str] = None,
-                 speculative_config: Union[SpeculativeConfig, dict, str, None] = None):
+                 speculative_config: Union[SpeculativeConfig, dict, str, None] = None,
+                 tensor_parallel_size: int = 1):
         # pooling_type: which prompt rows a PoolingParams request pools (vLLM's pooler config): LAST or MEAN
         self.pooling_type = check_pooling_type(pooling_type)
         spec_config = SpeculativeConfig.of(speculative_config)
@@ -187,14 +192,33 @@ class LLMEngine:
         sched_cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, use_kv_cache)
         cache_cfg = CacheConfig(block_size, kv_cache_memory_gb, enable_prefix_caching=enable_prefix_caching,
                                 cache_dtype=kv_cache_dtype)
-        self.config = EngineConfig(path, mc, cache_cfg, sched_cfg, torch_dtype, dev, attention_backend,
+        # tensor parallelism (executor/parallel.py): this process is rank 0 and holds its share of the model; the
+        # runner's config is that share's (its heads, its KV cache), the engine's model_config the whole model's
+        check_tensor_parallel(mc, tensor_parallel_size, dev, ckpt.quantized or quantization is not None)
+        if tensor_parallel_size > 1 and spec_config is not None and spec_config.method == "draft_model":
+            raise ValueError("a draft model with tensor_parallel_size > 1 is not implemented; use the ngram method")
+        tp, workers = None, []
+        part = mc if tensor_parallel_size == 1 else shard_config(mc, tensor_parallel_size)
+        if tensor_parallel_size > 1:       # each rank computes on its share of the cores
+            num_threads = num_threads or max(1, (os.cpu_count() or 1) // tensor_parallel_size)
+        self.config = EngineConfig(path, part, cache_cfg, sched_cfg, torch_dtype, dev, attention_backend,
                                    quantized_kernels, cpu_kernels, seed, num_threads)
+        if tensor_parallel_size > 1:
+            port = free_port()
+            workers = start_workers(WorkerSpec(path, torch_dtype, max_model_len, block_size,
+                                               self.config.kv_cache_dtype, cpu_kernels, num_threads),
+                                    tensor_parallel_size, port)
+            tp = TPGroup(0, tensor_parallel_size, port)
+            whole = ckpt
+            ckpt = Checkpoint(whole.config, lambda keep_blocks=False: sharded(whole.tensors(keep_blocks=False), mc, 0,
+                                                                              tensor_parallel_size),
+                              whole.quantized, whole.release)
         threads = thread_policy(num_threads)      # before the load: it computes too
         self.model_config = mc
         torch.manual_seed(seed)
 
-        self.model = load_model(path, mc, torch_dtype, dev, max_model_len, ckpt, quantized_kernels, cpu_kernels,
-                                int8_activations)
+        self.model = load_model(path, part, torch_dtype, dev, max_model_len, ckpt, quantized_kernels, cpu_kernels,
+                                int8_activations, tp)
         # a draft model (speculative decoding) shares the KV budget: both caches get num_blocks blocks
         self.draft_config: Optional[EngineConfig] = None
         if spec_config is not None and spec_config.method == "draft_model" and use_kv_cache:
@@ -205,7 +229,9 @@ class LLMEngine:
             draft_model = load_model(draft_path, self.draft_config.model_config, torch_dtype, dev, max_model_len,
                                      draft_ckpt, quantized_kernels, cpu_kernels, int8_activations)
         num_blocks = self._size_kv_cache()
-        self.runner = self._runner(self.config, self.model, num_blocks, threads)
+        if tp is not None:
+            tp.send(num_blocks)
+        self.runner = self._runner(self.config, self.model, num_blocks, threads, tp, workers)
         # the tokenizer loads on one core (the bundled GGUF's: ~2.4 s); the other faults in the KV cache meanwhile
         with self.runner.faulting_in_kv_cache():
             self.tokenizer = self._load_tokenizer(path) if tokenizer == "auto" else tokenizer
@@ -251,10 +277,13 @@ class LLMEngine:
         extra = 0 if self.draft_config is None else ModelRunner.kv_bytes_per_block(self.draft_config)
         return ModelRunner.kv_bytes_per_block(self.config) + extra
 
-    def _runner(self, config: EngineConfig, model: DecoderForCausalLM, num_blocks: int, threads) -> ModelRunner:
-        """The model's runner with its KV cache allocated; running out of memory doing so is a ValueError that
-        names the budget it tried."""
+    def _runner(self, config: EngineConfig, model: DecoderForCausalLM, num_blocks: int, threads,
+                tp: Optional[TPGroup] = None, workers: list = ()) -> ModelRunner:
+        """The model's runner with its KV cache allocated (rank 0's, which sends the workers each step, under
+        tensor parallelism); running out of memory doing so is a ValueError that names the budget it tried."""
         try:
+            if tp is not None:
+                return TensorParallelRunner(config, model, num_blocks, threads, group=tp, workers=list(workers))
             return ModelRunner(config, model, num_blocks, threads)
         except RuntimeError as e:       # torch.OutOfMemoryError on a GPU, the allocator's RuntimeError on CPU
             if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):

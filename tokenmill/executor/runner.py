@@ -79,7 +79,9 @@ class ModelRunner:
             keep_freed_memory()
         self.backend.bind_kv_cache(self.kv_caches)
         self.kv_pages = PageToucher(model.ops.kernels, [t for kv in tensors for t in kv.planes()])
-        self.sampler = Sampler(mc.vocab_size, set(mc.eos_token_ids), model.ops.argmax)
+        # the whole vocabulary, where a tensor-parallel rank's model holds its share of it
+        vocab = mc.vocab_size * (model.ops.tp.size if model.ops.tp is not None else 1)
+        self.sampler = Sampler(vocab, set(mc.eos_token_ids), model.ops.argmax)
         self.threads = threads or FixedThreads(torch.get_num_threads())
 
     def faulting_in_kv_cache(self) -> AbstractContextManager:
@@ -148,13 +150,13 @@ class ModelRunner:
             part = rows.float().sum(0) if req.pooling_type == "MEAN" else rows[-1].float()
             out.pooled[req.request_id] = (req.num_computed_tokens, part)
         for req, row, count in prompt_lp_reqs:
-            logits = self.model.compute_logits(hidden[row:row + count])
+            logits = self._logits(hidden, torch.arange(row, row + count, device=dev))
             start = req.num_computed_tokens
             nxt = req.all_token_ids[start + 1:start + 1 + count]
             lp = compute_prompt_logprobs(logits, nxt, req.params.prompt_logprobs)
             out.prompt_logprobs[req.request_id] = ([None] if start == 0 else []) + lp
         if sample_reqs:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])   # [S, V]
+            logits = self._logits(hidden, torch.tensor(sample_rows, device=dev))   # [S, V]
             masks = token_bitmasks.result() if token_bitmasks is not None else {}
             # a guessed position samples as if the guesses before it were the request's tokens already; a draft
             # model's guess brings the distribution it was drawn from
@@ -201,7 +203,11 @@ class ModelRunner:
                     tables[g].append(table)
             last_rows.append(qsl[-1] - 1)
         hidden = self._forward(ids, pos, slots, qsl, num_computed, seq_lens, tables)
-        return self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
+        return self._logits(hidden, torch.tensor(last_rows, device=self.device))
+
+    def _logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """float32 logits of these rows of the hidden states."""
+        return self.model.compute_logits(hidden[rows])
 
     def _forward(self, ids: list[int], pos: list[int], slots: list[list[int]], qsl: list[int],
                  num_computed: list[int], seq_lens: list[int], tables: list[list[list[int]]]) -> torch.Tensor:

@@ -58,7 +58,18 @@ class Attention(nn.Module):
         qk = self.ops.rotary(qk, *rope)
         o = backend.forward(self.layer_idx, qk[:, :H], qk[:, H:], v, meta, self.scale, self.window,
                             self.softcap)                                                   # [T, H, D]
-        return self.o_proj(o.reshape(T, self.q_size))
+        return self.ops.all_reduce(self.o_proj(o.reshape(T, self.q_size)))      # rank's heads' share, summed
+
+
+class VocabParallelEmbedding(Embedding):
+    """One rank's rows of the embedding table (rank r holds ids [r * num, (r + 1) * num)): ids elsewhere give
+    zeros, and the sum over ranks is every id's row."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.ops.tp.rank * self.num
+        here = (local >= 0) & (local < self.num)
+        rows = super().forward(torch.where(here, local, torch.zeros_like(local)))
+        return self.ops.all_reduce(rows * here[:, None].to(rows.dtype))
 
 
 class MLP(nn.Module):
@@ -71,7 +82,7 @@ class MLP(nn.Module):
         self.act = ops.gelu_tanh_mul if cfg.hidden_act == "gelu_pytorch_tanh" else ops.silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.ops.all_reduce(self.down_proj(self.act(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
@@ -157,7 +168,8 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_len: int, ops: ReferenceOps):
         super().__init__()
         self.config, self.ops = cfg, ops
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, ops)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, ops) if ops.tp is None else \
+            VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ops)
         layer = GemmaDecoderLayer if cfg.gemma else DecoderLayer
         self.layers = nn.ModuleList(layer(cfg, i, ops) for i in range(cfg.num_hidden_layers))
         self.layer_group = cfg.kv_groups.layer_group        # each layer's KV group: whose metadata it attends by
@@ -194,7 +206,7 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [S, hidden] (only the rows that sample). Returns float32 logits [S, vocab]."""
-        logits = self.lm_head(hidden)
+        logits = self.ops.gather_vocab(self.lm_head(hidden))
         cap = self.config.final_logit_softcapping
         if cap is not None:          # Gemma 2: tanh soft-capping, in the model's dtype as transformers does it
             logits = torch.tanh(logits / cap) * cap

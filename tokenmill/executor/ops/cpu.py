@@ -119,6 +119,8 @@ class CpuKernelOps(ReferenceOps):
         attn, mlp = layer.self_attn, layer.mlp
         if not hasattr(mlp, "gate_up_proj") or layer.gemma or not hasattr(attn, "qkv_proj"):  # MoE, Gemma, latent
             return None
+        if self.tp is not None:          # the one-call layer has no all-reduce after o_proj and down_proj
+            return None
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if self.dtype not in _LAYER_DTYPES or attn.q_norm is not None or norms[0].eps != norms[1].eps \

@@ -61,6 +61,17 @@ class ReferenceOps:
         """Rows row0 .. row0+rows-1 of W in float32, into out [rows, K]."""
         return out.copy_(dequantize_rows(w, row0, rows))
 
+    # the tensor-parallel group (parallel.TPGroup) of a model split over ranks; None for one process
+    tp = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of x over the ranks a model is split over (x itself in one process)."""
+        return x if self.tp is None else self.tp.all_reduce(x)
+
+    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Every rank's share of the vocabulary's logits side by side (the logits themselves in one process)."""
+        return logits if self.tp is None else self.tp.gather_last(logits)
+
     def embedding(self, ids: torch.Tensor, table) -> torch.Tensor:
         """The rows of a layers.linear.Embedding for ids [T]."""
         if table.quant is None:

@@ -1,0 +1,57 @@
+"""Tensor parallelism on CPU: two ranks (this process and one worker process, gloo on loopback), each holding half
+the heads, half the MLP and half the vocabulary, give transformers' greedy tokens, as one rank does."""
+from __future__ import annotations
+
+import pytest
+
+from tests.family_checks import check_under_pressure, greedy
+from tests.tiny_models import build_tiny, hf_greedy, random_prompts
+from tokenmill import LLM
+
+ENGINE = dict(dtype="float32", kv_cache_memory_gb=0.02, max_model_len=512, tensor_parallel_size=2)
+
+
+def test_two_ranks_give_transformers_tokens(tiny_llama):
+    """A mixed batch with its prompts in chunks of 16 beside decodes, then prompts that hit the cached prefix."""
+    path, hf = tiny_llama
+    llm = LLM(path, **ENGINE, max_num_batched_tokens=16)
+    assert llm.llm_engine.runner.workers[0].is_alive()
+    prompts = random_prompts([5, 33, 70, 12, 1], seed=11)
+    assert greedy(llm, prompts, 16) == [hf_greedy(hf, p, 16) for p in prompts]
+    longer = [prompts[2] + random_prompts([n], seed=n)[0] for n in (3, 9)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in longer], None, use_tqdm=False)
+    assert all(o.num_cached_tokens >= 64 for o in outs)
+    assert greedy(llm, longer, 16) == [hf_greedy(hf, p, 16) for p in longer]
+
+
+def test_preempted(tiny_llama):
+    check_under_pressure(*tiny_llama, ENGINE, "preempted")
+
+
+def test_one_kv_head_over_two_ranks_and_a_tied_head(tmp_path):
+    """One kv head: both ranks hold it; the tied embeddings are split by vocabulary for the lookup and the head."""
+    path, hf = build_tiny("llama_mqa_tied", tmp_path)
+    llm = LLM(path, **ENGINE)
+    prompts = random_prompts([9, 40], seed=3)
+    assert greedy(llm, prompts, 16) == [hf_greedy(hf, p, 16) for p in prompts]
+
+
+def test_a_dead_worker_is_an_error_not_a_hang(tiny_llama):
+    llm = LLM(tiny_llama[0], **ENGINE)
+    llm.llm_engine.runner.workers[0].kill()
+    llm.llm_engine.runner.workers[0].join()
+    with pytest.raises(RuntimeError, match="Connection closed by peer|Connection reset|Broken pipe"):
+        greedy(llm, random_prompts([5], seed=1), 4)
+
+
+def test_what_cannot_split_is_refused(tiny_llama, tmp_path):
+    path = tiny_llama[0]             # 6 heads, 2 kv heads, intermediate 80, vocabulary 320
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 does not divide attention heads \(6\)"):
+        LLM(path, **{**ENGINE, "tensor_parallel_size": 4})
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1, got 0"):
+        LLM(path, **{**ENGINE, "tensor_parallel_size": 0})
+    with pytest.raises(ValueError, match="splits float checkpoints so far"):
+        LLM(path, **ENGINE, quantization="int8")
+    gemma, _ = build_tiny("gemma2", tmp_path)
+    with pytest.raises(ValueError, match="splits LlamaForCausalLM, .* so far, not Gemma2ForCausalLM"):
+        LLM(gemma, **ENGINE)

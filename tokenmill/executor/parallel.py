@@ -1,0 +1,219 @@
+"""Tensor parallelism over torch.distributed (Megatron's split): each of N ranks holds 1/N of the attention heads
+(its share of the paged KV cache with them; a kv head is repeated where there are fewer kv heads than ranks),
+1/N of the MLP's intermediate columns and 1/N of the vocabulary. q/k/v and gate/up are split by output rows,
+o_proj and down_proj by input columns, each followed by one all-reduce; embeddings are looked up where their row
+lives and all-reduced; the LM head's logits are gathered for sampling.
+
+Rank 0 is the engine: its scheduler plans each step, and its runner sends the step's inputs to the other ranks in
+one message (and one more per logits call), then runs its own share; the other ranks are worker processes that
+run the same forward on theirs. The process group is gloo over a store on loopback, the group's own (no global
+default group), so an engine can start, stop and start again in one process."""
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import pickle
+import socket
+import weakref
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from tokenmill.config import ModelConfig
+from tokenmill.executor.runner import ModelRunner
+
+# the families whose float checkpoints split so far (their q/k/v, o, gate/up and down are the Llama layout)
+TP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+TIMEOUT_S = 120       # a rank that does not answer a collective within this is taken for dead
+
+
+def check_tensor_parallel(mc: ModelConfig, size: int, device: torch.device, quantized: bool) -> None:
+    """ValueError naming what stops this model from splitting over size ranks."""
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+    if size == 1:
+        return
+    if device.type != "cpu":
+        raise ValueError("tensor_parallel_size > 1 runs on CPU ranks (gloo) so far; use device='cpu'")
+    if mc.architecture not in TP_ARCHITECTURES:
+        raise ValueError(f"tensor_parallel_size > 1 splits {', '.join(TP_ARCHITECTURES)} so far, not "
+                         f"{mc.architecture}")
+    if quantized:
+        raise ValueError("tensor_parallel_size > 1 splits float checkpoints so far; this one is quantised "
+                         "(a GGUF's blocks, or quantization=)")
+    for what, n in (("attention heads", mc.num_attention_heads), ("the MLP's intermediate size",
+                                                                   mc.intermediate_size),
+                    ("the vocabulary", mc.vocab_size)):
+        if n % size:
+            raise ValueError(f"tensor_parallel_size={size} does not divide {what} ({n}); choose a divisor of {n}")
+    kv = mc.num_key_value_heads
+    if kv % size and size % kv:
+        raise ValueError(f"tensor_parallel_size={size} and {kv} kv heads: one must divide the other (ranks share a "
+                         f"kv head, or split them)")
+
+
+def shard_config(mc: ModelConfig, size: int) -> ModelConfig:
+    """One rank's model: its heads, kv heads (at least one), intermediate columns and vocabulary rows."""
+    return dataclasses.replace(mc, num_attention_heads=mc.num_attention_heads // size,
+                               num_key_value_heads=max(mc.num_key_value_heads // size, 1),
+                               intermediate_size=mc.intermediate_size // size, vocab_size=mc.vocab_size // size)
+
+
+def _rows(name: str) -> Optional[str]:
+    """How an HF tensor splits: 'rows' (by output), 'cols' (by input), or None (every rank holds it whole)."""
+    part = name.split(".")[-2] if name.count(".") else name
+    if part in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head"):
+        return "rows"
+    if part in ("o_proj", "down_proj") and name.endswith("weight"):
+        return "cols"
+    return None
+
+
+def shard_tensor(name: str, t: torch.Tensor, mc: ModelConfig, rank: int, size: int) -> torch.Tensor:
+    """This rank's slice of an HF tensor of the whole model."""
+    how = _rows(name)
+    if how is None:
+        return t
+    part = name.split(".")[-2]
+    d = mc.head_dim
+    if part in ("k_proj", "v_proj"):
+        kv = mc.num_key_value_heads
+        if kv >= size:
+            per = kv // size
+            return t[rank * per * d:(rank + 1) * per * d]
+        head = rank * kv // size             # the kv head this rank's query heads read
+        return t[head * d:(head + 1) * d]
+    n = t.shape[0] if how == "rows" else t.shape[1]
+    per = n // size
+    return t[rank * per:(rank + 1) * per] if how == "rows" else t[:, rank * per:(rank + 1) * per]
+
+
+def sharded(tensors: Iterator[tuple[str, Any]], mc: ModelConfig, rank: int, size: int) -> Iterator[tuple[str, Any]]:
+    for name, t in tensors:
+        yield name, shard_tensor(name, t, mc, rank, size).contiguous()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TPGroup:
+    """This engine's ranks: a gloo process group of its own over a TCP store on loopback."""
+
+    def __init__(self, rank: int, size: int, port: int, timeout_s: float = TIMEOUT_S):
+        self.rank, self.size = rank, size
+        self.store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timedelta(seconds=timeout_s))
+        self.pg = dist.ProcessGroupGloo(self.store, rank, size, timedelta(seconds=timeout_s))
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks, in float32 on the wire."""
+        t = x.float().contiguous()
+        self.pg.allreduce([t]).wait()
+        return t.to(x.dtype)
+
+    def gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's x side by side along the last dimension (rank order), on every rank."""
+        t = x.float().contiguous()
+        out = [torch.empty_like(t) for _ in range(self.size)]
+        self.pg.allgather([out], [t]).wait()
+        return torch.cat(out, dim=-1).to(x.dtype)
+
+    def send(self, obj: Any) -> None:
+        """Rank 0: obj to every other rank (pickled: a length, then the bytes)."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        self.pg.broadcast([torch.tensor([data.numel()], dtype=torch.long)], dist.BroadcastOptions()).wait()
+        self.pg.broadcast([data], dist.BroadcastOptions()).wait()
+
+    def receive(self) -> Any:
+        n = torch.zeros(1, dtype=torch.long)
+        self.pg.broadcast([n], dist.BroadcastOptions()).wait()
+        data = torch.empty(int(n.item()), dtype=torch.uint8)
+        self.pg.broadcast([data], dist.BroadcastOptions()).wait()
+        return pickle.loads(data.numpy().tobytes())
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker rank needs to build its share of the engine's model."""
+    path: str
+    dtype: torch.dtype
+    max_model_len: int
+    block_size: int
+    kv_cache_dtype: str
+    cpu_kernels: str
+    threads: int
+
+
+def start_workers(spec: WorkerSpec, size: int, port: int) -> list[mp.Process]:
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker_main, args=(spec, rank, size, port), daemon=True,
+                         name=f"tokenmill-tp{rank}") for rank in range(1, size)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def stop_workers(group: TPGroup, procs: list[mp.Process]) -> None:
+    """Tell the workers to exit (they also die with this process: daemons)."""
+    try:
+        group.send(("stop",))
+    except Exception:       # a dead worker: nothing to tell
+        pass
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+
+
+def _worker_main(spec: WorkerSpec, rank: int, size: int, port: int) -> None:
+    from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
+    from tokenmill.engine.engine import load_model, open_model
+    from tokenmill.executor.cpus import FixedThreads
+    from tokenmill.executor.loader import Checkpoint
+    torch.set_num_threads(spec.threads)
+    group = TPGroup(rank, size, port)
+    dev = torch.device("cpu")
+    whole, mc = open_model(spec.path, None, dev)
+    part = shard_config(mc, size)
+    ckpt = Checkpoint(whole.config, lambda keep_blocks=False: sharded(whole.tensors(keep_blocks=False), mc, rank,
+                                                                      size), whole.quantized, whole.release)
+    model = load_model(spec.path, part, spec.dtype, dev, spec.max_model_len, ckpt, False, spec.cpu_kernels,
+                       tp=group)
+    num_blocks = group.receive()
+    config = EngineConfig(spec.path, part, CacheConfig(spec.block_size, cache_dtype=spec.kv_cache_dtype),
+                          SchedulerConfig(max_model_len=spec.max_model_len), spec.dtype, dev, "auto", False,
+                          spec.cpu_kernels)
+    runner = ModelRunner(config, model, num_blocks, FixedThreads(spec.threads))
+    hidden = None
+    with torch.inference_mode():
+        while True:
+            msg = group.receive()
+            if msg[0] == "forward":
+                hidden = runner._forward(*msg[1])
+            elif msg[0] == "logits":
+                runner.model.compute_logits(hidden[msg[1]])
+            else:
+                return
+
+
+class TensorParallelRunner(ModelRunner):
+    """Rank 0's runner: each step's inputs, and each logits call's rows, go to the workers first (one message
+    each), then rank 0 runs its own share."""
+
+    def __init__(self, *args, group: TPGroup, workers: list[mp.Process], **kw):
+        super().__init__(*args, **kw)
+        self.group, self.workers = group, workers
+        weakref.finalize(self, stop_workers, group, workers)
+
+    def _forward(self, *args) -> torch.Tensor:
+        self.group.send(("forward", args))
+        return super()._forward(*args)
+
+    def _logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        self.group.send(("logits", rows))
+        return super()._logits(hidden, rows)
