@@ -24,6 +24,25 @@ def test_two_ranks_give_transformers_tokens(tiny_llama):
     assert greedy(llm, longer, 16) == [hf_greedy(hf, p, 16) for p in longer]
 
 
+def test_collectives_per_step_are_the_formula(tiny_llama):
+    """A prefill of 20 rows then two decodes of one: 2 all-reduces a layer and one for the embeddings, of float32
+    rows of hidden, and one gather of the sampled row's half of the vocabulary, each step."""
+    from tokenmill import SamplingParams
+    from tokenmill.executor.parallel import collectives_per_step
+    path, hf = tiny_llama
+    c = hf.config
+    llm = LLM(path, **ENGINE)
+    group = llm.llm_engine.runner.group
+    eng = llm.llm_engine
+    eng.add_request("r", {"prompt_token_ids": random_prompts([20], seed=2)[0]},
+                    SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    for tokens in (20, 1, 1):
+        before = {k: getattr(group, k) for k in ("all_reduces", "all_reduce_bytes", "gathers", "gather_bytes")}
+        eng.step()
+        after = {k: getattr(group, k) - v for k, v in before.items()}
+        assert after == collectives_per_step(c.num_hidden_layers, c.hidden_size, c.vocab_size, 2, tokens, 1)
+
+
 def test_preempted(tiny_llama):
     check_under_pressure(*tiny_llama, ENGINE, "preempted")
 

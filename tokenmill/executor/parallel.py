@@ -109,11 +109,15 @@ class TPGroup:
         self.rank, self.size = rank, size
         self.store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timedelta(seconds=timeout_s))
         self.pg = dist.ProcessGroupGloo(self.store, rank, size, timedelta(seconds=timeout_s))
+        # what this rank put into collectives: calls and bytes (the benchmark checks them against the formula)
+        self.all_reduces = self.all_reduce_bytes = self.gathers = self.gather_bytes = 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks, in float32 on the wire."""
         t = x.float().contiguous()
         self.pg.allreduce([t]).wait()
+        self.all_reduces += 1
+        self.all_reduce_bytes += t.nbytes
         return t.to(x.dtype)
 
     def gather_last(self, x: torch.Tensor) -> torch.Tensor:
@@ -121,6 +125,8 @@ class TPGroup:
         t = x.float().contiguous()
         out = [torch.empty_like(t) for _ in range(self.size)]
         self.pg.allgather([out], [t]).wait()
+        self.gathers += 1
+        self.gather_bytes += t.nbytes
         return torch.cat(out, dim=-1).to(x.dtype)
 
     def send(self, obj: Any) -> None:
@@ -156,6 +162,14 @@ def start_workers(spec: WorkerSpec, size: int, port: int) -> list[mp.Process]:
     for p in procs:
         p.start()
     return procs
+
+
+def collectives_per_step(layers: int, hidden: int, vocab: int, size: int, tokens: int, sampled: int) -> dict:
+    """The formula: a step of `tokens` rows of which `sampled` give logits all-reduces its embeddings and, in
+    every layer, the attention's and the MLP's outputs (float32 rows of hidden), and gathers each sampled row's
+    share of the vocabulary once."""
+    return {"all_reduces": 2 * layers + 1, "all_reduce_bytes": (2 * layers + 1) * tokens * hidden * 4,
+            "gathers": 1 if sampled else 0, "gather_bytes": sampled * vocab // size * 4}
 
 
 def stop_workers(group: TPGroup, procs: list[mp.Process]) -> None:
