@@ -63,6 +63,30 @@ def test_a_dead_worker_is_an_error_not_a_hang(tiny_llama):
         greedy(llm, random_prompts([5], seed=1), 4)
 
 
+def test_a_dead_worker_stops_the_server_engine(tiny_llama):
+    """Under the server's AsyncLLM: the request in flight fails, the engine reports itself dead (the server's
+    health and every later request answer 503 with this error) and nothing hangs."""
+    import asyncio
+    from tokenmill import SamplingParams
+    from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError
+    llm = AsyncLLM.from_engine_args(tiny_llama[0], **ENGINE)
+
+    async def one() -> None:
+        stream = await llm.add_request({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4))
+        async for _ in stream:
+            pass
+    asyncio.run(one())                               # both ranks serve
+    worker = llm.engine.runner.workers[0]
+    worker.kill()
+    worker.join()
+    with pytest.raises(EngineDeadError):
+        asyncio.run(one())
+    llm._thread.join(timeout=30)
+    assert not llm.is_running and "a tensor-parallel worker process died" in llm.error
+    with pytest.raises(EngineDeadError, match="a tensor-parallel worker process died"):
+        asyncio.run(one())
+
+
 def test_what_cannot_split_is_refused(tiny_llama, tmp_path):
     path = tiny_llama[0]             # 6 heads, 2 kv heads, intermediate 80, vocabulary 320
     with pytest.raises(ValueError, match=r"tensor_parallel_size=4 does not divide attention heads \(6\)"):

@@ -276,6 +276,10 @@ class AsyncLLM:
                 log.exception("engine step failed")
                 self._fail_all(EngineDeadError(f"the engine failed while running this request: {e}"))
                 outputs = []
+                if not eng.runner.alive:     # a tensor-parallel worker died: no step can run again
+                    self.error = f"a tensor-parallel worker process died ({e})"
+                    self._after_iteration([])
+                    return
             # state and hooks (metrics) first: a client that has its answer finds it counted already
             self._after_iteration(outputs)
             self._dispatch(outputs)

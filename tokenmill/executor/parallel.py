@@ -224,6 +224,10 @@ class TensorParallelRunner(ModelRunner):
         self.group, self.workers = group, workers
         weakref.finalize(self, stop_workers, group, workers)
 
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.workers)
+
     def _forward(self, *args) -> torch.Tensor:
         self.group.send(("forward", args))
         return super()._forward(*args)

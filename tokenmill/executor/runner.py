@@ -84,6 +84,11 @@ class ModelRunner:
         self.sampler = Sampler(vocab, set(mc.eos_token_ids), model.ops.argmax)
         self.threads = threads or FixedThreads(torch.get_num_threads())
 
+    @property
+    def alive(self) -> bool:
+        """Whether every process this runner computes with still runs (a tensor-parallel worker can die)."""
+        return True
+
     def faulting_in_kv_cache(self) -> AbstractContextManager:
         """A context during which the KV cache's pages are faulted in on a background thread, the first blocks of
         every layer first (blocks are handed out from the lowest id up), resuming where the last one stopped: for
