@@ -88,9 +88,14 @@ def test_a_dead_worker_stops_the_server_engine(tiny_llama):
 
 
 def test_what_cannot_split_is_refused(tiny_llama, tmp_path):
+    import os
     path = tiny_llama[0]             # 6 heads, 2 kv heads, intermediate 80, vocabulary 320
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 does not divide attention heads \(6\)"):
-        LLM(path, **{**ENGINE, "tensor_parallel_size": 4})
+    with pytest.raises(ValueError, match=f"tensor_parallel_size={os.cpu_count() + 1} exceeds the {os.cpu_count()} "
+                                         f"cores here"):
+        LLM(path, **{**ENGINE, "tensor_parallel_size": os.cpu_count() + 1})
+    if os.cpu_count() >= 4:
+        with pytest.raises(ValueError, match=r"tensor_parallel_size=4 does not divide attention heads \(6\)"):
+            LLM(path, **{**ENGINE, "tensor_parallel_size": 4})
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1, got 0"):
         LLM(path, **{**ENGINE, "tensor_parallel_size": 0})
     with pytest.raises(ValueError, match="splits float checkpoints so far"):
@@ -98,3 +103,40 @@ def test_what_cannot_split_is_refused(tiny_llama, tmp_path):
     gemma, _ = build_tiny("gemma2", tmp_path)
     with pytest.raises(ValueError, match="splits LlamaForCausalLM, .* so far, not Gemma2ForCausalLM"):
         LLM(gemma, **ENGINE)
+
+
+RANK0 = """
+import json, sys
+from tokenmill import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], dtype="float32", kv_cache_memory_gb=0.02, max_model_len=512, tensor_parallel_size=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[2])],
+                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    print("TOKENS", json.dumps([o.outputs[0].token_ids for o in outs]))
+"""
+
+
+def test_two_torchrun_nodes_on_loopback(tiny_llama, tmp_path):
+    """Two torchrun invocations joining one rendezvous, as two machines would (README: Tensor parallelism): node 0
+    runs the engine, node 1 `python -m tokenmill.executor.parallel`; the tokens are transformers'."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    from tokenmill.executor.parallel import free_port
+    path, hf = tiny_llama
+    prompts = random_prompts([5, 33, 12], seed=21)
+    (tmp_path / "rank0.py").write_text(RANK0)
+    torchrun = [str(Path(sys.executable).parent / "torchrun"), "--nnodes", "2", "--nproc-per-node", "1",
+                "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    node1 = subprocess.Popen([*torchrun, "--node-rank", "1", "-m", "tokenmill.executor.parallel"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        node0 = subprocess.run([*torchrun, "--node-rank", "0", str(tmp_path / "rank0.py"), path, json.dumps(prompts)],
+                               capture_output=True, text=True, timeout=120)
+        assert node0.returncode == 0, node0.stderr[-3000:]
+        assert node1.wait(timeout=30) == 0, node1.stdout.read()[-3000:]
+    finally:
+        node1.kill()
+    got = json.loads(next(line for line in node0.stdout.splitlines() if line.startswith("TOKENS"))[7:])
+    assert got == [hf_greedy(hf, p, 12) for p in prompts]

@@ -27,8 +27,8 @@ from tokenmill.executor.cpus import thread_policy
 from tokenmill.executor.loader import Checkpoint, open_checkpoint, quantized_at_load, resolve_model_path
 from tokenmill.executor.models.decoder import DecoderForCausalLM
 from tokenmill.executor.ops import make_ops
-from tokenmill.executor.parallel import (TensorParallelRunner, TPGroup, WorkerSpec, check_tensor_parallel, free_port,
-                                         shard_config, sharded, start_workers)
+from tokenmill.executor.parallel import (TensorParallelRunner, TPGroup, WorkerSpec, check_tensor_parallel, shard_config,
+                                         sharded, start_ranks)
 from tokenmill.executor.runner import ModelRunner, RunnerOutput
 from tokenmill.executor.sampler import bad_words_to_token_ids, check_params_for_vocab, make_generator
 from tokenmill.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
@@ -204,11 +204,9 @@ class LLMEngine:
         self.config = EngineConfig(path, part, cache_cfg, sched_cfg, torch_dtype, dev, attention_backend,
                                    quantized_kernels, cpu_kernels, seed, num_threads)
         if tensor_parallel_size > 1:
-            port = free_port()
-            workers = start_workers(WorkerSpec(path, torch_dtype, max_model_len, block_size,
-                                               self.config.kv_cache_dtype, cpu_kernels, num_threads),
-                                    tensor_parallel_size, port)
-            tp = TPGroup(0, tensor_parallel_size, port)
+            tp, workers = start_ranks(WorkerSpec(path, torch_dtype, max_model_len, block_size,
+                                                 self.config.kv_cache_dtype, cpu_kernels, num_threads),
+                                      tensor_parallel_size)
             whole = ckpt
             ckpt = Checkpoint(whole.config, lambda keep_blocks=False: sharded(whole.tensors(keep_blocks=False), mc, 0,
                                                                               tensor_parallel_size),

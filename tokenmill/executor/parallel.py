@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
+import os
 import pickle
 import socket
 import weakref
@@ -36,6 +37,10 @@ def check_tensor_parallel(mc: ModelConfig, size: int, device: torch.device, quan
         raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
     if size == 1:
         return
+    cores = os.cpu_count() or 1
+    if size > cores and "WORLD_SIZE" not in os.environ:
+        raise ValueError(f"tensor_parallel_size={size} exceeds the {cores} cores here (a rank computes on at least "
+                         f"one); lower it, or start ranks on other machines with torchrun")
     if device.type != "cpu":
         raise ValueError("tensor_parallel_size > 1 runs on CPU ranks (gloo) so far; use device='cpu'")
     if mc.architecture not in TP_ARCHITECTURES:
@@ -103,14 +108,45 @@ def free_port() -> int:
 
 
 class TPGroup:
-    """This engine's ranks: a gloo process group of its own over a TCP store on loopback."""
+    """This engine's ranks: a gloo process group of its own over a TCP store on loopback (ranks this process
+    started), or torch.distributed's default group from torchrun's environment (ranks on several machines)."""
 
-    def __init__(self, rank: int, size: int, port: int, timeout_s: float = TIMEOUT_S):
-        self.rank, self.size = rank, size
-        self.store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timedelta(seconds=timeout_s))
-        self.pg = dist.ProcessGroupGloo(self.store, rank, size, timedelta(seconds=timeout_s))
+    def __init__(self, rank: int, size: int, pg: Any):
+        self.rank, self.size, self.pg = rank, size, pg
         # what this rank put into collectives: calls and bytes (the benchmark checks them against the formula)
         self.all_reduces = self.all_reduce_bytes = self.gathers = self.gather_bytes = 0
+
+    def close(self) -> None:
+        """Leave the group: torchrun's default group is destroyed (before the interpreter's own teardown, which
+        would abort on it)."""
+        if self.pg is not None and dist.is_initialized() and self.pg is dist.distributed_c10d._get_default_group():
+            dist.destroy_process_group()
+        self.pg = None
+
+    @staticmethod
+    def local(rank: int, size: int, port: int, timeout_s: float = TIMEOUT_S) -> "TPGroup":
+        try:
+            store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timedelta(seconds=timeout_s))
+        except (RuntimeError, dist.DistStoreError) as e:
+            raise ValueError(f"tensor_parallel_size={size}: the worker processes did not join within {timeout_s:g} s "
+                             f"({e}); see their errors above") from None
+        group = TPGroup(rank, size, dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout_s)))
+        group.store = store                 # the group's connections live as long as its store
+        return group
+
+    @staticmethod
+    def from_env(size: int, timeout_s: float = TIMEOUT_S) -> "TPGroup":
+        """Join the ranks torchrun started (its RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT), gloo."""
+        world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+        if world != size:
+            raise ValueError(f"tensor_parallel_size={size} but torchrun started {world} ranks; make them equal")
+        try:
+            dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+        except (RuntimeError, dist.DistStoreError) as e:
+            raise ValueError(f"tensor_parallel_size={size}: not every rank joined the rendezvous at "
+                             f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} within {timeout_s:g} s "
+                             f"({e}); start the other ranks with the same torchrun --nnodes/--master-addr") from None
+        return TPGroup(rank, world, dist.distributed_c10d._get_default_group())
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks, in float32 on the wire."""
@@ -155,13 +191,24 @@ class WorkerSpec:
     threads: int
 
 
-def start_workers(spec: WorkerSpec, size: int, port: int) -> list[mp.Process]:
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker_main, args=(spec, rank, size, port), daemon=True,
-                         name=f"tokenmill-tp{rank}") for rank in range(1, size)]
-    for p in procs:
-        p.start()
-    return procs
+def start_ranks(spec: WorkerSpec, size: int, timeout_s: float = TIMEOUT_S) -> tuple[TPGroup, list[mp.Process]]:
+    """Rank 0's group, and the other ranks: joined from torchrun's environment where torchrun started them (on
+    this or other machines), else worker processes started here. Every worker gets spec over the group."""
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        if os.environ["RANK"] != "0":
+            raise ValueError(f"this is torchrun's rank {os.environ['RANK']}: run the worker there "
+                             f"(python -m tokenmill.executor.parallel), and the engine on rank 0")
+        group, procs = TPGroup.from_env(size, timeout_s), []
+    else:
+        port = free_port()
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_worker_main, args=(rank, size, port), daemon=True, name=f"tokenmill-tp{rank}")
+                 for rank in range(1, size)]
+        for p in procs:
+            p.start()
+        group = TPGroup.local(0, size, port, timeout_s)
+    group.send(spec)
+    return group, procs
 
 
 def collectives_per_step(layers: int, hidden: int, vocab: int, size: int, tokens: int, sampled: int) -> dict:
@@ -173,7 +220,7 @@ def collectives_per_step(layers: int, hidden: int, vocab: int, size: int, tokens
 
 
 def stop_workers(group: TPGroup, procs: list[mp.Process]) -> None:
-    """Tell the workers to exit (they also die with this process: daemons)."""
+    """Tell the workers to exit (those started here also die with this process: daemons), and leave the group."""
     try:
         group.send(("stop",))
     except Exception:       # a dead worker: nothing to tell
@@ -182,15 +229,23 @@ def stop_workers(group: TPGroup, procs: list[mp.Process]) -> None:
         p.join(timeout=5)
         if p.is_alive():
             p.kill()
+    group.close()
 
 
-def _worker_main(spec: WorkerSpec, rank: int, size: int, port: int) -> None:
+def _worker_main(rank: int, size: int, port: int) -> None:
+    """A worker process this machine's engine started."""
+    serve_rank(TPGroup.local(rank, size, port))
+
+
+def serve_rank(group: TPGroup) -> None:
+    """A worker rank: build its share of the model from the spec rank 0 sends, then run the steps it sends."""
     from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
     from tokenmill.engine.engine import load_model, open_model
     from tokenmill.executor.cpus import FixedThreads
     from tokenmill.executor.loader import Checkpoint
+    spec: WorkerSpec = group.receive()
+    rank, size = group.rank, group.size
     torch.set_num_threads(spec.threads)
-    group = TPGroup(rank, size, port)
     dev = torch.device("cpu")
     whole, mc = open_model(spec.path, None, dev)
     part = shard_config(mc, size)
@@ -212,6 +267,7 @@ def _worker_main(spec: WorkerSpec, rank: int, size: int, port: int) -> None:
             elif msg[0] == "logits":
                 runner.model.compute_logits(hidden[msg[1]])
             else:
+                group.close()
                 return
 
 
@@ -235,3 +291,7 @@ class TensorParallelRunner(ModelRunner):
     def _logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         self.group.send(("logits", rows))
         return super()._logits(hidden, rows)
+
+
+if __name__ == "__main__":          # a rank torchrun started: `torchrun ... -m tokenmill.executor.parallel`
+    serve_rank(TPGroup.from_env(int(os.environ["WORLD_SIZE"])))
