@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import os
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Union
@@ -23,12 +24,12 @@ from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from tokenmill.engine.spec_decode import NgramProposer, SpeculativeConfig
 from tokenmill.engine.structured_output import StructuredOutputManager, StructuredOutputsConfig
-from tokenmill.executor.cpus import thread_policy
+from tokenmill.executor.cpus import available_cpus, thread_policy
 from tokenmill.executor.loader import Checkpoint, open_checkpoint, quantized_at_load, resolve_model_path
 from tokenmill.executor.models.decoder import DecoderForCausalLM
 from tokenmill.executor.ops import make_ops
 from tokenmill.executor.parallel import (TensorParallelRunner, TPGroup, WorkerSpec, check_tensor_parallel, shard_config,
-                                         sharded, start_ranks)
+                                         sharded, start_ranks, stop_workers)
 from tokenmill.executor.runner import ModelRunner, RunnerOutput
 from tokenmill.executor.sampler import bad_words_to_token_ids, check_params_for_vocab, make_generator
 from tokenmill.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
@@ -198,15 +199,19 @@ class LLMEngine:
         if tensor_parallel_size > 1 and spec_config is not None and spec_config.method == "draft_model":
             raise ValueError("a draft model with tensor_parallel_size > 1 is not implemented; use the ngram method")
         tp, workers = None, []
+        self._local_ranks = 1
         part = mc if tensor_parallel_size == 1 else shard_config(mc, tensor_parallel_size)
         if tensor_parallel_size > 1:       # each rank computes on its share of the cores
-            num_threads = num_threads or max(1, (os.cpu_count() or 1) // tensor_parallel_size)
+            num_threads = num_threads or max(1, available_cpus() // tensor_parallel_size)
         self.config = EngineConfig(path, part, cache_cfg, sched_cfg, torch_dtype, dev, attention_backend,
                                    quantized_kernels, cpu_kernels, seed, num_threads)
         if tensor_parallel_size > 1:
             tp, workers = start_ranks(WorkerSpec(path, torch_dtype, max_model_len, block_size,
-                                                 self.config.kv_cache_dtype, cpu_kernels, num_threads),
-                                      tensor_parallel_size)
+                                                 self.config.kv_cache_dtype, cpu_kernels, num_threads,
+                                                 attention_backend), tensor_parallel_size)
+            self._local_ranks = 1 + len(workers)
+            # the workers stop with this engine, or at once if it fails to start below
+            weakref.finalize(self, stop_workers, tp, workers)
             whole = ckpt
             ckpt = Checkpoint(whole.config, lambda keep_blocks=False: sharded(whole.tensors(keep_blocks=False), mc, 0,
                                                                               tensor_parallel_size),
@@ -226,10 +231,15 @@ class LLMEngine:
             check_draft_config(mc, self.draft_config.model_config, max_model_len)
             draft_model = load_model(draft_path, self.draft_config.model_config, torch_dtype, dev, max_model_len,
                                      draft_ckpt, quantized_kernels, cpu_kernels, int8_activations)
-        num_blocks = self._size_kv_cache()
-        if tp is not None:
-            tp.send(num_blocks)
-        self.runner = self._runner(self.config, self.model, num_blocks, threads, tp, workers)
+        try:
+            num_blocks = self._size_kv_cache()
+            if tp is not None:
+                tp.send(num_blocks)
+            self.runner = self._runner(self.config, self.model, num_blocks, threads, tp, workers)
+        except BaseException:
+            if tp is not None:      # the workers wait for a message that will not come
+                stop_workers(tp, workers)
+            raise
         # the tokenizer loads on one core (the bundled GGUF's: ~2.4 s); the other faults in the KV cache meanwhile
         with self.runner.faulting_in_kv_cache():
             self.tokenizer = self._load_tokenizer(path) if tokenizer == "auto" else tokenizer
@@ -306,6 +316,7 @@ class LLMEngine:
             budget = int(avail * share)
             if cfg.device.type == "cpu":
                 budget = min(budget, 4 * 2 ** 30)    # plenty for CPU batch sizes; keeps start-up fast
+            budget //= self._local_ranks             # tensor-parallel ranks on this machine share its memory
             origin = f"{share:.0%} of free memory"
         num_blocks = budget // per_block
         bs = cfg.cache_config.block_size

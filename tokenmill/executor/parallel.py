@@ -14,8 +14,8 @@ import dataclasses
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import socket
-import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Iterator, Optional
@@ -24,11 +24,15 @@ import torch
 import torch.distributed as dist
 
 from tokenmill.config import ModelConfig
+from tokenmill.executor.cpus import available_cpus
 from tokenmill.executor.runner import ModelRunner
 
 # the families whose float checkpoints split so far (their q/k/v, o, gate/up and down are the Llama layout)
 TP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-TIMEOUT_S = 120       # a rank that does not answer a collective within this is taken for dead
+TIMEOUT_S = 120       # the ranks must all have joined within this
+# a collective waits this long: a worker idles in one between requests (a rank that dies closes its connections,
+# which ends every collective at once)
+COLLECTIVE_TIMEOUT = timedelta(days=365)
 
 
 def check_tensor_parallel(mc: ModelConfig, size: int, device: torch.device, quantized: bool) -> None:
@@ -37,7 +41,7 @@ def check_tensor_parallel(mc: ModelConfig, size: int, device: torch.device, quan
         raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
     if size == 1:
         return
-    cores = os.cpu_count() or 1
+    cores = available_cpus()
     if size > cores and "WORLD_SIZE" not in os.environ:
         raise ValueError(f"tensor_parallel_size={size} exceeds the {cores} cores here (a rank computes on at least "
                          f"one); lower it, or start ranks on other machines with torchrun")
@@ -113,24 +117,33 @@ class TPGroup:
 
     def __init__(self, rank: int, size: int, pg: Any):
         self.rank, self.size, self.pg = rank, size, pg
+        self.broken = False             # a collective failed: the ranks are out of step for good
         # what this rank put into collectives: calls and bytes (the benchmark checks them against the formula)
         self.all_reduces = self.all_reduce_bytes = self.gathers = self.gather_bytes = 0
 
+    def _wait(self, work) -> None:
+        try:
+            work.wait()
+        except BaseException:
+            self.broken = True
+            raise
+
     def close(self) -> None:
         """Leave the group: torchrun's default group is destroyed (before the interpreter's own teardown, which
-        would abort on it)."""
+        would abort on it). Later collectives raise."""
         if self.pg is not None and dist.is_initialized() and self.pg is dist.distributed_c10d._get_default_group():
             dist.destroy_process_group()
-        self.pg = None
+        self.pg, self.broken = None, True
 
     @staticmethod
-    def local(rank: int, size: int, port: int, timeout_s: float = TIMEOUT_S) -> "TPGroup":
+    def local(rank: int, size: int, store: Any, timeout_s: float = TIMEOUT_S) -> "TPGroup":
+        """A group over a store on loopback (rank 0's, which it made before starting the workers)."""
         try:
-            store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timedelta(seconds=timeout_s))
+            pg = dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
         except (RuntimeError, dist.DistStoreError) as e:
             raise ValueError(f"tensor_parallel_size={size}: the worker processes did not join within {timeout_s:g} s "
                              f"({e}); see their errors above") from None
-        group = TPGroup(rank, size, dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout_s)))
+        group = TPGroup(rank, size, pg)
         group.store = store                 # the group's connections live as long as its store
         return group
 
@@ -141,7 +154,7 @@ class TPGroup:
         if world != size:
             raise ValueError(f"tensor_parallel_size={size} but torchrun started {world} ranks; make them equal")
         try:
-            dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+            dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
         except (RuntimeError, dist.DistStoreError) as e:
             raise ValueError(f"tensor_parallel_size={size}: not every rank joined the rendezvous at "
                              f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} within {timeout_s:g} s "
@@ -151,7 +164,7 @@ class TPGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks, in float32 on the wire."""
         t = x.float().contiguous()
-        self.pg.allreduce([t]).wait()
+        self._wait(self.pg.allreduce([t]))
         self.all_reduces += 1
         self.all_reduce_bytes += t.nbytes
         return t.to(x.dtype)
@@ -160,7 +173,7 @@ class TPGroup:
         """Every rank's x side by side along the last dimension (rank order), on every rank."""
         t = x.float().contiguous()
         out = [torch.empty_like(t) for _ in range(self.size)]
-        self.pg.allgather([out], [t]).wait()
+        self._wait(self.pg.allgather([out], [t]))
         self.gathers += 1
         self.gather_bytes += t.nbytes
         return torch.cat(out, dim=-1).to(x.dtype)
@@ -168,14 +181,14 @@ class TPGroup:
     def send(self, obj: Any) -> None:
         """Rank 0: obj to every other rank (pickled: a length, then the bytes)."""
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        self.pg.broadcast([torch.tensor([data.numel()], dtype=torch.long)], dist.BroadcastOptions()).wait()
-        self.pg.broadcast([data], dist.BroadcastOptions()).wait()
+        self._wait(self.pg.broadcast([torch.tensor([data.numel()], dtype=torch.long)], dist.BroadcastOptions()))
+        self._wait(self.pg.broadcast([data], dist.BroadcastOptions()))
 
     def receive(self) -> Any:
         n = torch.zeros(1, dtype=torch.long)
-        self.pg.broadcast([n], dist.BroadcastOptions()).wait()
+        self._wait(self.pg.broadcast([n], dist.BroadcastOptions()))
         data = torch.empty(int(n.item()), dtype=torch.uint8)
-        self.pg.broadcast([data], dist.BroadcastOptions()).wait()
+        self._wait(self.pg.broadcast([data], dist.BroadcastOptions()))
         return pickle.loads(data.numpy().tobytes())
 
 
@@ -189,6 +202,7 @@ class WorkerSpec:
     kv_cache_dtype: str
     cpu_kernels: str
     threads: int
+    attention_backend: str = "auto"
 
 
 def start_ranks(spec: WorkerSpec, size: int, timeout_s: float = TIMEOUT_S) -> tuple[TPGroup, list[mp.Process]]:
@@ -199,15 +213,19 @@ def start_ranks(spec: WorkerSpec, size: int, timeout_s: float = TIMEOUT_S) -> tu
             raise ValueError(f"this is torchrun's rank {os.environ['RANK']}: run the worker there "
                              f"(python -m tokenmill.executor.parallel), and the engine on rank 0")
         group, procs = TPGroup.from_env(size, timeout_s), []
-    else:
-        port = free_port()
+    else:       # the store first, on a port the system picks, then the workers that join it
+        store = dist.TCPStore("127.0.0.1", 0, size, True, timedelta(seconds=timeout_s), wait_for_workers=False)
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=_worker_main, args=(rank, size, port), daemon=True, name=f"tokenmill-tp{rank}")
-                 for rank in range(1, size)]
+        procs = [ctx.Process(target=_worker_main, args=(rank, size, store.port), daemon=True,
+                             name=f"tokenmill-tp{rank}") for rank in range(1, size)]
         for p in procs:
             p.start()
-        group = TPGroup.local(0, size, port, timeout_s)
-    group.send(spec)
+        group = TPGroup.local(0, size, store, timeout_s)
+    try:
+        group.send(spec)
+    except BaseException:
+        stop_workers(group, procs)
+        raise
     return group, procs
 
 
@@ -223,7 +241,7 @@ def stop_workers(group: TPGroup, procs: list[mp.Process]) -> None:
     """Tell the workers to exit (those started here also die with this process: daemons), and leave the group."""
     try:
         group.send(("stop",))
-    except Exception:       # a dead worker: nothing to tell
+    except Exception:       # a dead worker, or stopped already: nothing to tell
         pass
     for p in procs:
         p.join(timeout=5)
@@ -233,8 +251,10 @@ def stop_workers(group: TPGroup, procs: list[mp.Process]) -> None:
 
 
 def _worker_main(rank: int, size: int, port: int) -> None:
-    """A worker process this machine's engine started."""
-    serve_rank(TPGroup.local(rank, size, port))
+    """A worker process this machine's engine started. Ctrl-C in the terminal is the engine's to handle."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    store = dist.TCPStore("127.0.0.1", port, size, False, timedelta(seconds=TIMEOUT_S))
+    serve_rank(TPGroup.local(rank, size, store))
 
 
 def serve_rank(group: TPGroup) -> None:
@@ -255,8 +275,8 @@ def serve_rank(group: TPGroup) -> None:
                        tp=group)
     num_blocks = group.receive()
     config = EngineConfig(spec.path, part, CacheConfig(spec.block_size, cache_dtype=spec.kv_cache_dtype),
-                          SchedulerConfig(max_model_len=spec.max_model_len), spec.dtype, dev, "auto", False,
-                          spec.cpu_kernels)
+                          SchedulerConfig(max_model_len=spec.max_model_len), spec.dtype, dev, spec.attention_backend,
+                          False, spec.cpu_kernels)
     runner = ModelRunner(config, model, num_blocks, FixedThreads(spec.threads))
     hidden = None
     with torch.inference_mode():
@@ -278,11 +298,10 @@ class TensorParallelRunner(ModelRunner):
     def __init__(self, *args, group: TPGroup, workers: list[mp.Process], **kw):
         super().__init__(*args, **kw)
         self.group, self.workers = group, workers
-        weakref.finalize(self, stop_workers, group, workers)
 
     @property
     def alive(self) -> bool:
-        return all(p.is_alive() for p in self.workers)
+        return not self.group.broken and all(p.is_alive() for p in self.workers)
 
     def _forward(self, *args) -> torch.Tensor:
         self.group.send(("forward", args))
