@@ -55,6 +55,15 @@ def test_one_kv_head_over_two_ranks_and_a_tied_head(tmp_path):
     assert greedy(llm, prompts, 16) == [hf_greedy(hf, p, 16) for p in prompts]
 
 
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "mistral_sw"])
+def test_the_other_families(kind, tmp_path):
+    """Qwen2's q/k/v biases split with their rows, Qwen3's per-head q/k norms stay whole, Mistral's window holds."""
+    path, hf = build_tiny(kind, tmp_path)
+    llm = LLM(path, **ENGINE)
+    prompts = random_prompts([7, 40], seed=5)
+    assert greedy(llm, prompts, 12) == [hf_greedy(hf, p, 12) for p in prompts]
+
+
 def test_a_dead_worker_is_an_error_not_a_hang(tiny_llama):
     llm = LLM(tiny_llama[0], **ENGINE)
     llm.llm_engine.runner.workers[0].kill()
