@@ -64,10 +64,7 @@ class LatentAttention(nn.Module):
         self.o_proj = Linear(H * self.v_dim, hidden, cfg.attention_bias, ops)
         self.scale = softmax_scale(cfg)
         self.interleaved = cfg.rope_interleave
-        # what DecoderLayer and the plan read of any attention
-        self.window, self.softcap, self.local_rope = None, None, False
-        self.num_kv_heads, self.head_dim, self.rotary_dim = 1, self.rank + self.rope, self.rope
-        self.q_norm = None
+        self.local_rope = False             # the model reads which rotary table each layer turns by
 
     def _pe(self, x: torch.Tensor) -> torch.Tensor:
         """The rotary dims in rotate-half order: DeepSeek's come as interleaved pairs (x0, x1), (x2, x3), ...; the
