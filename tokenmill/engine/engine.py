@@ -29,7 +29,7 @@ from tokenmill.executor.loader import Checkpoint, open_checkpoint, quantized_at_
 from tokenmill.executor.models.decoder import DecoderForCausalLM
 from tokenmill.executor.ops import make_ops
 from tokenmill.executor.parallel import (TensorParallelRunner, TPGroup, WorkerSpec, check_tensor_parallel, shard_config,
-                                         sharded, start_ranks, stop_workers)
+                                         sharded_checkpoint, start_ranks, stop_workers)
 from tokenmill.executor.runner import ModelRunner, RunnerOutput
 from tokenmill.executor.sampler import bad_words_to_token_ids, check_params_for_vocab, make_generator
 from tokenmill.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
@@ -212,10 +212,7 @@ class LLMEngine:
             self._local_ranks = 1 + len(workers)
             # the workers stop with this engine, or at once if it fails to start below
             weakref.finalize(self, stop_workers, tp, workers)
-            whole = ckpt
-            ckpt = Checkpoint(whole.config, lambda keep_blocks=False: sharded(whole.tensors(keep_blocks=False), mc, 0,
-                                                                              tensor_parallel_size),
-                              whole.quantized, whole.release)
+            ckpt = sharded_checkpoint(ckpt, mc, 0, tensor_parallel_size)
         threads = thread_policy(num_threads)      # before the load: it computes too
         self.model_config = mc
         torch.manual_seed(seed)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from tokenmill.config import ModelConfig
 from tokenmill.executor.cpus import available_cpus
+from tokenmill.executor.loader import Checkpoint
 from tokenmill.executor.runner import ModelRunner
 
 # the families whose float checkpoints split so far (their q/k/v, o, gate/up and down are the Llama layout)
@@ -103,6 +104,12 @@ def shard_tensor(name: str, t: torch.Tensor, mc: ModelConfig, rank: int, size: i
 def sharded(tensors: Iterator[tuple[str, Any]], mc: ModelConfig, rank: int, size: int) -> Iterator[tuple[str, Any]]:
     for name, t in tensors:
         yield name, shard_tensor(name, t, mc, rank, size).contiguous()
+
+
+def sharded_checkpoint(whole: Checkpoint, mc: ModelConfig, rank: int, size: int) -> Checkpoint:
+    """The checkpoint of the whole model mc as rank's share of it (float tensors: split checkpoints are float)."""
+    return Checkpoint(whole.config, lambda keep_blocks=False: sharded(whole.tensors(keep_blocks=False), mc, rank, size),
+                      whole.quantized, whole.release)
 
 
 def free_port() -> int:
@@ -262,15 +269,13 @@ def serve_rank(group: TPGroup) -> None:
     from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
     from tokenmill.engine.engine import load_model, open_model
     from tokenmill.executor.cpus import FixedThreads
-    from tokenmill.executor.loader import Checkpoint
     spec: WorkerSpec = group.receive()
     rank, size = group.rank, group.size
     torch.set_num_threads(spec.threads)
     dev = torch.device("cpu")
     whole, mc = open_model(spec.path, None, dev)
     part = shard_config(mc, size)
-    ckpt = Checkpoint(whole.config, lambda keep_blocks=False: sharded(whole.tensors(keep_blocks=False), mc, rank,
-                                                                      size), whole.quantized, whole.release)
+    ckpt = sharded_checkpoint(whole, mc, rank, size)
     model = load_model(spec.path, part, spec.dtype, dev, spec.max_model_len, ckpt, False, spec.cpu_kernels,
                        tp=group)
     num_blocks = group.receive()
