@@ -162,9 +162,8 @@ class KVCacheManager:
         """Make room for num_new_tokens more tokens of req (after computed_blocks, a prefix hit, on first call).
 
         Returns False, changing nothing, when the pool cannot supply the blocks."""
-        table = self.req_blocks.setdefault(req.request_id, [])
-        if self.sliding_window is not None:
-            self._free_out_of_window(req, table)
+        self.free_passed(req)
+        table = self.req_blocks[req.request_id]
         if self._new_blocks(req, table, num_new_tokens, computed_blocks) > self.num_free_blocks:
             return False
         self.take_hit(req, computed_blocks)
@@ -228,8 +227,12 @@ class KVCacheManager:
             blk.key = self._block_key(parent, req.all_token_ids[i * bs:(i + 1) * bs])
             self.cached.setdefault(blk.block_hash, blk.block_id)
 
-    def _free_out_of_window(self, req: Request, table: list[int]) -> None:
-        """Give back blocks that no future query of req can attend (all positions < next_pos - window + 1)."""
+    def free_passed(self, req: Request) -> None:
+        """Give back blocks that no future query of req can attend under the sliding window (all positions <
+        next_pos - window + 1); nothing without a window."""
+        table = self.req_blocks.setdefault(req.request_id, [])
+        if self.sliding_window is None:
+            return
         for i in range(min(self._first_needed(req) // self.block_size, len(table))):
             if table[i] != NO_BLOCK:
                 self._release(table[i])
@@ -382,8 +385,7 @@ class HybridKVCacheManager:
     def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[list[int]] = ()) -> bool:
         hits = self._hits(computed)
         for g in self.groups:        # blocks the windows have passed go back first, as a single group's would
-            if g.sliding_window is not None:
-                g._free_out_of_window(req, g.req_blocks.setdefault(req.request_id, []))
+            g.free_passed(req)
         if sum(g.demand(req, num_new_tokens, c)[0] for g, c in zip(self.groups, hits)) > self.num_free_blocks:
             return False
         for g, c in zip(self.groups, hits):     # every group's hit first: a new block may evict a cached one
