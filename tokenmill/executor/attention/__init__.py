@@ -37,10 +37,12 @@ def get_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: i
             log.warning("attention runs on torch (batched SDPA): the CPU kernels do not take %s", why_not)
         if device.type == "cuda":
             why_not = triton_fits(num_heads, num_kv_heads, head_dim, value_dim)
-            if why_not is None and kv_cache_dtype in ("int8", "int4"):
-                why_not = f"a {kv_cache_dtype} KV cache"
-            if why_not is None:
-                return TritonBackend(device)
+            if why_not is None:      # the backend says which caches it reads
+                backend = TritonBackend(device)
+                refused = backend.kv_cache_dtype_error(kv_cache_dtype, device) if kv_cache_dtype != "auto" else None
+                if refused is None:
+                    return backend
+                why_not = f"a {kv_cache_dtype} KV cache ({refused})"
             log.warning("attention runs on torch (batched SDPA): the Triton kernels do not take %s", why_not)
         return BatchedBackend()
     if name == "triton":
