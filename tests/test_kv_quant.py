@@ -73,7 +73,8 @@ def test_quantised_cache_bounded_on_the_bundled_model(dtype, bundled_reference) 
     """The bundled SmolLM2 on 16 passages of the bundled text, 256 tokens each: the issue's targets (int8 99%,
     int4 95% of positions agree; fp8_e4m3 at what it reaches, 98%), disagreements within each other's top-5,
     agreed logprobs close."""
-    q = kv_quality(None, dtype, [], reference=bundled_reference)
+    from tokenmill.bench.kvquality import against_reference
+    q = against_reference(bundled_reference, dtype)
     agreement, in_top5, gap = BUNDLED_BOUNDS[dtype]
     assert q.positions == 16 * 256
     assert q.agreement >= agreement

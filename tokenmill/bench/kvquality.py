@@ -95,10 +95,13 @@ def float_reference(model: str, prompts: Sequence[list[int]], max_tokens: int = 
 
 
 def kv_quality(model: str, kv_cache_dtype: str, prompts: Sequence[list[int]], max_tokens: int = 256,
-               reference: FloatReference | None = None, **engine_args: Any) -> KVQuality:
-    """The float cache ('auto') against kv_cache_dtype on the same model, prompts and engine options (the float
-    side from reference where given: computed once for several dtypes)."""
+               **engine_args: Any) -> KVQuality:
+    """The float cache ('auto') against kv_cache_dtype on the same model, prompts and engine options."""
+    return against_reference(float_reference(model, prompts, max_tokens, **engine_args), kv_cache_dtype)
+
+
+def against_reference(ref: FloatReference, kv_cache_dtype: str) -> KVQuality:
+    """kv_cache_dtype against a float reference computed once (for several dtypes)."""
     from tokenmill import LLM
-    ref = reference or float_reference(model, prompts, max_tokens, **engine_args)
     got = score(LLM(ref.model, kv_cache_dtype=kv_cache_dtype, **ref.engine_args), ref.sequences)
     return compare(kv_cache_dtype, ref.want, got, [len(p) - 1 for p in ref.prompts])
