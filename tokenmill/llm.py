@@ -40,6 +40,9 @@ class LLM:
     that many ranks on this machine (README: Tensor parallelism)."""
 
     def __init__(self, model: Optional[str] = None, **engine_args: Any):
+        if engine_args.pop("data_parallel_size", 1) != 1:
+            raise ValueError("data_parallel_size is for serving: `tokenmill serve --data-parallel-size N` puts N "
+                             "replicas behind one server; offline, run one LLM per process")
         self.llm_engine = LLMEngine(model, **engine_args)
         self._ids = itertools.count()
 

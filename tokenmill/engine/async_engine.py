@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import queue
@@ -59,6 +60,25 @@ class EngineState:
     decode_tokens: int = 0
     step_prefill_tokens: int = 0        # of the last step: shows which phase the engine is in
     step_decode_tokens: int = 0
+
+    @staticmethod
+    def of(eng: LLMEngine, stepped: bool) -> "EngineState":
+        """The engine's state now (stepped: the last iteration ran a step, whose phase shows)."""
+        st = eng.stats
+        # the scheduler's queues, not stats.last_step: adds and aborts between steps must show too
+        return EngineState(
+            len(eng.scheduler.running), len(eng.scheduler.waiting), eng.kv.num_used_blocks, eng.kv.num_blocks,
+            eng.kv.usage, st.num_steps, st.num_preemptions, st.prefix_cache_queries, st.prefix_cache_hits,
+            st.spec_num_drafts, st.spec_num_draft_tokens, st.spec_num_accepted_tokens, st.prefill_tokens,
+            st.decode_tokens, st.last_step.num_prefill_tokens if stepped else 0,
+            st.last_step.num_decode_tokens if stepped else 0)
+
+    @staticmethod
+    def total(states: "list[EngineState]") -> "EngineState":
+        """Several engines' states as one (data-parallel replicas): counts add, the KV usage is of all blocks."""
+        out = EngineState(**{f.name: sum(getattr(s, f.name) for s in states) for f in dataclasses.fields(EngineState)})
+        out.kv_usage = out.kv_blocks_used / out.kv_blocks_total if out.kv_blocks_total else 0.0
+        return out
 
 
 # called on the engine thread after every iteration: (outputs of this step, ids aborted since the last call, state)
@@ -340,18 +360,7 @@ class AsyncLLM:
         self._aborted.extend(ids)
 
     def _after_iteration(self, outputs: list[RequestOutput]) -> None:
-        eng, s = self.engine, self.state
-        st = eng.stats
-        # the scheduler's queues, not stats.last_step: adds and aborts between steps must show too
-        s.num_running, s.num_waiting = len(eng.scheduler.running), len(eng.scheduler.waiting)
-        s.kv_blocks_used, s.kv_usage = eng.kv.num_used_blocks, eng.kv.usage
-        s.num_steps, s.num_preemptions = st.num_steps, st.num_preemptions
-        s.prefix_cache_queries, s.prefix_cache_hits = st.prefix_cache_queries, st.prefix_cache_hits
-        s.spec_num_drafts, s.spec_num_draft_tokens = st.spec_num_drafts, st.spec_num_draft_tokens
-        s.spec_num_accepted_tokens = st.spec_num_accepted_tokens
-        s.prefill_tokens, s.decode_tokens = st.prefill_tokens, st.decode_tokens
-        s.step_prefill_tokens = st.last_step.num_prefill_tokens if outputs else 0
-        s.step_decode_tokens = st.last_step.num_decode_tokens if outputs else 0
+        self.state = s = EngineState.of(self.engine, bool(outputs))
         aborted, self._aborted = self._aborted, []
         for hook in self.hooks:
             try:

@@ -159,6 +159,13 @@ def _available_memory_bytes(device: torch.device) -> int:
     return 8 * 2 ** 30
 
 
+def default_kv_budget(device: torch.device, share: float) -> int:
+    """The KV cache's bytes when no size is given: a share of the free memory (on CPU at most 4 GiB: plenty for
+    CPU batch sizes, and it keeps start-up fast)."""
+    budget = int(_available_memory_bytes(device) * share)
+    return min(budget, 4 * 2 ** 30) if device.type == "cpu" else budget
+
+
 class LLMEngine:
     def __init__(self, model: Optional[str] = None, *, dtype: Optional[str] = None, device: Optional[str] = None,
                  block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
@@ -308,12 +315,9 @@ class LLMEngine:
             budget = int(cfg.cache_config.kv_cache_memory_gb * 2 ** 30)
             origin = f"kv_cache_memory_gb={cfg.cache_config.kv_cache_memory_gb}"
         else:
-            avail = _available_memory_bytes(cfg.device)
             share = 0.8 if cfg.device.type == "cuda" else cfg.cache_config.memory_utilization
-            budget = int(avail * share)
-            if cfg.device.type == "cpu":
-                budget = min(budget, 4 * 2 ** 30)    # plenty for CPU batch sizes; keeps start-up fast
-            budget //= self._local_ranks             # tensor-parallel ranks on this machine share its memory
+            # tensor-parallel ranks on this machine share its memory
+            budget = default_kv_budget(cfg.device, share) // self._local_ranks
             origin = f"{share:.0%} of free memory"
         num_blocks = budget // per_block
         bs = cfg.cache_config.block_size

@@ -33,6 +33,12 @@ def register(subparsers: Any) -> None:
                    help="split a reasoning model's <think>...</think> into reasoning_content on chat replies, and "
                         "start structured-output constraints after it: qwen3 | deepseek_r1 (the output starts in "
                         "the thinking)")
+    from tokenmill.engine.data_parallel import ROUTING
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="serve with this many engine replicas, each on its own share of the cores (or its own GPU)")
+    p.add_argument("--data-parallel-routing", default="cache_aware", choices=ROUTING,
+                   help="which replica takes a request: cache_aware (the one that was sent the prompt's first "
+                        "blocks, else the least loaded), round_robin, or least_loaded")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
@@ -58,6 +64,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from tokenmill.cli import engine_kwargs
     from tokenmill.engine.async_engine import AsyncLLM
+    from tokenmill.engine.data_parallel import DataParallelLLM
     from tokenmill.server.app import build_app
 
     if args.max_queue is not None and args.max_queue < 0:
@@ -65,7 +72,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_body_bytes < 1:
         raise ValueError("--max-body-bytes must be >= 1")
     sock = _bind(args.host, args.port)
-    llm = AsyncLLM.from_engine_args(args.model, **engine_kwargs(args), reasoning_parser=args.reasoning_parser)
+    if args.data_parallel_size == 1:
+        llm = AsyncLLM.from_engine_args(args.model, **engine_kwargs(args), reasoning_parser=args.reasoning_parser)
+    else:
+        llm = DataParallelLLM(args.model, args.data_parallel_size, args.data_parallel_routing,
+                              **engine_kwargs(args), reasoning_parser=args.reasoning_parser)
+        where = ", ".join(f"cores {','.join(map(str, c))}" if c else f"cuda:{i}" for i, c in enumerate(llm.cores))
+        print(f"tokenmill: {args.data_parallel_size} data-parallel replicas ({where}), routing "
+              f"{args.data_parallel_routing}", flush=True)
     engine = llm.engine
     app = build_app(llm, model_name=args.served_model_name, api_key=args.api_key, max_queue=args.max_queue,
                     max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser,

@@ -1,0 +1,442 @@
+"""Data parallelism: N engine replicas behind one server, each on cores of its own (CPU affinity) or a GPU of its
+own, and a router that sends a request to the replica that already caches its prompt's first blocks, else to the
+least loaded one (SGLang's cache-aware policy).
+
+Replica 0 runs in this process, on an AsyncLLM's engine thread (the server reads the model's config and tokenizer
+from it); the others run in processes of their own, each an engine loop that takes adds and aborts over a pipe and
+sends back every step's outputs and state. The router cannot see the replicas' caches: it remembers the prompt
+blocks it sent to each (no more than that replica's cache holds, the least recently routed dropped first), as
+SGLang's router keeps a tree of what it routed."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, Optional, Union
+
+import torch
+
+from tokenmill.config import CacheConfig
+from tokenmill.engine.async_engine import (AsyncLLM, EngineDeadError, EngineState, IterationHook, QueueFullError,
+                                           RequestStream)
+from tokenmill.engine.engine import LLMEngine, PromptType, default_kv_budget
+from tokenmill.executor.cpus import available_cpus
+from tokenmill.outputs import RequestOutput
+from tokenmill.pooling_params import PoolingParams
+from tokenmill.sampling_params import SamplingParams
+
+log = logging.getLogger("tokenmill.data_parallel")
+ROUTING = ("cache_aware", "round_robin", "least_loaded")
+# a replica this many requests busier than the least loaded one gets no more requests for its cached prefixes
+# (SGLang's balance_abs_threshold): a popular prefix must not pile every request onto one replica
+BALANCE_ABS = 32
+
+
+def block_hashes(ids: list[int], block_size: int) -> list[int]:
+    """A hash per full block of the prompt, each covering every token before it (as the prefix cache's keys)."""
+    out, h = [], 0
+    for start in range(0, len(ids) - block_size + 1, block_size):
+        h = hash((h, tuple(ids[start:start + block_size])))
+        out.append(h)
+    return out
+
+
+class Router:
+    """Picks a replica for each request: cache_aware (the replica that was sent the longest run of this prompt's
+    first blocks, unless it is BALANCE_ABS requests busier than the least loaded), round_robin, or least_loaded
+    (fewest requests in flight; ties go round)."""
+
+    def __init__(self, policy: str, size: int, block_size: int, blocks_per_replica: int):
+        if policy not in ROUTING:
+            raise ValueError(f"unknown data-parallel routing {policy!r}; choose one of {', '.join(ROUTING)}")
+        self.policy, self.size, self.block_size, self.capacity = policy, size, block_size, blocks_per_replica
+        self.load = [0] * size                           # requests in flight on each replica
+        self._sent: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(size)]
+        self._next = 0
+
+    def pick(self, ids: list[int], alive: list[bool]) -> int:
+        order = [i % self.size for i in range(self._next, self._next + self.size) if alive[i % self.size]]
+        if not order:
+            raise EngineDeadError("every data-parallel replica has stopped")
+        hashes = block_hashes(ids, self.block_size)
+        least = min(order, key=lambda i: self.load[i])
+        choice = order[0] if self.policy == "round_robin" else least
+        if self.policy == "cache_aware":
+            matched = {i: self._matched(i, hashes) for i in order}
+            best = max(order, key=lambda i: (matched[i], -self.load[i]))
+            if matched[best] and self.load[best] - self.load[least] < BALANCE_ABS:
+                choice = best
+        self._next = choice + 1
+        self.load[choice] += 1
+        sent = self._sent[choice]
+        for h in hashes:
+            sent[h] = None
+            sent.move_to_end(h)
+        while len(sent) > self.capacity:
+            sent.popitem(last=False)
+        return choice
+
+    def _matched(self, replica: int, hashes: list[int]) -> int:
+        sent = self._sent[replica]
+        return next((n for n, h in enumerate(hashes) if h not in sent), len(hashes))
+
+
+def _portable(e: BaseException) -> BaseException:
+    """e if it survives pickling (to cross the pipe), else a ValueError with its message."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return ValueError(f"{type(e).__name__}: {e}")
+
+
+def _replica_main(cores: Optional[list[int]], model: Optional[str], engine_args: dict, conn: Any) -> None:
+    """A replica's process: build the engine on its cores, then serve the front's adds and aborts until told to
+    stop or the front goes away. Ctrl-C in the terminal is the front's to handle."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if cores:
+        os.sched_setaffinity(0, cores)
+    try:
+        engine = LLMEngine(model, **engine_args)
+    except BaseException as e:
+        conn.send(("failed", _portable(e)))
+        return
+    conn.send(("ready", engine.kv.num_blocks))
+    try:
+        _serve(engine, conn)
+    except (EOFError, OSError):        # the front has gone
+        pass
+
+
+def _serve(engine: LLMEngine, conn: Any) -> None:
+    live: set[str] = set()           # requests added and not finished
+    stalled = False
+    while True:
+        if not engine.has_unfinished_requests():
+            with engine.runner.faulting_in_kv_cache():
+                conn.poll(None)
+        elif stalled:               # nothing schedulable: wait a little for a command that changes that
+            conn.poll(0.01)
+        cmds, aborted, outputs = [], [], []
+        while conn.poll(0):
+            cmds.append(conn.recv())
+        for cmd in cmds:
+            if cmd[0] == "stop":
+                return
+            if cmd[0] == "add":
+                _, rid, prompt, params, arrival = cmd
+                try:
+                    engine.add_request(rid, prompt, params, arrival_time=arrival)
+                    live.add(rid)
+                    conn.send(("added", rid, None))
+                except Exception as e:          # bad input: the server answers 400
+                    conn.send(("added", rid, _portable(e)))
+            elif cmd[0] == "abort" and cmd[1] in live:
+                engine.abort_request(cmd[1])
+                live.discard(cmd[1])
+                aborted.append(cmd[1])
+        if engine.has_unfinished_requests():
+            steps = engine.stats.num_steps
+            try:
+                outputs = engine.step()
+            except Exception as e:      # a failed step fails what is in flight, not the replica
+                ids = sorted(live)
+                conn.send(("failed", ids, f"the engine failed while running this request: {e}"))
+                engine.abort_request(ids)
+                aborted += ids
+                live.clear()
+            stalled = engine.stats.num_steps == steps
+        live.difference_update(o.request_id for o in outputs if o.finished)
+        if cmds or outputs or aborted:
+            conn.send(("step", outputs, aborted, EngineState.of(engine, bool(outputs))))
+
+
+class RemoteReplica:
+    """A replica in a process of its own, with AsyncLLM's face: add_request gives a RequestStream, hooks see every
+    iteration, state is the replica's last."""
+
+    def __init__(self, index: int, cores: Optional[list[int]], model: Optional[str], engine_args: dict):
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_replica_main, args=(cores, model, engine_args, child), daemon=True,
+                                   name=f"tokenmill-dp{index}")
+        self.process.start()
+        child.close()
+        self.index, self.cores = index, cores
+        self.hooks: list[IterationHook] = []
+        self.state = EngineState()
+        self.error: Optional[str] = None
+        self._streams: dict[str, RequestStream] = {}
+        self._adds: dict[str, concurrent.futures.Future] = {}
+        self._lock = threading.Lock()           # the streams and adds (event loop and reader thread)
+        self._send_lock = threading.Lock()
+
+    def wait_ready(self) -> None:
+        """Wait for the replica's engine; its error, if it failed to build, is raised here."""
+        try:
+            msg = self._conn.recv()
+        except EOFError:
+            raise RuntimeError(f"data-parallel replica {self.index} exited while starting "
+                               f"(code {self.process.exitcode}); see its errors above") from None
+        if msg[0] == "failed":
+            raise msg[1]
+        self.state.kv_blocks_total = msg[1]
+        threading.Thread(target=self._read, name=f"tokenmill-dp{self.index}-reader", daemon=True).start()
+
+    @property
+    def is_running(self) -> bool:
+        return self.error is None and self.process.is_alive()
+
+    async def add_request(self, prompt: PromptType, params: Union[SamplingParams, PoolingParams],
+                          request_id: str) -> RequestStream:
+        if not self.is_running:
+            raise EngineDeadError(self.error or f"data-parallel replica {self.index} has stopped")
+        stream = RequestStream(request_id, self, asyncio.get_running_loop())
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._streams[request_id], self._adds[request_id] = stream, fut
+        try:
+            self._send(("add", request_id, prompt, params, time.monotonic()))
+            await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            stream.abort()
+            raise
+        except BaseException:
+            with self._lock:
+                self._streams.pop(request_id, None)
+                self._adds.pop(request_id, None)
+            raise
+        return stream
+
+    def _send(self, msg: tuple) -> None:
+        try:
+            with self._send_lock:
+                self._conn.send(msg)
+        except (pickle.PicklingError, TypeError, AttributeError) as e:     # pickled before anything is written
+            raise ValueError(f"this request cannot be sent to a data-parallel replica: {e}") from None
+        except OSError as e:
+            self._died(f"data-parallel replica {self.index} cannot be reached ({e})")
+            raise EngineDeadError(self.error) from None
+
+    def _submit(self, cmd: tuple) -> None:
+        """RequestStream's abort: the replica drops the request at its next iteration."""
+        with self._lock:
+            self._streams.pop(cmd[1], None)
+        try:
+            self._send(cmd)
+        except EngineDeadError:
+            pass
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            if msg[0] == "added":
+                with self._lock:
+                    fut = self._adds.pop(msg[1], None)
+                    if msg[2] is not None:
+                        self._streams.pop(msg[1], None)
+                if fut is not None and fut.set_running_or_notify_cancel():
+                    fut.set_result(None) if msg[2] is None else fut.set_exception(msg[2])
+            elif msg[0] == "failed":
+                self._fail(msg[1], EngineDeadError(msg[2]))
+            else:
+                _, outputs, aborted, self.state = msg
+                self._iteration(outputs, aborted)
+                self._dispatch(outputs)
+        self._died(f"data-parallel replica {self.index} (pid {self.process.pid}) exited")
+
+    def _iteration(self, outputs: list[RequestOutput], aborted: list[str]) -> None:
+        for hook in self.hooks:
+            try:
+                hook(outputs, aborted, self.state)
+            except Exception:
+                log.exception("iteration hook failed")
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            with self._lock:
+                stream = self._streams.pop(out.request_id, None) if out.finished else \
+                    self._streams.get(out.request_id)
+            if stream is not None:
+                try:
+                    stream.loop.call_soon_threadsafe(stream._put, out)
+                except RuntimeError:        # its event loop is closed: nobody is listening
+                    stream.abort()
+
+    def _fail(self, ids: list[str], err: BaseException) -> None:
+        for rid in ids:
+            with self._lock:
+                stream = self._streams.pop(rid, None)
+            if stream is not None:
+                try:
+                    stream.loop.call_soon_threadsafe(stream._fail, err)
+                except RuntimeError:
+                    pass
+
+    def _died(self, why: str) -> None:
+        """The replica is gone: what was in flight fails, and the hooks see it aborted."""
+        if self.error is None:
+            self.error = why
+        with self._lock:
+            ids, adds = list(self._streams), list(self._adds.values())
+            self._adds.clear()
+        for fut in adds:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(EngineDeadError(self.error))
+        self._fail(ids, EngineDeadError(self.error))
+        self._iteration([], ids)
+
+    def shutdown(self, reason: str = "the server is shutting down", wait: bool = False) -> None:
+        try:
+            self._send(("stop",))
+        except EngineDeadError:
+            pass
+        self._died(reason)
+        if wait:
+            self.process.join(timeout=10)
+            if self.process.is_alive():
+                self.process.kill()
+
+
+def replica_cores(size: int) -> list[list[int]]:
+    """The cores of each replica: this process's, as many apiece (the cgroup quota bounds how many count)."""
+    cores = sorted(os.sched_getaffinity(0))[:available_cpus()]
+    per = len(cores) // size
+    if per < 1:
+        raise ValueError(f"data_parallel_size={size} needs a core per replica and {len(cores)} are here; lower it")
+    return [cores[i * per:(i + 1) * per] for i in range(size)]
+
+
+class DataParallelLLM:
+    """data_parallel_size engine replicas behind one AsyncLLM face (the server takes either). engine_args are
+    LLMEngine's, given to every replica; each replica computes on its own cores, and without kv_cache_memory_gb
+    the KV budget one engine would take is shared among them."""
+
+    def __init__(self, model: Optional[str] = None, data_parallel_size: int = 2, routing: str = "cache_aware",
+                 max_waiting: Optional[int] = None, **engine_args: Any):
+        if data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
+        if routing not in ROUTING:
+            raise ValueError(f"unknown data-parallel routing {routing!r}; choose one of {', '.join(ROUTING)}")
+        if engine_args.get("tensor_parallel_size", 1) != 1:
+            raise ValueError("data_parallel_size with tensor_parallel_size > 1 is not implemented; use one of them")
+        size = data_parallel_size
+        device = engine_args.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+        per_replica: list[dict] = [dict(engine_args) for _ in range(size)]
+        cores: list[Optional[list[int]]] = [None] * size
+        if str(device).startswith("cuda"):
+            if torch.cuda.device_count() < size:
+                raise ValueError(f"data_parallel_size={size} needs a GPU per replica and "
+                                 f"{torch.cuda.device_count()} are here; lower it")
+            for i, args in enumerate(per_replica):
+                args["device"] = f"cuda:{i}"
+        else:
+            cores = list(replica_cores(size))
+            if engine_args.get("kv_cache_memory_gb") is None:
+                share = default_kv_budget(torch.device("cpu"), CacheConfig(16).memory_utilization) / size / 2 ** 30
+            for c, args in zip(cores, per_replica):
+                args.setdefault("num_threads", len(c))
+                if engine_args.get("kv_cache_memory_gb") is None:
+                    args["kv_cache_memory_gb"] = share
+        self.max_waiting = max_waiting
+        self.hooks: list[IterationHook] = []
+        self.cores = cores
+        self._lock = threading.Lock()
+        self._where: dict[str, int] = {}          # request id -> its replica, while in flight
+        self._ids = itertools.count()
+        # the other replicas load in their processes while replica 0 loads here
+        remotes = [RemoteReplica(i, cores[i], model, per_replica[i]) for i in range(1, size)]
+        self.replicas: list[Union[AsyncLLM, RemoteReplica]] = []
+        try:
+            self.replicas.append(AsyncLLM(functools.partial(_pinned_engine, cores[0], model, per_replica[0])))
+            for r in remotes:
+                r.wait_ready()
+                self.replicas.append(r)
+        except BaseException:
+            for r in remotes:
+                r.shutdown("a data-parallel replica failed to start", wait=True)
+            if self.replicas:
+                self.replicas[0].shutdown("a data-parallel replica failed to start", wait=True)
+            raise
+        self._states = [r.state for r in self.replicas]
+        self.state = EngineState.total(self._states)
+        self.router = Router(routing, size, self.engine.config.cache_config.block_size, self.engine.kv.num_blocks)
+        for i, r in enumerate(self.replicas):
+            r.hooks.append(functools.partial(self._on_iteration, i))
+
+    # ---- AsyncLLM's face -------------------------------------------------------------------------------------
+    @property
+    def engine(self) -> LLMEngine:
+        """Replica 0's engine: the model's config and tokenizer, the same in every replica."""
+        return self.replicas[0].engine
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def is_running(self) -> bool:
+        """Every replica runs (a dead one makes health 503, while the others go on serving)."""
+        return all(r.is_running for r in self.replicas)
+
+    @property
+    def error(self) -> Optional[str]:
+        return next((f"replica {i}: {r.error}" for i, r in enumerate(self.replicas) if r.error is not None), None)
+
+    async def add_request(self, prompt: PromptType, params: Union[SamplingParams, PoolingParams],
+                          request_id: Optional[str] = None) -> RequestStream:
+        """Route the request (by its token ids) and queue it on that replica; AsyncLLM.add_request's errors."""
+        if self.max_waiting is not None and self.state.num_waiting >= self.max_waiting:
+            raise QueueFullError(f"{self.state.num_waiting} requests are already waiting (the bound is "
+                                 f"{self.max_waiting}); retry later")
+        rid = request_id or f"req-{next(self._ids)}"
+        text, ids = self.engine.tokenize_prompt(prompt)
+        with self._lock:
+            i = self.router.pick(ids, [r.is_running for r in self.replicas])
+            self._where[rid] = i
+        try:      # tokenised once, here
+            return await self.replicas[i].add_request({"prompt": text, "prompt_token_ids": ids}, params, rid)
+        except BaseException:
+            self._done([rid])
+            raise
+
+    def shutdown(self, reason: str = "the server is shutting down", wait: bool = False) -> None:
+        for r in self.replicas:
+            r.shutdown(reason, wait)
+
+    # ---- every replica's iterations ----------------------------------------------------------------------------
+    def _on_iteration(self, replica: int, outputs: list[RequestOutput], aborted: list[str],
+                      state: EngineState) -> None:
+        """A replica's hook (its thread): the router's loads, then the front's hooks with the replicas' total."""
+        self._done([o.request_id for o in outputs if o.finished] + aborted)
+        with self._lock:
+            self._states[replica] = state
+            self.state = total = EngineState.total(self._states)
+            for hook in self.hooks:
+                hook(outputs, aborted, total)
+
+    def _done(self, ids: list[str]) -> None:
+        with self._lock:
+            for rid in ids:
+                i = self._where.pop(rid, None)
+                if i is not None:
+                    self.router.load[i] -= 1
+
+
+def _pinned_engine(cores: Optional[list[int]], model: Optional[str], engine_args: dict) -> LLMEngine:
+    """Replica 0's engine, built on (and computing from) the engine thread pinned to its cores."""
+    if cores:
+        os.sched_setaffinity(0, cores)
+    return LLMEngine(model, **engine_args)
