@@ -1,5 +1,6 @@
 """Tensor parallelism on CPU: two ranks (this process and one worker process, gloo on loopback), each holding half
-the heads, half the MLP and half the vocabulary, give transformers' greedy tokens, as one rank does."""
+the heads, half the MLP and half the vocabulary, give transformers' greedy tokens, as one rank does; a GGUF's
+quantised blocks are split as they are, and give one rank's tokens."""
 from __future__ import annotations
 
 import pytest
@@ -107,8 +108,6 @@ def test_what_cannot_split_is_refused(tiny_llama, tmp_path):
             LLM(path, **{**ENGINE, "tensor_parallel_size": 4})
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1, got 0"):
         LLM(path, **{**ENGINE, "tensor_parallel_size": 0})
-    with pytest.raises(ValueError, match="splits float checkpoints so far"):
-        LLM(path, **ENGINE, quantization="int8")
     gemma, _ = build_tiny("gemma2", tmp_path)
     with pytest.raises(ValueError, match="splits LlamaForCausalLM, .* so far, not Gemma2ForCausalLM"):
         LLM(gemma, **ENGINE)
@@ -149,3 +148,147 @@ def test_two_torchrun_nodes_on_loopback(tiny_llama, tmp_path):
         node1.kill()
     got = json.loads(next(line for line in node0.stdout.splitlines() if line.startswith("TOKENS"))[7:])
     assert got == [hf_greedy(hf, p, 12) for p in prompts]
+
+
+# ---- GGUF: matrices split in their blocks ----------------------------------------------------------------------------
+GGUF_ENGINE = {**ENGINE, "max_model_len": 256, "tokenizer": None}
+
+
+@pytest.fixture(scope="module")
+def llama_mqa(tmp_path_factory):
+    """A tiny Llama with one kv head and tied embeddings whose every split is whole blocks of 32 (o_proj's 64 input
+    columns and down_proj's 128 are 32 and 64 a rank)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=1, tie_word_embeddings=True, max_position_embeddings=256,
+                      initializer_range=0.1, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    hf = LlamaForCausalLM(cfg).eval()
+    path = tmp_path_factory.mktemp("llama_mqa")
+    hf.save_pretrained(path)
+    return str(path), hf
+
+
+def write_llama_gguf(hf, out, f16: tuple[str, ...]) -> None:
+    """The HF Llama hf as llama.cpp's converter writes it (q/k rows interleaved per head), the GGUF tensor kinds in
+    f16 as F16 and the rest F32; hf's weights of those kinds are rounded to float16 in place, as the file keeps
+    them."""
+    import gguf
+    import numpy as np
+    import torch
+    from tests.test_gguf import _permute, add_shape
+    c = hf.config
+    w = gguf.GGUFWriter(str(out), "llama")
+    add_shape(w, dict(layers=c.num_hidden_layers, hidden=c.hidden_size, ffn=c.intermediate_size,
+                      heads=c.num_attention_heads, kv_heads=c.num_key_value_heads), c.rms_norm_eps, 10000.0)
+
+    def put(name: str, p: torch.nn.Parameter, heads: int = 0) -> None:
+        if name.split(".")[-2] in f16:
+            p.data = p.data.half().float()
+        x = p.detach().numpy()
+        x = _permute(x, heads) if heads else x
+        w.add_tensor(name, x.astype(np.float16 if name.split(".")[-2] in f16 else np.float32))
+    put("token_embd.weight", hf.model.embed_tokens.weight)
+    for i, layer in enumerate(hf.model.layers):
+        a, m = layer.self_attn, layer.mlp
+        for name, p, heads in (("attn_norm", layer.input_layernorm.weight, 0),
+                               ("attn_q", a.q_proj.weight, c.num_attention_heads),
+                               ("attn_k", a.k_proj.weight, c.num_key_value_heads), ("attn_v", a.v_proj.weight, 0),
+                               ("attn_output", a.o_proj.weight, 0), ("ffn_norm", layer.post_attention_layernorm.weight, 0),
+                               ("ffn_gate", m.gate_proj.weight, 0), ("ffn_up", m.up_proj.weight, 0),
+                               ("ffn_down", m.down_proj.weight, 0)):
+            put(f"blk.{i}.{name}.weight", p, heads)
+    put("output_norm.weight", hf.model.norm.weight)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_float_gguf_over_two_ranks_gives_transformers_tokens(llama_mqa, tmp_path):
+    """F16 and F32 matrices, q/k unpermuted before the split, one kv head held by both ranks, a tied head."""
+    from tokenmill.executor.layers.quant import GGMLWeight
+    _, hf = llama_mqa
+    write_llama_gguf(hf, tmp_path / "f16.gguf", f16=("token_embd", "attn_q", "attn_k", "attn_output", "ffn_up"))
+    llm = LLM(str(tmp_path / "f16.gguf"), **GGUF_ENGINE)
+    o_proj = llm.llm_engine.model.layers[0].self_attn.o_proj
+    assert isinstance(o_proj.quant, GGMLWeight) and o_proj.quant.shape == (64, 32)     # its F16 columns, halved
+    prompts = random_prompts([9, 40], seed=3)
+    assert greedy(llm, prompts, 12) == [hf_greedy(hf, p, 12) for p in prompts]
+
+
+def test_quantization_at_load_quantises_each_share(llama_mqa):
+    """quantization='int8' over two ranks: each rank quantises its share of the float checkpoint, the same Q8_0
+    blocks as one rank's (every split here falls on a block boundary), so the same tokens."""
+    from tokenmill.executor.layers.quant import PackedWeight
+    path, _ = llama_mqa
+    two = LLM(path, **GGUF_ENGINE, quantization="int8")
+    down = two.llm_engine.model.layers[0].mlp.down_proj
+    assert isinstance(down.quant, PackedWeight) and down.quant.shape == (64, 64)
+    prompts = random_prompts([5, 33], seed=8)
+    got = greedy(two, prompts, 12)
+    del two
+    one = LLM(path, **{**GGUF_ENGINE, "tensor_parallel_size": 1}, quantization="int8")
+    assert got == greedy(one, prompts, 12)
+
+
+QUANT_MIX = dict(embd="Q8_0", q="Q8_0", k="Q4_K", v="Q6_K", o="Q4_0", gate="Q4_K", up="F16", down="Q4_K", out="Q6_K")
+
+
+def test_quantised_gguf_blocks_split_as_one_rank_reads_them(tmp_path):
+    """Q8_0, Q4_0, K-quant and F16 blocks split by rows and by columns (o_proj's Q4_0 and down_proj's Q4_K at a
+    block boundary): each rank holds its slice of the file's blocks, and two ranks give one rank's tokens."""
+    from tests.test_gblocks import write_model
+    from tokenmill.executor.layers.quant import GGMLWeight, PackedWeight
+    write_model(tmp_path / "q.gguf", QUANT_MIX)         # hidden 256, 4 heads of 64, 2 kv heads, MLP 512, vocab 64
+    two = LLM(str(tmp_path / "q.gguf"), **GGUF_ENGINE)
+    layer = two.llm_engine.model.layers[0]
+    assert isinstance(layer.self_attn.o_proj.quant, PackedWeight) and layer.self_attn.o_proj.quant.shape == (256, 128)
+    assert isinstance(layer.mlp.down_proj.quant, GGMLWeight) and layer.mlp.down_proj.quant.shape == (256, 256)
+    prompts = random_prompts([3, 30], seed=7)
+    prompts = [[t % 64 for t in p] for p in prompts]
+    got = greedy(two, prompts, 12)
+    del two
+    one = LLM(str(tmp_path / "q.gguf"), **{**GGUF_ENGINE, "tensor_parallel_size": 1})
+    assert got == greedy(one, prompts, 12)
+
+
+def test_a_split_that_cuts_a_block_is_refused(tmp_path):
+    """Q4_K's blocks are 256 weights: o_proj's 256 input columns cannot be 128 a rank. Refused from the file's
+    header, before any worker starts."""
+    from tests.test_gblocks import MIXES, write_model
+    write_model(tmp_path / "k.gguf", MIXES["q4_k_m"])
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 would cut the quantised blocks of "
+                                         r"model\.layers\.0\.self_attn\.o_proj\.weight \(Q4_K\): its 256 input "
+                                         r"columns would be 128 a rank, not a multiple of its blocks of 256"):
+        LLM(str(tmp_path / "k.gguf"), **GGUF_ENGINE)
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_K", "F16"])
+def test_block_slices_are_slices_of_the_weights(type_name):
+    """Rows (a fused projection's ranges) and block-aligned columns of a quantised weight, sliced in its blocks,
+    dequantise to the same slices of the dequantised weight; a column split that cuts a block is refused."""
+    import numpy as np
+    import torch
+    from tests.test_gblocks import random_blocks
+    from tokenmill.config import ModelConfig
+    from tokenmill.executor.layers.quant import GGMLWeight, ggml_block, pack_ggml
+    from tokenmill.executor.parallel import shard_tensor
+    n, k = 12, 512
+    raw = random_blocks(type_name, n, k, np.random.default_rng(1))
+    w = pack_ggml(type_name, raw, (n, k)) or GGMLWeight(type_name, torch.from_numpy(raw), (n, k))
+    assert isinstance(w, GGMLWeight) == (type_name in ("Q4_K", "F16"))
+    whole = w.dequantize()
+    mc = ModelConfig("LlamaForCausalLM", 64, k, 6, 1, 4, 2, 1, 1e-6, 1e4)        # head_dim 1: rows are heads
+    for rank in (0, 1):
+        rows = shard_tensor("model.layers.0.self_attn.qkv_proj.weight", w, mc, rank, 2)   # 4 q, 2 k, 2 v rows
+        want = torch.cat([whole[2 * rank:2 * rank + 2], whole[4 + rank:5 + rank], whole[6 + rank:7 + rank]])
+        assert torch.equal(rows.dequantize(), want)
+        cols = shard_tensor("model.layers.0.mlp.down_proj.weight", w, mc, rank, 2)
+        assert torch.equal(cols.dequantize(), whole[:, rank * 256:(rank + 1) * 256])
+    block = ggml_block(type_name)[0]
+    if block > 1:
+        with pytest.raises(ValueError, match=f"its {k} input columns would be {k // 32} a rank, not a multiple of "
+                                             f"its blocks of {32 if block == 32 else 256}"):
+            shard_tensor("model.layers.0.mlp.down_proj.weight", w, mc, 0, 32)

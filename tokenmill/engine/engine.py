@@ -202,7 +202,7 @@ class LLMEngine:
                                 cache_dtype=kv_cache_dtype)
         # tensor parallelism (executor/parallel.py): this process is rank 0 and holds its share of the model; the
         # runner's config is that share's (its heads, its KV cache), the engine's model_config the whole model's
-        check_tensor_parallel(mc, tensor_parallel_size, dev, ckpt.quantized or quantization is not None)
+        check_tensor_parallel(mc, tensor_parallel_size, dev, path, quantized_kernels)
         if tensor_parallel_size > 1 and spec_config is not None and spec_config.method == "draft_model":
             raise ValueError("a draft model with tensor_parallel_size > 1 is not implemented; use the ngram method")
         tp, workers = None, []
@@ -215,11 +215,14 @@ class LLMEngine:
         if tensor_parallel_size > 1:
             tp, workers = start_ranks(WorkerSpec(path, torch_dtype, max_model_len, block_size,
                                                  self.config.kv_cache_dtype, cpu_kernels, num_threads,
-                                                 attention_backend), tensor_parallel_size)
+                                                 attention_backend, quantized_kernels, int8_activations,
+                                                 quantization), tensor_parallel_size)
             self._local_ranks = 1 + len(workers)
             # the workers stop with this engine, or at once if it fails to start below
             weakref.finalize(self, stop_workers, tp, workers)
-            ckpt = sharded_checkpoint(ckpt, mc, 0, tensor_parallel_size)
+            # quantization= quantises each rank's share after the split: the float checkpoint is split
+            ckpt = sharded_checkpoint(ckpt if quantization is None else open_checkpoint(path), mc, 0,
+                                      tensor_parallel_size, quantization)
         threads = thread_policy(num_threads)      # before the load: it computes too
         self.model_config = mc
         torch.manual_seed(seed)

@@ -4,6 +4,11 @@
 o_proj and down_proj by input columns, each followed by one all-reduce; embeddings are looked up where their row
 lives and all-reduced; the LM head's logits are gathered for sampling.
 
+A GGUF's quantised matrices are split in their blocks, not requantised, so each rank runs the kernels one rank
+would: a row split never cuts a block, and a column split must fall on a block boundary (a share of a multiple of
+32 weights for Q8_0/Q4_0/..., of 256 for the K-quants), else the model is refused, from the file's header, before
+any rank starts. quantization= quantises each rank's share of the float checkpoint after the split.
+
 Rank 0 is the engine: its scheduler plans each step, and its runner sends the step's inputs to the other ranks in
 one message (and one more per logits call), then runs its own share; the other ranks are worker processes that
 run the same forward on theirs. The process group is gloo over a store on loopback, the group's own (no global
@@ -25,19 +30,26 @@ import torch.distributed as dist
 
 from tokenmill.config import ModelConfig
 from tokenmill.executor.cpus import available_cpus
-from tokenmill.executor.loader import Checkpoint
+from tokenmill.executor.loader import Checkpoint, quantized_at_load
 from tokenmill.executor.runner import ModelRunner
 
-# the families whose float checkpoints split so far (their q/k/v, o, gate/up and down are the Llama layout)
+# the families that split so far (their q/k/v, o, gate/up and down are the Llama layout)
 TP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 TIMEOUT_S = 120       # the ranks must all have joined within this
 # a collective waits this long: a worker idles in one between requests (a rank that dies closes its connections,
 # which ends every collective at once)
 COLLECTIVE_TIMEOUT = timedelta(days=365)
 
+# how an HF tensor splits, by its module's name: by output rows (Phi-3's fused qkv_proj and gate_up_proj by each
+# part's rows), by input columns (an all-reduce follows), or else whole on every rank (norms, routers)
+_ROWS = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3", "embed_tokens", "lm_head", "qkv_proj",
+         "gate_up_proj"}
+_COLUMNS = {"o_proj", "down_proj", "w2"}
 
-def check_tensor_parallel(mc: ModelConfig, size: int, device: torch.device, quantized: bool) -> None:
-    """ValueError naming what stops this model from splitting over size ranks."""
+
+def check_tensor_parallel(mc: ModelConfig, size: int, device: torch.device, path: str, keep_blocks: bool) -> None:
+    """ValueError naming what stops the model at path from splitting over size ranks (keep_blocks: a GGUF's
+    quantised matrices are to stay in their blocks)."""
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
     if size == 1:
@@ -49,13 +61,14 @@ def check_tensor_parallel(mc: ModelConfig, size: int, device: torch.device, quan
     if device.type != "cpu":
         raise ValueError("tensor_parallel_size > 1 runs on CPU ranks (gloo) so far; use device='cpu'")
     if mc.architecture not in TP_ARCHITECTURES:
+        why = " (its latent attention is not split yet)" if mc.mla else ""
         raise ValueError(f"tensor_parallel_size > 1 splits {', '.join(TP_ARCHITECTURES)} so far, not "
-                         f"{mc.architecture}")
-    if quantized:
-        raise ValueError("tensor_parallel_size > 1 splits float checkpoints so far; this one is quantised "
-                         "(a GGUF's blocks, or quantization=)")
-    for what, n in (("attention heads", mc.num_attention_heads), ("the MLP's intermediate size",
-                                                                   mc.intermediate_size),
+                         f"{mc.architecture}{why}")
+    dense = len(mc.moe_layers) < mc.num_hidden_layers
+    for what, n in (("attention heads", mc.num_attention_heads),
+                    ("the MLP's intermediate size", mc.intermediate_size if dense else 0),
+                    ("the experts' intermediate size", mc.moe_intermediate_size if mc.moe_layers else 0),
+                    ("the shared expert's intermediate size", mc.shared_expert_intermediate_size),
                     ("the vocabulary", mc.vocab_size)):
         if n % size:
             raise ValueError(f"tensor_parallel_size={size} does not divide {what} ({n}); choose a divisor of {n}")
@@ -63,53 +76,108 @@ def check_tensor_parallel(mc: ModelConfig, size: int, device: torch.device, quan
     if kv % size and size % kv:
         raise ValueError(f"tensor_parallel_size={size} and {kv} kv heads: one must divide the other (ranks share a "
                          f"kv head, or split them)")
+    if keep_blocks and path.endswith(".gguf"):
+        _check_gguf_blocks(path, mc, size)
+
+
+def _check_gguf_blocks(path: str, mc: ModelConfig, size: int) -> None:
+    """Every matrix split by columns that the GGUF keeps in blocks splits on a block boundary (from the header,
+    before any rank starts). A matrix whose rows are not whole blocks is loaded in float and splits anywhere."""
+    from tokenmill.executor.layers.quant import ggml_block
+    from tokenmill.executor.loader.gguf import hf_name, layer_names, open_gguf
+    names = layer_names(mc.architecture)
+    for info in open_gguf(path).tensors.values():
+        name = hf_name(info.name, names)
+        k, block = info.shape[-1], ggml_block(info.type_name)[0]
+        if name is not None and _split(name) == "columns" and info.type_name != "F32" and k % block == 0:
+            _check_block(f"{name} ({info.type_name})", k, block, size)
+
+
+def _check_block(what: str, k: int, block: int, size: int) -> None:
+    if (k // size) % block:
+        raise ValueError(f"tensor_parallel_size={size} would cut the quantised blocks of {what}: its {k} input "
+                         f"columns would be {k // size} a rank, not a multiple of its blocks of {block}; choose a "
+                         f"tensor_parallel_size whose share of {k} is a multiple of {block}, or load it with "
+                         f"quantized_kernels=False (dequantised)")
 
 
 def shard_config(mc: ModelConfig, size: int) -> ModelConfig:
-    """One rank's model: its heads, kv heads (at least one), intermediate columns and vocabulary rows."""
+    """One rank's model: its heads, kv heads (at least one), intermediate columns (the experts' too) and
+    vocabulary rows."""
     return dataclasses.replace(mc, num_attention_heads=mc.num_attention_heads // size,
                                num_key_value_heads=max(mc.num_key_value_heads // size, 1),
-                               intermediate_size=mc.intermediate_size // size, vocab_size=mc.vocab_size // size)
+                               intermediate_size=mc.intermediate_size // size,
+                               moe_intermediate_size=mc.moe_intermediate_size // size,
+                               shared_expert_intermediate_size=mc.shared_expert_intermediate_size // size,
+                               vocab_size=mc.vocab_size // size)
 
 
-def _rows(name: str) -> Optional[str]:
-    """How an HF tensor splits: 'rows' (by output), 'cols' (by input), or None (every rank holds it whole)."""
+def _split(name: str) -> Optional[str]:
+    """How an HF tensor splits: 'rows', 'columns' (a weight; its bias is added once), or None (whole)."""
     part = name.split(".")[-2] if name.count(".") else name
-    if part in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head"):
-        return "rows"
-    if part in ("o_proj", "down_proj") and name.endswith("weight"):
-        return "cols"
-    return None
+    return "rows" if part in _ROWS else "columns" if part in _COLUMNS else None
 
 
-def shard_tensor(name: str, t: torch.Tensor, mc: ModelConfig, rank: int, size: int) -> torch.Tensor:
-    """This rank's slice of an HF tensor of the whole model."""
-    how = _rows(name)
-    if how is None:
-        return t
-    part = name.split(".")[-2]
-    d = mc.head_dim
-    if part in ("k_proj", "v_proj"):
-        kv = mc.num_key_value_heads
+def _row_ranges(part: str, n: int, mc: ModelConfig, rank: int, size: int) -> list[tuple[int, int]]:
+    """This rank's rows [start, stop) of a tensor of n rows split by output: 1/size of them, but of k_proj and v_proj
+    its kv heads (the one its query heads read, where there are fewer than ranks), and of a fused projection its
+    share of each part."""
+    d, kv = mc.head_dim, mc.num_key_value_heads
+
+    def share(start: int, rows: int) -> tuple[int, int]:
+        return start + rank * (rows // size), start + (rank + 1) * (rows // size)
+
+    def kv_rows(start: int) -> tuple[int, int]:
         if kv >= size:
-            per = kv // size
-            return t[rank * per * d:(rank + 1) * per * d]
-        head = rank * kv // size             # the kv head this rank's query heads read
-        return t[head * d:(head + 1) * d]
-    n = t.shape[0] if how == "rows" else t.shape[1]
-    per = n // size
-    return t[rank * per:(rank + 1) * per] if how == "rows" else t[:, rank * per:(rank + 1) * per]
+            return share(start, kv * d)
+        head = rank * kv // size
+        return start + head * d, start + (head + 1) * d
+    if part in ("k_proj", "v_proj"):
+        return [kv_rows(0)]
+    if part == "qkv_proj":
+        q = mc.num_attention_heads * d
+        return [share(0, q), kv_rows(q), kv_rows(q + kv * d)]
+    if part == "gate_up_proj":
+        return [share(0, n // 2), share(n // 2, n // 2)]
+    return [share(0, n)]
+
+
+def shard_tensor(name: str, t: Any, mc: ModelConfig, rank: int, size: int) -> Any:
+    """This rank's slice of an HF tensor of the whole model: float, or quantised blocks (layers/quant.py) sliced as
+    they are, so that every rank runs the kernels one rank would. A column split must fall on a block boundary."""
+    from tokenmill.executor.layers.quant import block_weights, take_columns, take_rows
+    how = _split(name)
+    if how == "rows":
+        ranges = _row_ranges(name.split(".")[-2], t.shape[0], mc, rank, size)
+        if not isinstance(t, torch.Tensor):
+            return take_rows(t, ranges)
+        return t[ranges[0][0]:ranges[0][1]] if len(ranges) == 1 else torch.cat([t[a:b] for a, b in ranges])
+    if how == "columns":
+        if not name.endswith("weight"):         # a bias after the all-reduce: added once, by rank 0
+            return t if rank == 0 else torch.zeros_like(t)
+        k = t.shape[1]
+        c0, c1 = rank * (k // size), (rank + 1) * (k // size)
+        if not isinstance(t, torch.Tensor):
+            _check_block(name, k, block_weights(t), size)
+            return take_columns(t, c0, c1)
+        return t[:, c0:c1]
+    return t
 
 
 def sharded(tensors: Iterator[tuple[str, Any]], mc: ModelConfig, rank: int, size: int) -> Iterator[tuple[str, Any]]:
     for name, t in tensors:
-        yield name, shard_tensor(name, t, mc, rank, size).contiguous()
+        part = shard_tensor(name, t, mc, rank, size)
+        yield name, part.contiguous() if isinstance(part, torch.Tensor) else part
 
 
-def sharded_checkpoint(whole: Checkpoint, mc: ModelConfig, rank: int, size: int) -> Checkpoint:
-    """The checkpoint of the whole model mc as rank's share of it (float tensors: split checkpoints are float)."""
-    return Checkpoint(whole.config, lambda keep_blocks=False: sharded(whole.tensors(keep_blocks=False), mc, rank, size),
-                      whole.quantized, whole.release)
+def sharded_checkpoint(whole: Checkpoint, mc: ModelConfig, rank: int, size: int,
+                       quantization: Optional[str] = None) -> Checkpoint:
+    """The checkpoint of the whole model mc as rank's share of it: float tensors sliced, and a GGUF's blocks where
+    they are kept; quantization= (whole must then be the float checkpoint) quantises the share after the split, so
+    each rank quantises only its own (the same blocks as the whole's where a split falls on a block boundary)."""
+    ckpt = Checkpoint(whole.config, lambda keep_blocks=False: sharded(whole.tensors(keep_blocks=keep_blocks), mc, rank,
+                                                                      size), whole.quantized, whole.release)
+    return ckpt if quantization is None else quantized_at_load(ckpt, quantization)
 
 
 def free_port() -> int:
@@ -210,6 +278,9 @@ class WorkerSpec:
     cpu_kernels: str
     threads: int
     attention_backend: str = "auto"
+    quantized_kernels: bool = True                  # a GGUF's quantised matrices stay in their blocks
+    int8_activations: bool = True
+    quantization: Optional[str] = None              # quantise the float checkpoint at load (after the split)
 
 
 def start_ranks(spec: WorkerSpec, size: int, timeout_s: float = TIMEOUT_S) -> tuple[TPGroup, list[mp.Process]]:
@@ -275,9 +346,9 @@ def serve_rank(group: TPGroup) -> None:
     dev = torch.device("cpu")
     whole, mc = open_model(spec.path, None, dev)
     part = shard_config(mc, size)
-    ckpt = sharded_checkpoint(whole, mc, rank, size)
-    model = load_model(spec.path, part, spec.dtype, dev, spec.max_model_len, ckpt, False, spec.cpu_kernels,
-                       tp=group)
+    ckpt = sharded_checkpoint(whole, mc, rank, size, spec.quantization)
+    model = load_model(spec.path, part, spec.dtype, dev, spec.max_model_len, ckpt, spec.quantized_kernels,
+                       spec.cpu_kernels, spec.int8_activations, tp=group)
     num_blocks = group.receive()
     config = EngineConfig(spec.path, part, CacheConfig(spec.block_size, cache_dtype=spec.kv_cache_dtype),
                           SchedulerConfig(max_model_len=spec.max_model_len), spec.dtype, dev, spec.attention_backend,

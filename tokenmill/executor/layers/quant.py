@@ -159,6 +159,40 @@ def select_rows(w: QuantWeight, ids: torch.Tensor) -> QuantWeight:
     raise ValueError("rows of a weight stacked from parts are not looked up (an embedding table is one matrix)")
 
 
+def block_weights(w: Union[PackedWeight, GGMLWeight]) -> int:
+    """Weights per block along K: a slice of W's columns must start and end on a multiple of it."""
+    return BLOCK if isinstance(w, PackedWeight) else ggml_block(w.type_name)[0]
+
+
+def take_rows(w: QuantWeight, ranges: list[tuple[int, int]]) -> QuantWeight:
+    """The rows [start, stop) of each range, in order, as a weight of the same form: its blocks as they are (one
+    range: views of them)."""
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return t[ranges[0][0]:ranges[0][1]] if len(ranges) == 1 else torch.cat([t[a:b] for a, b in ranges])
+    n = sum(b - a for a, b in ranges)
+    if isinstance(w, PackedWeight):
+        return PackedWeight(w.bits, rows(w.codes), rows(w.scale), None if w.offset is None else rows(w.offset),
+                            (n, w.shape[1]))
+    if isinstance(w, GGMLWeight):
+        return GGMLWeight(w.type_name, rows(w.data), (n, w.shape[1]))
+    raise ValueError("rows of a weight stacked from parts are not taken (a checkpoint's matrix is one piece)")
+
+
+def take_columns(w: QuantWeight, c0: int, c1: int) -> QuantWeight:
+    """Columns [c0, c1) of W (both multiples of block_weights(w)) as a weight of the same form: whole blocks
+    copied, none requantised."""
+    if isinstance(w, PackedWeight):
+        codes = w.codes[:, c0:c1] if w.bits == 8 else w.codes[:, c0 // 2:c1 // 2]    # a 4-bit block: 16 bytes
+        b0, b1 = c0 // BLOCK, c1 // BLOCK
+        return PackedWeight(w.bits, codes.contiguous(), w.scale[:, b0:b1].contiguous(),
+                            None if w.offset is None else w.offset[:, b0:b1].contiguous(), (w.shape[0], c1 - c0))
+    if isinstance(w, GGMLWeight):
+        block, size = ggml_block(w.type_name)
+        return GGMLWeight(w.type_name, w.data[:, c0 // block * size:c1 // block * size].contiguous(),
+                          (w.shape[0], c1 - c0))
+    raise ValueError("columns of a weight stacked from parts are not taken (a checkpoint's matrix is one piece)")
+
+
 def quant_nbytes(w: QuantWeight) -> int:
     """Bytes a quantised weight holds (the tests' proof that no float copy exists)."""
     if isinstance(w, RowParts):
