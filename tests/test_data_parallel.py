@@ -1,5 +1,6 @@
-"""Data parallelism: two engine replicas (one in this process, one in a process of its own), each pinned to its own
-core, behind one AsyncLLM face; cache-aware routing sends a prompt to the replica that already caches its prefix."""
+"""Serving beyond one engine: two data-parallel replicas (one in this process, one in a process of its own), each
+pinned to its own core, behind one AsyncLLM face, where cache-aware routing sends a prompt to the replica that
+already caches its prefix; and `tokenmill serve --nnodes` splitting a model over two "machines"."""
 from __future__ import annotations
 
 import asyncio
@@ -161,3 +162,29 @@ def test_a_data_parallel_server_answers_the_openai_client(chat_model_dir):
     finally:
         server.stop()
         dp.shutdown(wait=True)
+
+
+def test_serve_across_two_nodes_on_loopback(tiny_llama):
+    """`tokenmill serve --nnodes 2`: node 1 joins the rendezvous and runs its half of the model, node 0 serves;
+    the tokens are transformers' (README: Tensor parallelism)."""
+    import subprocess
+    import sys
+    import httpx
+    from tokenmill.executor.parallel import free_port
+    path, hf = tiny_llama
+    serve = [sys.executable, "-m", "tokenmill.cli", "serve", path, "-tp", "2", "--nnodes", "2", "--master-port",
+             str(free_port()), "--dtype", "float32", "--kv-cache-memory-gb", "0.02", "--max-model-len", "512"]
+    node1 = subprocess.Popen([*serve, "--node-rank", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    node0 = subprocess.Popen([*serve, "--node-rank", "0", "--port", "0"], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        url = next((line.split()[-1] for line in node0.stdout if "OpenAI API:" in line), None)
+        assert url is not None, f"node 0 exited with {node0.wait()}"
+        prompt = random_prompts([9], seed=8)[0]
+        r = httpx.post(url + "/completions", timeout=60, json={
+            "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+        assert r.json()["choices"][0]["token_ids"] == hf_greedy(hf, prompt, 6)
+    finally:
+        node0.terminate()           # uvicorn stops, then re-raises the SIGTERM it caught
+        assert node0.wait(timeout=30) == -15
+        assert node1.wait(timeout=30) == 0, node1.stdout.read()[-3000:]     # told to stop by node 0

@@ -252,6 +252,7 @@ class AsyncLLM:
         finally:
             with self._lock:
                 self._closed = True
+            self.engine.shutdown()      # its workers, before the process exits (a signal skips finalizers)
             while True:
                 try:
                     self._reject(self._cmds.get_nowait())

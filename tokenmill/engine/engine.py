@@ -207,6 +207,7 @@ class LLMEngine:
             raise ValueError("a draft model with tensor_parallel_size > 1 is not implemented; use the ngram method")
         tp, workers = None, []
         self._local_ranks = 1
+        self._stop_workers: Optional[weakref.finalize] = None
         part = mc if tensor_parallel_size == 1 else shard_config(mc, tensor_parallel_size)
         if tensor_parallel_size > 1:       # each rank computes on its share of the cores
             num_threads = num_threads or max(1, available_cpus() // tensor_parallel_size)
@@ -219,7 +220,7 @@ class LLMEngine:
                                                  quantization), tensor_parallel_size)
             self._local_ranks = 1 + len(workers)
             # the workers stop with this engine, or at once if it fails to start below
-            weakref.finalize(self, stop_workers, tp, workers)
+            self._stop_workers = weakref.finalize(self, stop_workers, tp, workers)
             # quantization= quantises each rank's share after the split: the float checkpoint is split
             ckpt = sharded_checkpoint(ckpt if quantization is None else open_checkpoint(path), mc, 0,
                                       tensor_parallel_size, quantization)
@@ -439,6 +440,11 @@ class LLMEngine:
                 req = self.requests.pop(cid, None)
                 if req is not None and not req.is_finished:
                     self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers now (on other machines too), not when this engine is collected."""
+        if self._stop_workers is not None:
+            self._stop_workers()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -39,6 +39,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--data-parallel-routing", default="cache_aware", choices=ROUTING,
                    help="which replica takes a request: cache_aware (the one that was sent the prompt's first "
                         "blocks, else the least loaded), round_robin, or least_loaded")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="machines the tensor-parallel ranks span, one rank each (torchrun's name): node 0 serves, "
+                        "the others run its steps on their share of the model")
+    p.add_argument("--node-rank", type=int, default=0, help="this machine's rank among --nnodes")
+    p.add_argument("--master-addr", default="127.0.0.1", help="node 0's address, which every node can reach")
+    p.add_argument("--master-port", type=int, default=29500, help="a free port on node 0 for the rendezvous")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
@@ -59,6 +65,25 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _join_nodes(args: argparse.Namespace) -> bool:
+    """Several machines, one rank each, over one rendezvous at --master-addr:--master-port, as torchrun would set
+    it up. Node 0 goes on to serve (False); another node runs rank 0's steps until it stops (True)."""
+    from tokenmill.executor.parallel import TPGroup, serve_rank
+    n, rank = args.nnodes, args.node_rank
+    if args.tensor_parallel_size != n:
+        raise ValueError(f"--nnodes {n} runs one rank a machine: give --tensor-parallel-size {n} on every node "
+                         f"(got {args.tensor_parallel_size})")
+    if not 0 <= rank < n:
+        raise ValueError(f"--node-rank must be in [0, {n}), got {rank}")
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK="0", MASTER_ADDR=args.master_addr,
+                      MASTER_PORT=str(args.master_port))
+    if rank == 0:
+        return False
+    print(f"tokenmill: rank {rank} of {n}, joining {args.master_addr}:{args.master_port}; node 0 serves", flush=True)
+    serve_rank(TPGroup.from_env(n))
+    return True
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -67,6 +92,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tokenmill.engine.data_parallel import DataParallelLLM
     from tokenmill.server.app import build_app
 
+    if args.nnodes > 1 and _join_nodes(args):
+        return 0
     if args.max_queue is not None and args.max_queue < 0:
         raise ValueError("--max-queue must be >= 0")
     if args.max_body_bytes < 1:
