@@ -62,10 +62,11 @@ def scrape(url: str) -> dict[str, float]:
 
 
 @contextmanager
-def server() -> Iterator[tuple[str, subprocess.Popen]]:
+def start(extra: list[str] = []) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`tokenmill serve` on a free port with these extra arguments, once its /health answers."""
     import httpx
     port = free_port()
-    proc = subprocess.Popen(TM + ["serve", "--port", str(port)], cwd=ROOT, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(TM + ["serve", "--port", str(port), *extra], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -109,7 +110,7 @@ def pcts(d: dict) -> dict:
 def one_pair(c: int, workload: str) -> dict:
     off = last_json(sh(TM + ["bench", "throughput", "--workload", workload, "--max-num-seqs", str(c),
                              "--no-progress", "--json"]))
-    with server() as (url, _):
+    with start() as (url, _):
         srv = last_json(sh(TM + ["bench", "serve", "--url", url, "--workload", workload, "--num-requests",
                                  str(SIZES[c]), "--max-concurrency", str(c), "--no-progress", "--json"]))
     return {"offline_tok_s": off["generated_tok_s"], "served_tok_s": srv["output_throughput"],
@@ -135,7 +136,7 @@ def scenario(concurrency: list[int], workloads: dict[int, str], busy: bool, pair
 
 
 def soak(seconds: float, workload: str) -> dict:
-    with server() as (url, proc):
+    with start() as (url, proc):
         time.sleep(15)                   # the idle server faults in its KV reservation
         rss0 = rss_bytes(proc.pid)
         srv = last_json(sh(TM + ["bench", "serve", "--url", url, "--workload", workload, "--num-requests", "1000000",
