@@ -63,6 +63,21 @@ def test_the_other_families(kind, tmp_path):
     llm = LLM(path, **ENGINE)
     prompts = random_prompts([7, 40], seed=5)
     assert greedy(llm, prompts, 12) == [hf_greedy(hf, p, 12) for p in prompts]
+    group = llm.llm_engine.runner.group
+    before = group.all_reduces
+    greedy(llm, prompts[:1], 1)                 # one step: the embeddings', and two a layer
+    assert group.all_reduces - before == 2 * hf.config.num_hidden_layers + 1
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"])
+def test_more_families(kind, tmp_path):
+    """Gemma 2/3: whole norms and soft caps, local layers' windows (shorter than the prompt) in their own KV group;
+    Phi-3: its fused qkv_proj and gate_up_proj split part by part; Mixture-of-Experts: each expert's intermediate
+    split, the router whole, one all-reduce after the experts and Qwen2-MoE's gated shared expert."""
+    path, hf = build_tiny(kind, tmp_path)
+    llm = LLM(path, **ENGINE)
+    prompts = random_prompts([7, 40], seed=5)
+    assert greedy(llm, prompts, 12) == [hf_greedy(hf, p, 12) for p in prompts]
 
 
 def test_a_dead_worker_is_an_error_not_a_hang(tiny_llama):
@@ -108,9 +123,10 @@ def test_what_cannot_split_is_refused(tiny_llama, tmp_path):
             LLM(path, **{**ENGINE, "tensor_parallel_size": 4})
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1, got 0"):
         LLM(path, **{**ENGINE, "tensor_parallel_size": 0})
-    gemma, _ = build_tiny("gemma2", tmp_path)
-    with pytest.raises(ValueError, match="splits LlamaForCausalLM, .* so far, not Gemma2ForCausalLM"):
-        LLM(gemma, **ENGINE)
+    deepseek, _ = build_tiny("deepseek_v2", tmp_path)
+    with pytest.raises(ValueError, match=r"splits LlamaForCausalLM, .* so far, not DeepseekV2ForCausalLM \(its "
+                                         r"latent attention is not split yet\)"):
+        LLM(deepseek, **ENGINE)
 
 
 RANK0 = """

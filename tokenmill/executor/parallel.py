@@ -2,7 +2,11 @@
 (its share of the paged KV cache with them; a kv head is repeated where there are fewer kv heads than ranks),
 1/N of the MLP's intermediate columns and 1/N of the vocabulary. q/k/v and gate/up are split by output rows,
 o_proj and down_proj by input columns, each followed by one all-reduce; embeddings are looked up where their row
-lives and all-reduced; the LM head's logits are gathered for sampling.
+lives and all-reduced; the LM head's logits are gathered for sampling. Phi-3's fused qkv_proj and gate_up_proj
+split part by part. A Mixture-of-Experts layer splits every expert's intermediate columns (and the shared
+expert's) and holds the router whole, so every rank routes alike; one all-reduce follows the experts and the shared
+expert together. Norms, Gemma's soft caps and sliding windows need nothing: each rank applies them whole. DeepSeek's
+latent attention is not split yet.
 
 A GGUF's quantised matrices are split in their blocks, not requantised, so each rank runs the kernels one rank
 would: a row split never cuts a block, and a column split must fall on a block boundary (a share of a multiple of
@@ -33,8 +37,12 @@ from tokenmill.executor.cpus import available_cpus
 from tokenmill.executor.loader import Checkpoint, quantized_at_load
 from tokenmill.executor.runner import ModelRunner
 
-# the families that split so far (their q/k/v, o, gate/up and down are the Llama layout)
-TP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# the families that split so far: the Llama layout (q/k/v, o, gate/up, down), Phi-3's (q/k/v and gate/up fused in
+# the file: each part split), Gemma's, and the Mixture-of-Experts kin's (every expert split as an MLP, the router
+# whole)
+TP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
+                    "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
+                    "Qwen3MoeForCausalLM")
 TIMEOUT_S = 120       # the ranks must all have joined within this
 # a collective waits this long: a worker idles in one between requests (a rank that dies closes its connections,
 # which ends every collective at once)

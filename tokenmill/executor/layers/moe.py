@@ -58,7 +58,8 @@ class SparseMoeBlock(nn.Module):
         return x.float() @ self._router_f32.t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]."""
+        """x [T, hidden] -> [T, hidden]. Split over tensor-parallel ranks, each holds its share of every expert's
+        intermediate columns (the router whole, so all route alike): one all-reduce sums the ranks' outputs."""
         weights, ids = self.route(x)
         out = self.ops.fused_moe(x, weights, ids, self.experts)
         if self.shared_expert is not None:
@@ -66,4 +67,4 @@ class SparseMoeBlock(nn.Module):
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
-        return out
+        return self.ops.all_reduce(out)

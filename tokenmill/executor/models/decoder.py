@@ -73,16 +73,18 @@ class VocabParallelEmbedding(Embedding):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: ReferenceOps, inter: Optional[int] = None):
+    def __init__(self, cfg: ModelConfig, ops: ReferenceOps, inter: Optional[int] = None, reduce: bool = True):
+        """reduce=False: an expert's, whose Mixture-of-Experts block all-reduces once, after the experts."""
         super().__init__()
-        self.ops = ops
+        self.ops, self.reduce = ops, reduce
         self.inter = inter or cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, False, ops)
         self.down_proj = Linear(self.inter, cfg.hidden_size, False, ops)
         self.act = ops.gelu_tanh_mul if cfg.hidden_act == "gelu_pytorch_tanh" else ops.silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.all_reduce(self.down_proj(self.act(self.gate_up_proj(x))))
+        y = self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.ops.all_reduce(y) if self.reduce else y
 
 
 class DecoderLayer(nn.Module):
@@ -96,7 +98,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = LatentAttention(cfg, layer_idx, ops) if cfg.mla else Attention(cfg, layer_idx, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, offset)
         if layer_idx in cfg.moe_layers:
-            self.mlp = SparseMoeBlock(cfg, ops, lambda inter: MLP(cfg, ops, inter))
+            self.mlp = SparseMoeBlock(cfg, ops, lambda inter: MLP(cfg, ops, inter, reduce=False))
         else:
             self.mlp = MLP(cfg, ops)
 
