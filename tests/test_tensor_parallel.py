@@ -69,11 +69,13 @@ def test_the_other_families(kind, tmp_path):
     assert group.all_reduces - before == 2 * hf.config.num_hidden_layers + 1
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "deepseek_v3"])
 def test_more_families(kind, tmp_path):
     """Gemma 2/3: whole norms and soft caps, local layers' windows (shorter than the prompt) in their own KV group;
     Phi-3: its fused qkv_proj and gate_up_proj split part by part; Mixture-of-Experts: each expert's intermediate
-    split, the router whole, one all-reduce after the experts and Qwen2-MoE's gated shared expert."""
+    split, the router whole, one all-reduce after the experts and Qwen2-MoE's gated shared expert (Qwen3-MoE's
+    layers are these without it); DeepSeek-V3: q_b_proj and kv_b_proj by heads, the latent whole on each rank,
+    sigmoid routing with its bias."""
     path, hf = build_tiny(kind, tmp_path)
     llm = LLM(path, **ENGINE)
     prompts = random_prompts([7, 40], seed=5)
@@ -123,10 +125,13 @@ def test_what_cannot_split_is_refused(tiny_llama, tmp_path):
             LLM(path, **{**ENGINE, "tensor_parallel_size": 4})
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1, got 0"):
         LLM(path, **{**ENGINE, "tensor_parallel_size": 0})
-    deepseek, _ = build_tiny("deepseek_v2", tmp_path)
-    with pytest.raises(ValueError, match=r"splits LlamaForCausalLM, .* so far, not DeepseekV2ForCausalLM \(its "
-                                         r"latent attention is not split yet\)"):
-        LLM(deepseek, **ENGINE)
+    import dataclasses
+    import torch
+    from tokenmill.config import ModelConfig
+    from tokenmill.executor.parallel import check_tensor_parallel
+    other = dataclasses.replace(ModelConfig.from_path(path), architecture="FalconForCausalLM")    # a family to come
+    with pytest.raises(ValueError, match="splits LlamaForCausalLM, .* so far, not FalconForCausalLM"):
+        check_tensor_parallel(other, 2, torch.device("cpu"), path, True)
 
 
 RANK0 = """

@@ -5,8 +5,9 @@ o_proj and down_proj by input columns, each followed by one all-reduce; embeddin
 lives and all-reduced; the LM head's logits are gathered for sampling. Phi-3's fused qkv_proj and gate_up_proj
 split part by part. A Mixture-of-Experts layer splits every expert's intermediate columns (and the shared
 expert's) and holds the router whole, so every rank routes alike; one all-reduce follows the experts and the shared
-expert together. Norms, Gemma's soft caps and sliding windows need nothing: each rank applies them whole. DeepSeek's
-latent attention is not split yet.
+expert together. Norms, Gemma's soft caps and sliding windows need nothing: each rank applies them whole.
+DeepSeek's latent attention splits by heads too (q_proj or q_b_proj and kv_b_proj by rows, o_proj by columns); its
+latent, one per token shared by all heads, every rank computes and caches whole, as one rank does.
 
 A GGUF's quantised matrices are split in their blocks, not requantised, so each rank runs the kernels one rank
 would: a row split never cuts a block, and a column split must fall on a block boundary (a share of a multiple of
@@ -37,12 +38,12 @@ from tokenmill.executor.cpus import available_cpus
 from tokenmill.executor.loader import Checkpoint, quantized_at_load
 from tokenmill.executor.runner import ModelRunner
 
-# the families that split so far: the Llama layout (q/k/v, o, gate/up, down), Phi-3's (q/k/v and gate/up fused in
-# the file: each part split), Gemma's, and the Mixture-of-Experts kin's (every expert split as an MLP, the router
-# whole)
+# the families that split: the Llama layout (q/k/v, o, gate/up, down), Phi-3's (q/k/v and gate/up fused in the
+# file: each part split), Gemma's, the Mixture-of-Experts kin's (every expert split as an MLP, the router whole) and
+# DeepSeek's (its heads split, its latent whole); a family added later splits once it is listed here
 TP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
                     "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
-                    "Qwen3MoeForCausalLM")
+                    "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 TIMEOUT_S = 120       # the ranks must all have joined within this
 # a collective waits this long: a worker idles in one between requests (a rank that dies closes its connections,
 # which ends every collective at once)
@@ -51,7 +52,7 @@ COLLECTIVE_TIMEOUT = timedelta(days=365)
 # how an HF tensor splits, by its module's name: by output rows (Phi-3's fused qkv_proj and gate_up_proj by each
 # part's rows), by input columns (an all-reduce follows), or else whole on every rank (norms, routers)
 _ROWS = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3", "embed_tokens", "lm_head", "qkv_proj",
-         "gate_up_proj"}
+         "gate_up_proj", "q_b_proj", "kv_b_proj"}
 _COLUMNS = {"o_proj", "down_proj", "w2"}
 
 
@@ -69,9 +70,8 @@ def check_tensor_parallel(mc: ModelConfig, size: int, device: torch.device, path
     if device.type != "cpu":
         raise ValueError("tensor_parallel_size > 1 runs on CPU ranks (gloo) so far; use device='cpu'")
     if mc.architecture not in TP_ARCHITECTURES:
-        why = " (its latent attention is not split yet)" if mc.mla else ""
         raise ValueError(f"tensor_parallel_size > 1 splits {', '.join(TP_ARCHITECTURES)} so far, not "
-                         f"{mc.architecture}{why}")
+                         f"{mc.architecture}")
     dense = len(mc.moe_layers) < mc.num_hidden_layers
     for what, n in (("attention heads", mc.num_attention_heads),
                     ("the MLP's intermediate size", mc.intermediate_size if dense else 0),

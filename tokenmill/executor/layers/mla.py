@@ -85,4 +85,4 @@ class LatentAttention(nn.Module):
         key = torch.cat([c, pe[:, H]], dim=-1)[:, None]                                   # [T, 1, rank + rope]
         o = backend.forward(self.layer_idx, query, key, c[:, None], meta, self.scale)    # [T, H, rank]
         o = torch.einsum("thr,hvr->thv", o, w[:, self.nope:])                            # W_UV, [T, H, v]
-        return self.o_proj(o.reshape(T, H * self.v_dim))
+        return self.ops.all_reduce(self.o_proj(o.reshape(T, H * self.v_dim)))      # rank's heads' share, summed
