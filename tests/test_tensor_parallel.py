@@ -1,6 +1,6 @@
 """Tensor parallelism on CPU: two ranks (this process and one worker process, gloo on loopback), each holding half
-the heads, half the MLP and half the vocabulary, give transformers' greedy tokens, as one rank does; a GGUF's
-quantised blocks are split as they are, and give one rank's tokens."""
+the heads, half the MLP (or of every expert) and half the vocabulary, give transformers' greedy tokens, as one rank
+does, in every family; a GGUF's quantised blocks are split as they are, and give one rank's tokens."""
 from __future__ import annotations
 
 import pytest
@@ -296,12 +296,14 @@ def test_block_slices_are_slices_of_the_weights(type_name):
     from tokenmill.config import ModelConfig
     from tokenmill.executor.layers.quant import GGMLWeight, ggml_block, pack_ggml
     from tokenmill.executor.parallel import shard_tensor
-    n, k = 12, 512
+    n, k = 8, 512                               # 8 rows: a fused qkv of 4 q, 2 k and 2 v heads
     raw = random_blocks(type_name, n, k, np.random.default_rng(1))
     w = pack_ggml(type_name, raw, (n, k)) or GGMLWeight(type_name, torch.from_numpy(raw), (n, k))
     assert isinstance(w, GGMLWeight) == (type_name in ("Q4_K", "F16"))
     whole = w.dequantize()
-    mc = ModelConfig("LlamaForCausalLM", 64, k, 6, 1, 4, 2, 1, 1e-6, 1e4)        # head_dim 1: rows are heads
+    mc = ModelConfig("LlamaForCausalLM", vocab_size=64, hidden_size=k, intermediate_size=k, num_hidden_layers=1,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=1, rms_norm_eps=1e-6,
+                     rope_theta=1e4)             # head_dim 1: a row is a head
     for rank in (0, 1):
         rows = shard_tensor("model.layers.0.self_attn.qkv_proj.weight", w, mc, rank, 2)   # 4 q, 2 k, 2 v rows
         want = torch.cat([whole[2 * rank:2 * rank + 2], whole[4 + rank:5 + rank], whole[6 + rank:7 + rank]])
