@@ -212,10 +212,7 @@ class TPGroup:
             raise
 
     def close(self) -> None:
-        """Leave the group: torchrun's default group is destroyed (before the interpreter's own teardown, which
-        would abort on it). Later collectives raise."""
-        if self.pg is not None and dist.is_initialized() and self.pg is dist.distributed_c10d._get_default_group():
-            dist.destroy_process_group()
+        """Leave the group; later collectives raise."""
         self.pg, self.broken = None, True
 
     @staticmethod
@@ -232,17 +229,23 @@ class TPGroup:
 
     @staticmethod
     def from_env(size: int, timeout_s: float = TIMEOUT_S) -> "TPGroup":
-        """Join the ranks torchrun started (its RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT), gloo."""
+        """Join the ranks torchrun (or `serve --nnodes`) started: its RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
+        The group is ours over a store at the master's address, as on one machine: torch.distributed's own
+        rendezvous would wait as long as a collective may (a year), not TIMEOUT_S."""
         world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
         if world != size:
             raise ValueError(f"tensor_parallel_size={size} but torchrun started {world} ranks; make them equal")
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        # torchrun's agent on node 0 already serves a store at the master's port: rank 0 joins it then
+        hosts = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        why = None
         try:
-            dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
-        except (RuntimeError, dist.DistStoreError) as e:
-            raise ValueError(f"tensor_parallel_size={size}: not every rank joined the rendezvous at "
-                             f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} within {timeout_s:g} s "
-                             f"({e}); start the other ranks with the same torchrun --nnodes/--master-addr") from None
-        return TPGroup(rank, world, dist.distributed_c10d._get_default_group())
+            store = dist.PrefixStore("tokenmill", dist.TCPStore(addr, port, world, hosts, timedelta(seconds=timeout_s)))
+            return TPGroup.local(rank, world, store, timeout_s)
+        except (RuntimeError, dist.DistStoreError, ValueError) as e:
+            why = e
+        raise ValueError(f"tensor_parallel_size={size}: not every rank joined the rendezvous at {addr}:{port} within "
+                         f"{timeout_s:g} s ({why}); start the other ranks with the same --nnodes and --master-addr")
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks, in float32 on the wire."""
