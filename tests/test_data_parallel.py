@@ -128,6 +128,9 @@ def test_what_cannot_be_served_is_refused(tiny_llama):
         DataParallelLLM(tiny_llama[0], 2, routing="prefix", **ENGINE)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         DataParallelLLM(tiny_llama[0], 2, tensor_parallel_size=2, **ENGINE)
+    from tokenmill import LLM
+    with pytest.raises(ValueError, match="data_parallel_size is for serving"):
+        LLM(tiny_llama[0], data_parallel_size=2, **ENGINE)
 
 
 @needs_two_cores
@@ -188,3 +191,13 @@ def test_serve_across_two_nodes_on_loopback(tiny_llama):
         node0.terminate()           # uvicorn stops, then re-raises the SIGTERM it caught
         assert node0.wait(timeout=30) == -15
         assert node1.wait(timeout=30) == 0, node1.stdout.read()[-3000:]     # told to stop by node 0
+
+
+def test_a_rendezvous_that_does_not_fill_is_an_error(monkeypatch):
+    """Node 0 started alone: an error after the join timeout (TIMEOUT_S, 120 s; 1 s here), naming the address."""
+    from tokenmill.executor.parallel import TPGroup, free_port
+    port = free_port()
+    for k, v in dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match=f"not every rank joined the rendezvous at 127.0.0.1:{port} within 1 s"):
+        TPGroup.from_env(2, timeout_s=1)
