@@ -45,7 +45,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         '"num_speculative_tokens": 3}')
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many ranks (processes on this machine, gloo), Megatron-style; "
-                        "Llama, Mistral and Qwen2/3 float checkpoints so far")
+                        "every family, from HF folders and GGUF files (quantised blocks split whole)")
     p.add_argument("--quantization", "-q", default=None,
                    help="quantise a float checkpoint's matrices at load: int8 (Q8_0) | int4 (Q4_1) | q4_0 | q5_0 | "
                         "q5_1 | q8_0")
