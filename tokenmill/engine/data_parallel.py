@@ -14,7 +14,6 @@ import concurrent.futures
 import functools
 import itertools
 import logging
-import multiprocessing as mp
 import os
 import pickle
 import signal
@@ -30,6 +29,7 @@ from tokenmill.engine.async_engine import (AsyncLLM, EngineDeadError, EngineStat
                                            RequestStream)
 from tokenmill.engine.engine import LLMEngine, PromptType, default_kv_budget
 from tokenmill.executor.cpus import available_cpus
+from tokenmill.executor.parallel import worker_context
 from tokenmill.outputs import RequestOutput
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
@@ -165,7 +165,7 @@ class RemoteReplica:
     iteration, state is the replica's last."""
 
     def __init__(self, index: int, cores: Optional[list[int]], model: Optional[str], engine_args: dict):
-        ctx = mp.get_context("spawn")
+        ctx = worker_context()
         self._conn, child = ctx.Pipe()
         self.process = ctx.Process(target=_replica_main, args=(cores, model, engine_args, child), daemon=True,
                                    name=f"tokenmill-dp{index}")

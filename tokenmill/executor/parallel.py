@@ -304,7 +304,7 @@ def start_ranks(spec: WorkerSpec, size: int, timeout_s: float = TIMEOUT_S) -> tu
         group, procs = TPGroup.from_env(size, timeout_s), []
     else:       # the store first, on a port the system picks, then the workers that join it
         store = dist.TCPStore("127.0.0.1", 0, size, True, timedelta(seconds=timeout_s), wait_for_workers=False)
-        ctx = mp.get_context("spawn")
+        ctx = worker_context()
         procs = [ctx.Process(target=_worker_main, args=(rank, size, store.port), daemon=True,
                              name=f"tokenmill-tp{rank}") for rank in range(1, size)]
         for p in procs:
@@ -316,6 +316,14 @@ def start_ranks(spec: WorkerSpec, size: int, timeout_s: float = TIMEOUT_S) -> tu
         stop_workers(group, procs)
         raise
     return group, procs
+
+
+def worker_context() -> Any:
+    """Where worker processes start: forked from a server process that has imported the engine once (a fresh
+    interpreter each, as spawn starts, but not a second of imports each; nothing of this process is inherited)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["tokenmill.engine.engine"])
+    return ctx
 
 
 def collectives_per_step(layers: int, hidden: int, vocab: int, size: int, tokens: int, sampled: int) -> dict:
