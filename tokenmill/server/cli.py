@@ -125,7 +125,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     ops = engine.model.ops
     print(f"tokenmill: {ops.name} plan ({engine.config.dtype}, attention backend "
           f"{engine.runner.backend.name}):\n" + "\n".join(plan_lines(ops)), flush=True)
-    print(f"tokenmill: {engine.kv_cache_info().describe()}; its memory becomes resident while the server "
+    each = f" in each of {args.data_parallel_size} replicas" if args.data_parallel_size > 1 else ""
+    print(f"tokenmill: {engine.kv_cache_info().describe()}{each}; its memory becomes resident while the server "
           f"idles", flush=True)
     print(f"tokenmill: serving {app.state.ctx.model_name} on {engine.config.device}\n"
           f"  OpenAI API:  {url}/v1{key}\n  playground:  {url}/\n  metrics:     {url}/metrics\n"
