@@ -80,6 +80,10 @@ def test_more_families(kind, tmp_path):
     llm = LLM(path, **ENGINE)
     prompts = random_prompts([7, 40], seed=5)
     assert greedy(llm, prompts, 12) == [hf_greedy(hf, p, 12) for p in prompts]
+    group = llm.llm_engine.runner.group
+    before = group.all_reduces
+    greedy(llm, prompts[:1], 1)                 # an expert or a latent attention that all-reduced on its own fails
+    assert group.all_reduces - before == 2 * hf.config.num_hidden_layers + 1
 
 
 def test_a_dead_worker_is_an_error_not_a_hang(tiny_llama):
@@ -286,7 +290,7 @@ def test_a_split_that_cuts_a_block_is_refused(tmp_path):
         LLM(str(tmp_path / "k.gguf"), **GGUF_ENGINE)
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_K", "F16"])
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "F16"])
 def test_block_slices_are_slices_of_the_weights(type_name):
     """Rows (a fused projection's ranges) and block-aligned columns of a quantised weight, sliced in its blocks,
     dequantise to the same slices of the dequantised weight; a column split that cuts a block is refused."""
@@ -310,6 +314,9 @@ def test_block_slices_are_slices_of_the_weights(type_name):
         assert torch.equal(rows.dequantize(), want)
         cols = shard_tensor("model.layers.0.mlp.down_proj.weight", w, mc, rank, 2)
         assert torch.equal(cols.dequantize(), whole[:, rank * 256:(rank + 1) * 256])
+    for rank, head in enumerate((0, 0, 1, 1)):      # 2 kv heads over 4 ranks: each rank reads its query heads' one
+        assert torch.equal(shard_tensor("model.layers.0.self_attn.k_proj.weight", w, mc, rank, 4).dequantize(),
+                           whole[head:head + 1])
     block = ggml_block(type_name)[0]
     if block > 1:
         with pytest.raises(ValueError, match=f"its {k} input columns would be {k // 32} a rank, not a multiple of "

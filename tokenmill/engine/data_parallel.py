@@ -29,7 +29,7 @@ from tokenmill.engine.async_engine import (AsyncLLM, EngineDeadError, EngineStat
                                            RequestStream)
 from tokenmill.engine.engine import LLMEngine, PromptType, default_kv_budget
 from tokenmill.executor.cpus import available_cpus
-from tokenmill.executor.parallel import worker_context
+from tokenmill.executor.parallel import adopt_environment, worker_context
 from tokenmill.outputs import RequestOutput
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
@@ -99,9 +99,11 @@ def _portable(e: BaseException) -> BaseException:
         return ValueError(f"{type(e).__name__}: {e}")
 
 
-def _replica_main(cores: Optional[list[int]], model: Optional[str], engine_args: dict, conn: Any) -> None:
+def _replica_main(cores: Optional[list[int]], model: Optional[str], engine_args: dict, conn: Any,
+                  env: dict[str, str]) -> None:
     """A replica's process: build the engine on its cores, then serve the front's adds and aborts until told to
     stop or the front goes away. Ctrl-C in the terminal is the front's to handle."""
+    adopt_environment(env)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if cores:
         os.sched_setaffinity(0, cores)
@@ -167,7 +169,7 @@ class RemoteReplica:
     def __init__(self, index: int, cores: Optional[list[int]], model: Optional[str], engine_args: dict):
         ctx = worker_context()
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_replica_main, args=(cores, model, engine_args, child), daemon=True,
+        self.process = ctx.Process(target=_replica_main, args=(cores, model, engine_args, child, dict(os.environ)), daemon=True,
                                    name=f"tokenmill-dp{index}")
         self.process.start()
         child.close()

@@ -25,6 +25,7 @@ from tokenmill.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStat
 from tokenmill.engine.spec_decode import NgramProposer, SpeculativeConfig
 from tokenmill.engine.structured_output import StructuredOutputManager, StructuredOutputsConfig
 from tokenmill.executor.cpus import available_cpus, thread_policy
+from tokenmill.executor.kernels.isa import choose as choose_isa
 from tokenmill.executor.loader import Checkpoint, open_checkpoint, quantized_at_load, resolve_model_path
 from tokenmill.executor.models.decoder import DecoderForCausalLM
 from tokenmill.executor.ops import make_ops
@@ -214,8 +215,10 @@ class LLMEngine:
         self.config = EngineConfig(path, part, cache_cfg, sched_cfg, torch_dtype, dev, attention_backend,
                                    quantized_kernels, cpu_kernels, seed, num_threads)
         if tensor_parallel_size > 1:
+            # rank 0's kernel variant, not "auto": ranks that compute alike route alike (a Mixture-of-Experts'
+            # top-k flips on the last bits), and a node that cannot run it says so
             tp, workers = start_ranks(WorkerSpec(path, torch_dtype, max_model_len, block_size,
-                                                 self.config.kv_cache_dtype, cpu_kernels, num_threads,
+                                                 self.config.kv_cache_dtype, choose_isa(cpu_kernels), num_threads,
                                                  attention_backend, quantized_kernels, int8_activations,
                                                  quantization), tensor_parallel_size)
             self._local_ranks = 1 + len(workers)

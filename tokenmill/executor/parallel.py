@@ -240,7 +240,9 @@ class TPGroup:
         hosts = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
         why = None
         try:
-            store = dist.PrefixStore("tokenmill", dist.TCPStore(addr, port, world, hosts, timedelta(seconds=timeout_s)))
+            # keys of our own: torchrun's restarts (and its own keys) share its store
+            prefix = f"tokenmill/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+            store = dist.PrefixStore(prefix, dist.TCPStore(addr, port, world, hosts, timedelta(seconds=timeout_s)))
             return TPGroup.local(rank, world, store, timeout_s)
         except (RuntimeError, dist.DistStoreError, ValueError) as e:
             why = e
@@ -305,7 +307,7 @@ def start_ranks(spec: WorkerSpec, size: int, timeout_s: float = TIMEOUT_S) -> tu
     else:       # the store first, on a port the system picks, then the workers that join it
         store = dist.TCPStore("127.0.0.1", 0, size, True, timedelta(seconds=timeout_s), wait_for_workers=False)
         ctx = worker_context()
-        procs = [ctx.Process(target=_worker_main, args=(rank, size, store.port), daemon=True,
+        procs = [ctx.Process(target=_worker_main, args=(rank, size, store.port, dict(os.environ)), daemon=True,
                              name=f"tokenmill-tp{rank}") for rank in range(1, size)]
         for p in procs:
             p.start()
@@ -319,11 +321,18 @@ def start_ranks(spec: WorkerSpec, size: int, timeout_s: float = TIMEOUT_S) -> tu
 
 
 def worker_context() -> Any:
-    """Where worker processes start: forked from a server process that has imported the engine once (a fresh
-    interpreter each, as spawn starts, but not a second of imports each; nothing of this process is inherited)."""
+    """Where worker processes start: forked from a server process that imported the engine once (not a second of
+    imports each, as spawn takes). That server's state is the parent's when it started, so a worker is given the
+    parent's environment now (adopt_environment)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["tokenmill.engine.engine"])
     return ctx
+
+
+def adopt_environment(env: dict[str, str]) -> None:
+    """A worker's first act: the environment its parent had when it started the worker (TOKENMILL_CPU_ISA, ...)."""
+    os.environ.clear()
+    os.environ.update(env)
 
 
 def collectives_per_step(layers: int, hidden: int, vocab: int, size: int, tokens: int, sampled: int) -> dict:
@@ -347,8 +356,9 @@ def stop_workers(group: TPGroup, procs: list[mp.Process]) -> None:
     group.close()
 
 
-def _worker_main(rank: int, size: int, port: int) -> None:
+def _worker_main(rank: int, size: int, port: int, env: dict[str, str]) -> None:
     """A worker process this machine's engine started. Ctrl-C in the terminal is the engine's to handle."""
+    adopt_environment(env)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     store = dist.TCPStore("127.0.0.1", port, size, False, timedelta(seconds=TIMEOUT_S))
     serve_rank(TPGroup.local(rank, size, store))
