@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import pytest
 
@@ -14,7 +15,7 @@ from tokenmill.engine.async_engine import EngineDeadError
 from tokenmill.engine.data_parallel import BALANCE_ABS, DataParallelLLM, Router, block_hashes
 
 pytest_plugins = ["tests.server_fixtures"]
-ENGINE = dict(dtype="float32", kv_cache_memory_gb=0.02, max_model_len=512)
+ENGINE = dict(dtype="float32", device="cpu", kv_cache_memory_gb=0.02, max_model_len=512)
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
 needs_two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a core per replica: needs 2")
@@ -101,14 +102,23 @@ def test_bad_input_on_a_remote_replica_is_a_value_error(two_replicas):
         await dp.add_request({"prompt_token_ids": [10 ** 6]}, GREEDY)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         asyncio.run(bad())
+
+    async def twice():
+        long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)       # in flight at the second add
+        first = await dp.add_request({"prompt_token_ids": [5, 6]}, long, request_id="same")
+        with pytest.raises(ValueError, match="request id 'same' is already in use"):
+            await dp.add_request({"prompt_token_ids": [5, 6]}, GREEDY, request_id="same")
+        async for _ in first:
+            pass
+    asyncio.run(twice())
     dp.router._next = 1
     assert len(_serve(dp, random_prompts([7], seed=3))[0]) == 4
     assert dp.router.load == [0, 0]
 
 
 @needs_two_cores
-def test_a_dead_replica_fails_health_and_the_other_serves(two_replicas):
-    dp = two_replicas
+def test_a_dead_replica_fails_health_and_the_other_serves(tiny_llama):
+    dp = DataParallelLLM(tiny_llama[0], 2, **ENGINE)
     dp.replicas[1].process.kill()
     dp.replicas[1].process.join()
     for _ in range(100):
@@ -118,6 +128,8 @@ def test_a_dead_replica_fails_health_and_the_other_serves(two_replicas):
     assert not dp.is_running and "replica 1" in dp.error and "exited" in dp.error
     dp.router.policy = "round_robin"
     assert [len(t) for t in _serve(dp, random_prompts([6, 6], seed=4))] == [4, 4]      # both on replica 0
+    assert dp.state.num_running == 0 and dp.router.load == [0, 0]
+    dp.shutdown(wait=True)
 
 
 def test_what_cannot_be_served_is_refused(tiny_llama):
@@ -161,6 +173,7 @@ def test_a_data_parallel_server_answers_the_openai_client(chat_model_dir):
             health = httpx.get(server.url + "/health")
             if health.status_code == 503:
                 break
+            time.sleep(0.05)
         assert health.status_code == 503 and "replica 1" in health.json()["error"]["message"]
     finally:
         server.stop()
@@ -176,7 +189,8 @@ def test_serve_across_two_nodes_on_loopback(tiny_llama):
     from tokenmill.executor.parallel import free_port
     path, hf = tiny_llama
     serve = [sys.executable, "-m", "tokenmill.cli", "serve", path, "-tp", "2", "--nnodes", "2", "--master-port",
-             str(free_port()), "--dtype", "float32", "--kv-cache-memory-gb", "0.02", "--max-model-len", "512"]
+             str(free_port()), "--dtype", "float32", "--device", "cpu", "--kv-cache-memory-gb", "0.02",
+             "--max-model-len", "512"]
     node1 = subprocess.Popen([*serve, "--node-rank", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     node0 = subprocess.Popen([*serve, "--node-rank", "0", "--port", "0"], stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)

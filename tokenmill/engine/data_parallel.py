@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import itertools
 import logging
 import os
 import pickle
+import queue
 import signal
 import threading
 import time
@@ -169,8 +171,8 @@ class RemoteReplica:
     def __init__(self, index: int, cores: Optional[list[int]], model: Optional[str], engine_args: dict):
         ctx = worker_context()
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_replica_main, args=(cores, model, engine_args, child, dict(os.environ)), daemon=True,
-                                   name=f"tokenmill-dp{index}")
+        self.process = ctx.Process(target=_replica_main, args=(cores, model, engine_args, child, dict(os.environ)),
+                                   daemon=True, name=f"tokenmill-dp{index}")
         self.process.start()
         child.close()
         self.index, self.cores = index, cores
@@ -180,7 +182,9 @@ class RemoteReplica:
         self._streams: dict[str, RequestStream] = {}
         self._adds: dict[str, concurrent.futures.Future] = {}
         self._lock = threading.Lock()           # the streams and adds (event loop and reader thread)
-        self._send_lock = threading.Lock()
+        # pickled commands, written by a thread of their own: a write that waits for the replica to read (a full
+        # pipe while it steps) must not stall the event loop
+        self._outbox: "queue.SimpleQueue[Optional[bytes]]" = queue.SimpleQueue()
 
     def wait_ready(self) -> None:
         """Wait for the replica's engine; its error, if it failed to build, is raised here."""
@@ -193,6 +197,7 @@ class RemoteReplica:
             raise msg[1]
         self.state.kv_blocks_total = msg[1]
         threading.Thread(target=self._read, name=f"tokenmill-dp{self.index}-reader", daemon=True).start()
+        threading.Thread(target=self._write, name=f"tokenmill-dp{self.index}-writer", daemon=True).start()
 
     @property
     def is_running(self) -> bool:
@@ -205,6 +210,8 @@ class RemoteReplica:
         stream = RequestStream(request_id, self, asyncio.get_running_loop())
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
+            if self.error is not None:      # it died since: _died failed the adds it found, not this one
+                raise EngineDeadError(self.error)
             self._streams[request_id], self._adds[request_id] = stream, fut
         try:
             self._send(("add", request_id, prompt, params, time.monotonic()))
@@ -220,30 +227,40 @@ class RemoteReplica:
         return stream
 
     def _send(self, msg: tuple) -> None:
+        """Pickle msg here (a request that cannot be pickled is bad input) and queue it for the writer."""
         try:
-            with self._send_lock:
-                self._conn.send(msg)
-        except (pickle.PicklingError, TypeError, AttributeError) as e:     # pickled before anything is written
+            data = pickle.dumps(msg)
+        except (pickle.PicklingError, TypeError, AttributeError) as e:
             raise ValueError(f"this request cannot be sent to a data-parallel replica: {e}") from None
-        except OSError as e:
-            self._died(f"data-parallel replica {self.index} cannot be reached ({e})")
-            raise EngineDeadError(self.error) from None
+        self._outbox.put(data)
+
+    def _write(self) -> None:
+        while (data := self._outbox.get()) is not None:
+            try:
+                self._conn.send_bytes(data)
+            except OSError as e:
+                self._died(f"data-parallel replica {self.index} cannot be reached ({e})")
+                return
 
     def _submit(self, cmd: tuple) -> None:
         """RequestStream's abort: the replica drops the request at its next iteration."""
         with self._lock:
             self._streams.pop(cmd[1], None)
-        try:
-            self._send(cmd)
-        except EngineDeadError:
-            pass
+        self._send(cmd)
 
     def _read(self) -> None:
+        try:
+            self._read_messages()
+        except Exception:       # a message that cannot be read: the replica cannot be followed any more
+            log.exception("data-parallel replica %d: reading its messages failed", self.index)
+        self._died(f"data-parallel replica {self.index} (pid {self.process.pid}) exited")
+
+    def _read_messages(self) -> None:
         while True:
             try:
                 msg = self._conn.recv()
             except (EOFError, OSError):
-                break
+                return
             if msg[0] == "added":
                 with self._lock:
                     fut = self._adds.pop(msg[1], None)
@@ -257,7 +274,6 @@ class RemoteReplica:
                 _, outputs, aborted, self.state = msg
                 self._iteration(outputs, aborted)
                 self._dispatch(outputs)
-        self._died(f"data-parallel replica {self.index} (pid {self.process.pid}) exited")
 
     def _iteration(self, outputs: list[RequestOutput], aborted: list[str]) -> None:
         for hook in self.hooks:
@@ -288,9 +304,11 @@ class RemoteReplica:
                     pass
 
     def _died(self, why: str) -> None:
-        """The replica is gone: what was in flight fails, and the hooks see it aborted."""
+        """The replica is gone: what was in flight fails, and the hooks see it aborted and the replica empty."""
         if self.error is None:
             self.error = why
+        self.state = dataclasses.replace(self.state, num_running=0, num_waiting=0, kv_blocks_used=0, kv_usage=0.0,
+                                         step_prefill_tokens=0, step_decode_tokens=0)
         with self._lock:
             ids, adds = list(self._streams), list(self._adds.values())
             self._adds.clear()
@@ -301,10 +319,8 @@ class RemoteReplica:
         self._iteration([], ids)
 
     def shutdown(self, reason: str = "the server is shutting down", wait: bool = False) -> None:
-        try:
-            self._send(("stop",))
-        except EngineDeadError:
-            pass
+        self._send(("stop",))
+        self._outbox.put(None)
         self._died(reason)
         if wait:
             self.process.join(timeout=10)
@@ -349,7 +365,11 @@ class DataParallelLLM:
             if engine_args.get("kv_cache_memory_gb") is None:
                 share = default_kv_budget(torch.device("cpu"), CacheConfig(16).memory_utilization) / size / 2 ** 30
             for c, args in zip(cores, per_replica):
-                args.setdefault("num_threads", len(c))
+                if args.get("num_threads") is None:
+                    args["num_threads"] = len(c)
+                elif args["num_threads"] > len(c):
+                    raise ValueError(f"num_threads={args['num_threads']} but each data-parallel replica has "
+                                     f"{len(c)} cores of its own; leave it out or lower it")
                 if engine_args.get("kv_cache_memory_gb") is None:
                     args["kv_cache_memory_gb"] = share
         self.max_waiting = max_waiting
@@ -357,6 +377,7 @@ class DataParallelLLM:
         self.cores = cores
         self._lock = threading.Lock()
         self._where: dict[str, int] = {}          # request id -> its replica, while in flight
+        self._pending = 0                         # adds not yet answered (the queue bound counts them)
         self._ids = itertools.count()
         # the other replicas load in their processes while replica 0 loads here
         remotes = [RemoteReplica(i, cores[i], model, per_replica[i]) for i in range(1, size)]
@@ -400,29 +421,46 @@ class DataParallelLLM:
     async def add_request(self, prompt: PromptType, params: Union[SamplingParams, PoolingParams],
                           request_id: Optional[str] = None) -> RequestStream:
         """Route the request (by its token ids) and queue it on that replica; AsyncLLM.add_request's errors."""
-        if self.max_waiting is not None and self.state.num_waiting >= self.max_waiting:
-            raise QueueFullError(f"{self.state.num_waiting} requests are already waiting (the bound is "
-                                 f"{self.max_waiting}); retry later")
+        waiting = self.state.num_waiting + self._pending
+        if self.max_waiting is not None and waiting >= self.max_waiting:
+            raise QueueFullError(f"{waiting} requests are already waiting (the bound is {self.max_waiting}); retry "
+                                 f"later")
         rid = request_id or f"req-{next(self._ids)}"
         text, ids = self.engine.tokenize_prompt(prompt)
         with self._lock:
+            if rid in self._where:
+                raise ValueError(f"request id {rid!r} is already in use")
             i = self.router.pick(ids, [r.is_running for r in self.replicas])
             self._where[rid] = i
+        self._pending += 1
         try:      # tokenised once, here
             return await self.replicas[i].add_request({"prompt": text, "prompt_token_ids": ids}, params, rid)
         except BaseException:
             self._done([rid])
             raise
+        finally:
+            self._pending -= 1
 
     def shutdown(self, reason: str = "the server is shutting down", wait: bool = False) -> None:
-        for r in self.replicas:
-            r.shutdown(reason, wait)
+        """Stop every replica. Without wait it returns at once, the work done on a thread of its own: it takes
+        locks, and a signal handler (the server's Ctrl-C) may have interrupted their holder on this thread."""
+        def stop() -> None:
+            for r in self.replicas:
+                r.shutdown(reason, wait)
+        if wait:
+            stop()
+        else:
+            threading.Thread(target=stop, name="tokenmill-dp-shutdown", daemon=True).start()
 
     # ---- every replica's iterations ----------------------------------------------------------------------------
     def _on_iteration(self, replica: int, outputs: list[RequestOutput], aborted: list[str],
                       state: EngineState) -> None:
         """A replica's hook (its thread): the router's loads, then the front's hooks with the replicas' total."""
-        self._done([o.request_id for o in outputs if o.finished] + aborted)
+        ended = [o.request_id for o in outputs if o.finished] + aborted
+        if not self.replicas[replica].is_running:      # dead: nothing it had will end by itself (aborts sent late)
+            with self._lock:
+                ended += [rid for rid, i in self._where.items() if i == replica]
+        self._done(ended)
         with self._lock:
             self._states[replica] = state
             self.state = total = EngineState.total(self._states)

@@ -24,13 +24,13 @@ from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from tokenmill.engine.spec_decode import NgramProposer, SpeculativeConfig
 from tokenmill.engine.structured_output import StructuredOutputManager, StructuredOutputsConfig
-from tokenmill.executor.cpus import available_cpus, thread_policy
+from tokenmill.executor.cpus import thread_policy
 from tokenmill.executor.kernels.isa import choose as choose_isa
 from tokenmill.executor.loader import Checkpoint, open_checkpoint, quantized_at_load, resolve_model_path
 from tokenmill.executor.models.decoder import DecoderForCausalLM
 from tokenmill.executor.ops import make_ops
-from tokenmill.executor.parallel import (TensorParallelRunner, TPGroup, WorkerSpec, check_tensor_parallel, shard_config,
-                                         sharded_checkpoint, start_ranks, stop_workers)
+from tokenmill.executor.parallel import (TensorParallelRunner, TPGroup, WorkerSpec, check_tensor_parallel,
+                                         local_threads, shard_config, sharded_checkpoint, start_ranks, stop_workers)
 from tokenmill.executor.runner import ModelRunner, RunnerOutput
 from tokenmill.executor.sampler import bad_words_to_token_ids, check_params_for_vocab, make_generator
 from tokenmill.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
@@ -211,7 +211,7 @@ class LLMEngine:
         self._stop_workers: Optional[weakref.finalize] = None
         part = mc if tensor_parallel_size == 1 else shard_config(mc, tensor_parallel_size)
         if tensor_parallel_size > 1:       # each rank computes on its share of the cores
-            num_threads = num_threads or max(1, available_cpus() // tensor_parallel_size)
+            num_threads = local_threads(num_threads, tensor_parallel_size)
         self.config = EngineConfig(path, part, cache_cfg, sched_cfg, torch_dtype, dev, attention_backend,
                                    quantized_kernels, cpu_kernels, seed, num_threads)
         if tensor_parallel_size > 1:

@@ -320,6 +320,16 @@ def start_ranks(spec: WorkerSpec, size: int, timeout_s: float = TIMEOUT_S) -> tu
     return group, procs
 
 
+def local_threads(num_threads: Optional[int], size: int) -> int:
+    """A rank's compute threads: num_threads if given, else its share of this machine's cores among the ranks that
+    run here (torchrun's LOCAL_WORLD_SIZE; one a machine under serve --nnodes; all of them when this engine
+    starts its workers)."""
+    if num_threads:
+        return num_threads
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if "WORLD_SIZE" in os.environ else size
+    return max(1, available_cpus() // local)
+
+
 def worker_context() -> Any:
     """Where worker processes start: forked from a server process that imported the engine once (not a second of
     imports each, as spawn takes). That server's state is the parent's when it started, so a worker is given the
@@ -371,7 +381,9 @@ def serve_rank(group: TPGroup) -> None:
     from tokenmill.executor.cpus import FixedThreads
     spec: WorkerSpec = group.receive()
     rank, size = group.rank, group.size
-    torch.set_num_threads(spec.threads)
+    # a rank alone on its machine (torchrun, serve --nnodes) computes on that machine's cores
+    threads = spec.threads if "WORLD_SIZE" not in os.environ else local_threads(None, size)
+    torch.set_num_threads(threads)
     dev = torch.device("cpu")
     whole, mc = open_model(spec.path, None, dev)
     part = shard_config(mc, size)
@@ -382,7 +394,7 @@ def serve_rank(group: TPGroup) -> None:
     config = EngineConfig(spec.path, part, CacheConfig(spec.block_size, cache_dtype=spec.kv_cache_dtype),
                           SchedulerConfig(max_model_len=spec.max_model_len), spec.dtype, dev, spec.attention_backend,
                           False, spec.cpu_kernels)
-    runner = ModelRunner(config, model, num_blocks, FixedThreads(spec.threads))
+    runner = ModelRunner(config, model, num_blocks, FixedThreads(threads))
     hidden = None
     with torch.inference_mode():
         while True:

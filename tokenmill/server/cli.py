@@ -75,8 +75,10 @@ def _join_nodes(args: argparse.Namespace) -> bool:
                          f"(got {args.tensor_parallel_size})")
     if not 0 <= rank < n:
         raise ValueError(f"--node-rank must be in [0, {n}), got {rank}")
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK="0", MASTER_ADDR=args.master_addr,
-                      MASTER_PORT=str(args.master_port))
+    if args.data_parallel_size != 1:
+        raise ValueError("--nnodes splits one engine over machines; it does not combine with --data-parallel-size")
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(n), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR=args.master_addr, MASTER_PORT=str(args.master_port))
     if rank == 0:
         return False
     print(f"tokenmill: rank {rank} of {n}, joining {args.master_addr}:{args.master_port}; node 0 serves", flush=True)
@@ -117,6 +119,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             # fail requests in flight now (they get an error), so uvicorn's graceful wait does not hang on them
             llm.shutdown("the server is shutting down")
             super().handle_exit(sig, frame)
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            # here, not after run(): uvicorn re-raises the signal it caught once serving ends, and the process dies
+            # with it (a remote rank must be told to stop first)
+            await super().shutdown(sockets)
+            llm.shutdown(wait=True)
 
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
