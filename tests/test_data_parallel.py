@@ -47,6 +47,32 @@ def test_the_router_follows_prefixes_balances_and_skips_the_dead():
         Router("random", 2, 16, 100)
 
 
+def test_outputs_cross_the_pipe_as_what_is_new():
+    """Each step's output crosses as its new text, tokens, logprobs and latencies (the prompt once), and comes out
+    whole again; text a stop string shortens, and n completions, come out right too."""
+    import pickle
+    from tokenmill.engine.data_parallel import OutputDeltas, OutputMerger
+    from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+    enc, dec = OutputDeltas(), OutputMerger()
+    m = RequestMetrics(0.0)
+    steps = [("Hel", [1, 2], [0.1]), ("Hello wor", [1, 2, 3, 4], [0.1, 0.2, 0.3]),
+             ("Hello", [1, 2, 3, 4, 5], [0.1, 0.2, 0.3, 0.4])]         # the last cuts " wor", a stop string
+    for i, (text, ids, itl) in enumerate(steps):
+        done = i == len(steps) - 1
+        outs = [CompletionOutput(k, text + "!" * k, [k] + ids, logprobs=[{t: Logprob(-t)} for t in [k] + ids],
+                                 finish_reason="stop" if done else None) for k in (0, 1)]
+        m.inter_token_latencies = list(itl)
+        out = RequestOutput("r", "the prompt", [7, 8], outs, done, m)
+        item = enc.encode(out)
+        if i == 1:
+            assert item[0].prompt_token_ids == [] and item[0].outputs[1].token_ids == [3, 4]
+            assert item[0].outputs[0].text == "lo wor" and item[0].metrics.inter_token_latencies == [0.2, 0.3]
+        if i == 2:
+            assert item[0].outputs[0].text == "Hello"            # shorter than what was sent: whole again
+        assert dec.decode(pickle.loads(pickle.dumps(item))) == out
+    assert enc._sent == {} and dec._have == {}
+
+
 def _serve(dp: DataParallelLLM, prompts: list[list[int]]) -> list[list[int]]:
     """The prompts one after another (as a chat's turns arrive), greedy: their tokens."""
     async def run() -> list[list[int]]:
@@ -167,6 +193,16 @@ def test_a_data_parallel_server_answers_the_openai_client(chat_model_dir):
         assert hits == dp.state.prefix_cache_hits >= 2 * 64
         assert sorted(s.num_steps > 0 for s in dp._states) == [False, True]      # one replica took them all
         assert httpx.get(server.url + "/health").status_code == 200
+        # the same chat on replica 1, streamed from its process, says what replica 0 says, logprobs and all
+        ask = dict(model="tiny-chat", max_tokens=8, temperature=0, logprobs=True, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": "What is decode?"}])
+        here = client.chat.completions.create(**ask)
+        dp.router.policy, dp.router._next = "round_robin", 1
+        chunks = [c for c in client.chat.completions.create(**ask, stream=True) if c.choices]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == here.choices[0].message.content
+        assert [t.token for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.content] == \
+            [t.token for t in here.choices[0].logprobs.content]
+        assert dp._states[1].num_steps > 0
         dp.replicas[1].process.kill()
         dp.replicas[1].process.join()
         for _ in range(100):

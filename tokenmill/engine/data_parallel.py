@@ -101,6 +101,85 @@ def _portable(e: BaseException) -> BaseException:
         return ValueError(f"{type(e).__name__}: {e}")
 
 
+# an output as it crosses the pipe: its new parts, and how much of the last one sent each keeps (text, tokens per
+# completion; inter-token latencies)
+Delta = tuple[RequestOutput, list[tuple[int, int]], int]
+
+
+class OutputDeltas:
+    """The replica's side: each RequestOutput as what changed since the last one sent for its request. Outputs are
+    cumulative, and re-sent whole they would cost every step the length of every running request's output. Text
+    may shrink (a stop string is cut), so each part says how much of the last one it keeps."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, tuple[dict[int, tuple[str, list[int]]], list[float]]] = {}
+
+    def encode(self, out: Any) -> Any:
+        if not isinstance(out, RequestOutput):       # a pooling request's one output goes whole
+            return out
+        first = out.request_id not in self._sent
+        before, itl0 = self._sent.get(out.request_id, ({}, []))
+        parts, keeps, now = [], [], {}
+        for c in out.outputs:
+            text0, ids0 = before.get(c.index, ("", []))
+            tk = len(text0) if c.text.startswith(text0) else 0
+            ik = len(ids0) if c.token_ids[:len(ids0)] == ids0 else 0
+            parts.append(dataclasses.replace(c, text=c.text[tk:], token_ids=c.token_ids[ik:],
+                                             logprobs=None if c.logprobs is None else c.logprobs[ik:]))
+            keeps.append((tk, ik))
+            now[c.index] = (c.text, c.token_ids)
+        m = out.metrics
+        itl = [] if m is None else list(m.inter_token_latencies)
+        lk = len(itl0) if itl[:len(itl0)] == itl0 else 0
+        if out.finished:
+            self._sent.pop(out.request_id, None)
+        else:
+            self._sent[out.request_id] = (now, itl)
+        delta = dataclasses.replace(
+            out, outputs=parts, prompt=out.prompt if first else None,
+            prompt_token_ids=out.prompt_token_ids if first else [],
+            prompt_logprobs=out.prompt_logprobs if first else None,
+            metrics=None if m is None else dataclasses.replace(m, inter_token_latencies=itl[lk:]))
+        return delta, keeps, lk
+
+    def forget(self, request_id: str) -> None:
+        self._sent.pop(request_id, None)
+
+
+class OutputMerger:
+    """The front's side: the cumulative RequestOutputs again, each a new object (a reader may keep the last)."""
+
+    def __init__(self) -> None:
+        self._have: dict[str, RequestOutput] = {}
+
+    def decode(self, item: Any) -> Any:
+        if not isinstance(item, tuple):
+            return item
+        out, keeps, lk = item
+        last = self._have.get(out.request_id)
+        if last is not None:
+            out.prompt, out.prompt_token_ids, out.prompt_logprobs = last.prompt, last.prompt_token_ids, \
+                last.prompt_logprobs
+        had = {} if last is None else {c.index: c for c in last.outputs}
+        for c, (tk, ik) in zip(out.outputs, keeps):
+            p = had.get(c.index)
+            if p is not None:
+                c.text, c.token_ids = p.text[:tk] + c.text, p.token_ids[:ik] + c.token_ids
+                if c.logprobs is not None:
+                    c.logprobs = (p.logprobs or [])[:ik] + c.logprobs
+        if out.metrics is not None and last is not None and last.metrics is not None:
+            out.metrics.inter_token_latencies = last.metrics.inter_token_latencies[:lk] + \
+                out.metrics.inter_token_latencies
+        if out.finished:
+            self._have.pop(out.request_id, None)
+        else:
+            self._have[out.request_id] = out
+        return out
+
+    def forget(self, request_id: str) -> None:
+        self._have.pop(request_id, None)
+
+
 def _replica_main(cores: Optional[list[int]], model: Optional[str], engine_args: dict, conn: Any,
                   env: dict[str, str]) -> None:
     """A replica's process: build the engine on its cores, then serve the front's adds and aborts until told to
@@ -123,6 +202,7 @@ def _replica_main(cores: Optional[list[int]], model: Optional[str], engine_args:
 
 def _serve(engine: LLMEngine, conn: Any) -> None:
     live: set[str] = set()           # requests added and not finished
+    deltas = OutputDeltas()
     stalled = False
     while True:
         if not engine.has_unfinished_requests():
@@ -147,6 +227,7 @@ def _serve(engine: LLMEngine, conn: Any) -> None:
             elif cmd[0] == "abort" and cmd[1] in live:
                 engine.abort_request(cmd[1])
                 live.discard(cmd[1])
+                deltas.forget(cmd[1])
                 aborted.append(cmd[1])
         if engine.has_unfinished_requests():
             steps = engine.stats.num_steps
@@ -158,10 +239,12 @@ def _serve(engine: LLMEngine, conn: Any) -> None:
                 engine.abort_request(ids)
                 aborted += ids
                 live.clear()
+                for rid in ids:
+                    deltas.forget(rid)
             stalled = engine.stats.num_steps == steps
         live.difference_update(o.request_id for o in outputs if o.finished)
         if cmds or outputs or aborted:
-            conn.send(("step", outputs, aborted, EngineState.of(engine, bool(outputs))))
+            conn.send(("step", [deltas.encode(o) for o in outputs], aborted, EngineState.of(engine, bool(outputs))))
 
 
 class RemoteReplica:
@@ -181,6 +264,7 @@ class RemoteReplica:
         self.error: Optional[str] = None
         self._streams: dict[str, RequestStream] = {}
         self._adds: dict[str, concurrent.futures.Future] = {}
+        self._outputs = OutputMerger()          # the reader thread's
         self._lock = threading.Lock()           # the streams and adds (event loop and reader thread)
         # pickled commands, written by a thread of their own: a write that waits for the replica to read (a full
         # pipe while it steps) must not stall the event loop
@@ -271,7 +355,10 @@ class RemoteReplica:
             elif msg[0] == "failed":
                 self._fail(msg[1], EngineDeadError(msg[2]))
             else:
-                _, outputs, aborted, self.state = msg
+                _, items, aborted, self.state = msg
+                outputs = [self._outputs.decode(x) for x in items]
+                for rid in aborted:
+                    self._outputs.forget(rid)
                 self._iteration(outputs, aborted)
                 self._dispatch(outputs)
 
