@@ -12,7 +12,8 @@ import pytest
 from tests.tiny_models import hf_greedy, random_prompts
 from tokenmill import SamplingParams
 from tokenmill.engine.async_engine import EngineDeadError
-from tokenmill.engine.data_parallel import BALANCE_ABS, DataParallelLLM, Router, block_hashes
+from tokenmill.engine.data_parallel import DataParallelLLM
+from tokenmill.engine.router import BALANCE_ABS, Router, block_hashes
 
 pytest_plugins = ["tests.server_fixtures"]
 ENGINE = dict(dtype="float32", device="cpu", kv_cache_memory_gb=0.02, max_model_len=512)
@@ -51,7 +52,7 @@ def test_outputs_cross_the_pipe_as_what_is_new():
     """Each step's output crosses as its new text, tokens, logprobs and latencies (the prompt once), and comes out
     whole again; text a stop string shortens, and n completions, come out right too."""
     import pickle
-    from tokenmill.engine.data_parallel import OutputDeltas, OutputMerger
+    from tokenmill.engine.replica import OutputDeltas, OutputMerger
     from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
     enc, dec = OutputDeltas(), OutputMerger()
     m = RequestMetrics(0.0)

@@ -33,7 +33,7 @@ def register(subparsers: Any) -> None:
                    help="split a reasoning model's <think>...</think> into reasoning_content on chat replies, and "
                         "start structured-output constraints after it: qwen3 | deepseek_r1 (the output starts in "
                         "the thinking)")
-    from tokenmill.engine.data_parallel import ROUTING
+    from tokenmill.engine.router import ROUTING
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="serve with this many engine replicas, each on its own share of the cores (or its own GPU)")
     p.add_argument("--data-parallel-routing", default="cache_aware", choices=ROUTING,
