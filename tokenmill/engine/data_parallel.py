@@ -56,7 +56,7 @@ class DataParallelLLM:
             for i, args in enumerate(per_replica):
                 args["device"] = f"cuda:{i}"
         else:
-            cores = list(replica_cores(size))
+            cores = replica_cores(size)
             if engine_args.get("kv_cache_memory_gb") is None:
                 share = default_kv_budget(torch.device("cpu"), CacheConfig(16).memory_utilization) / size / 2 ** 30
             for c, args in zip(cores, per_replica):
