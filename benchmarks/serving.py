@@ -62,7 +62,7 @@ def scrape(url: str) -> dict[str, float]:
 
 
 @contextmanager
-def start(extra: list[str] = []) -> Iterator[tuple[str, subprocess.Popen]]:
+def start(extra: tuple[str, ...] | list[str] = ()) -> Iterator[tuple[str, subprocess.Popen]]:
     """`tokenmill serve` on a free port with these extra arguments, once its /health answers."""
     import httpx
     port = free_port()

@@ -15,6 +15,12 @@ def greedy(llm: LLM, prompts: list[list[int]], n: int) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+def check_greedy(path: str, hf, engine: dict, lengths: list[int], n: int = 12, seed: int = 2) -> None:
+    """Random prompts of these lengths give transformers' greedy tokens."""
+    prompts = random_prompts(lengths, seed=seed)
+    assert greedy(LLM(path, **engine), prompts, n) == [hf_greedy(hf, p, n) for p in prompts]
+
+
 def check_under_pressure(path: str, hf, engine: dict, pressure: str) -> None:
     kw = {**engine, **PRESSURE[pressure]}
     if kw.pop("kv_blocks", None):        # room for about two of the requests below at their longest
@@ -49,6 +55,18 @@ def check_blocks_equal_dequantised(gguf_path: str, engine: dict) -> LLM:
     prompts = random_prompts([9, 33, 4], seed=9)
     assert greedy(blocks, prompts, 16) == greedy(plain, prompts, 16)
     return blocks
+
+
+def gguf_shape(w, cfg: dict, kv_heads: int) -> None:
+    """The shape keys every GGUF architecture has, from the HF config dict cfg, on the gguf.GGUFWriter w."""
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base((cfg.get("rope_parameters") or {}).get("rope_theta") or cfg.get("rope_theta"))
 
 
 def gguf_put(w):

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from tests.family_checks import PRESSURE, check_prefix_hits, check_under_pressure, gguf_put, greedy
+from tests.family_checks import PRESSURE, check_prefix_hits, check_under_pressure, gguf_put, gguf_shape, greedy
 from tests.tiny_models import build_tiny, hf_greedy, hf_logprobs, random_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.kvcalc import kv_calc, param_count
@@ -126,15 +126,8 @@ def write_deepseek_gguf(hf_path: str, out, split_kv_b: bool = True, expert_type=
     rank, rope, nope, v = (cfg[k] for k in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"))
     v3 = cfg["architectures"] == ["DeepseekV3ForCausalLM"]
     w = gguf.GGUFWriter(str(out), "deepseek2")
-    w.add_block_count(L)
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(1)
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    gguf_shape(w, cfg, kv_heads=1)
     rp = cfg["rope_parameters"]
-    w.add_rope_freq_base(rp["rope_theta"])
     w.add_rope_dimension_count(rope)
     if rp["rope_type"] == "yarn":
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.family_checks import (PRESSURE, check_blocks_equal_dequantised, check_prefix_hits, check_under_pressure,
-                                 gguf_put)
+                                 gguf_put, gguf_shape)
 from tests.tiny_models import build_tiny, hf_greedy, random_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import ModelConfig
@@ -154,14 +154,7 @@ def write_moe_gguf(kind: str, hf_path: str, out, expert_type=None) -> None:
     head_dim = cfg.get("head_dim") or H // heads
     E = cfg.get("num_experts") or cfg["num_local_experts"]
     w = gguf.GGUFWriter(str(out), arch)
-    w.add_block_count(L)
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(H)
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv)
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base((cfg.get("rope_parameters") or {}).get("rope_theta") or cfg.get("rope_theta"))
+    gguf_shape(w, cfg, kv)
     if head_dim != H // heads:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.family_checks import (PRESSURE, check_blocks_equal_dequantised, check_prefix_hits, check_under_pressure,
-                                 gguf_put, greedy)
+                                 gguf_put, gguf_shape, greedy)
 from tests.tiny_models import build_tiny, hf_greedy, random_prompts
 from tokenmill import LLM
 from tokenmill.config import ModelConfig
@@ -109,14 +109,7 @@ def write_phi3_gguf(hf_path: str, out, qtype=None) -> None:
     H, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     head_dim = H // heads
     w = gguf.GGUFWriter(str(out), "phi3")
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(H)
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(rope["rope_theta"])
+    gguf_shape(w, cfg, cfg["num_key_value_heads"])
     w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
 

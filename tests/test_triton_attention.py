@@ -14,7 +14,7 @@ if torch.cuda.is_available():    # the interpreter is on only without a GPU; the
     pytest.skip("these run the kernels under Triton's interpreter; on a GPU, tests/test_gpu.py runs them",
                 allow_module_level=True)
 
-from tests.family_checks import check_prefix_hits, greedy  # noqa: E402
+from tests.family_checks import check_greedy, check_prefix_hits, greedy  # noqa: E402
 from tests.test_attention_backends import CASES, _backend, _cache, _clone, _compare_with_reference, _meta  # noqa
 from tests.tiny_models import build_tiny, hf_greedy, random_prompts  # noqa: E402
 from tokenmill import LLM  # noqa: E402
@@ -145,19 +145,11 @@ def test_engine_prefix_hits(tiny_llama):
 
 def test_engine_sliding_window(tiny_mistral_sw):
     """Prompts longer than the window, whose early blocks the cache frees."""
-    path, hf = tiny_mistral_sw
-    llm = LLM(path, **ENGINE)
-    prompts = random_prompts([45, 7], seed=2)
-    for p, got in zip(prompts, greedy(llm, prompts, 12)):
-        assert got == hf_greedy(hf, p, 12)
+    check_greedy(*tiny_mistral_sw, ENGINE, [45, 7])
 
 
 def test_engine_gemma2_soft_cap_and_layer_windows(gemma2):
-    path, hf = gemma2
-    llm = LLM(path, **ENGINE)
-    prompts = random_prompts([40, 10], seed=2)
-    for p, got in zip(prompts, greedy(llm, prompts, 12)):
-        assert got == hf_greedy(hf, p, 12)
+    check_greedy(*gemma2, ENGINE, [40, 10])
 
 
 def test_engine_fp8_cache_matches_reference(tiny_llama):

@@ -67,11 +67,15 @@ class EngineState:
         st = eng.stats
         # the scheduler's queues, not stats.last_step: adds and aborts between steps must show too
         return EngineState(
-            len(eng.scheduler.running), len(eng.scheduler.waiting), eng.kv.num_used_blocks, eng.kv.num_blocks,
-            eng.kv.usage, st.num_steps, st.num_preemptions, st.prefix_cache_queries, st.prefix_cache_hits,
-            st.spec_num_drafts, st.spec_num_draft_tokens, st.spec_num_accepted_tokens, st.prefill_tokens,
-            st.decode_tokens, st.last_step.num_prefill_tokens if stepped else 0,
-            st.last_step.num_decode_tokens if stepped else 0)
+            num_running=len(eng.scheduler.running), num_waiting=len(eng.scheduler.waiting),
+            kv_blocks_used=eng.kv.num_used_blocks, kv_blocks_total=eng.kv.num_blocks, kv_usage=eng.kv.usage,
+            num_steps=st.num_steps, num_preemptions=st.num_preemptions,
+            prefix_cache_queries=st.prefix_cache_queries, prefix_cache_hits=st.prefix_cache_hits,
+            spec_num_drafts=st.spec_num_drafts, spec_num_draft_tokens=st.spec_num_draft_tokens,
+            spec_num_accepted_tokens=st.spec_num_accepted_tokens, prefill_tokens=st.prefill_tokens,
+            decode_tokens=st.decode_tokens,
+            step_prefill_tokens=st.last_step.num_prefill_tokens if stepped else 0,
+            step_decode_tokens=st.last_step.num_decode_tokens if stepped else 0)
 
     @staticmethod
     def total(states: "list[EngineState]") -> "EngineState":
