@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """One decode step's quantised matmuls, per kernel variant and batch size: SmolLM2-135M's 120 matrices (30 layers
 of qkv, o, gate_up, down) as random Q4_1 blocks, ~66 MB, so the step reads them from memory as a real one does.
+Each variant runs with float activations and (where it has the int8 route, up to 16 rows) int8 ones.
 
   .venv/bin/python benchmarks/qmatmul_step.py [--rows 1,8,16,20,21,32,48,64] [--repeat 7]   -> a table, ms a step
 """
@@ -38,20 +39,21 @@ def main() -> None:
     rng = np.random.default_rng(0)
     weights = [q4_1(n, k, rng) for _ in range(30) for n, k in SHAPES]
     print(f"{this_cpu().model}, {torch.get_num_threads()} threads; ms for 120 matrices (median of {a.repeat})")
-    print("rows  " + "".join(f"{isa:>10}" for isa in runnable_variants()))
-    ops = {isa: CpuKernelOps(load(isa), torch.float32) for isa in runnable_variants()}
-    packed = {isa: [o._register(w) for w in weights] for isa, o in ops.items()}
+    arms = [(isa, i8) for isa in runnable_variants() for i8 in (False, True)]
+    print("rows  " + "".join(f"{isa + (' int8' if i8 else ' float'):>14}" for isa, i8 in arms))
+    ops = {arm: CpuKernelOps(load(arm[0]), torch.float32, int8_activations=arm[1]) for arm in arms}
+    packed = {arm: [o._register(w) for w in weights] for arm, o in ops.items()}
     for b in rows:
         x = {k: torch.randn(b, k) for k in {k for _, k in SHAPES}}
         line = f"{b:4d}  "
-        for isa, o in ops.items():
+        for arm, o in ops.items():
             times = []
             for _ in range(a.repeat):
                 t = time.perf_counter()
-                for w in packed[isa]:
+                for w in packed[arm]:
                     o.qmatmul(x[w.shape[1]], w)
                 times.append(1e3 * (time.perf_counter() - t))
-            line += f"{statistics.median(times):10.1f}"
+            line += f"{statistics.median(times):14.1f}"
         print(line, flush=True)
 
 

@@ -33,7 +33,9 @@ REF = ReferenceOps()
 
 @pytest.fixture(params=VARIANTS, scope="module")
 def ops(request) -> CpuKernelOps:
-    return CpuKernelOps(load(request.param), torch.float32)
+    """The float route: the block kernels equal dequantise-then-matmul to float32 rounding (the int8 route, which
+    rounds x first, is tests/test_qmatmul_int8.py)."""
+    return CpuKernelOps(load(request.param), torch.float32, int8_activations=False)
 
 
 def _packed(qtype: str, n: int, k: int, seed: int = 0):

@@ -24,7 +24,8 @@ def hf_model():
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", kv_cache_memory_gb=0.25, max_model_len=1024)
+    # float activations: exact against transformers' float32 model (the int8 route: test_int8_route_answers)
+    return LLM(dtype="float32", kv_cache_memory_gb=0.25, max_model_len=1024, int8_activations=False)
 
 
 def test_greedy_equals_transformers_gguf(llm, hf_model):
@@ -49,3 +50,13 @@ def test_chat_default_model(llm):
                    SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason in ("stop", "length")
+
+
+def test_int8_route_answers():
+    """The default engine (bfloat16, decode steps rounding activations to int8 per 32 as llama.cpp does) still
+    answers; the route's arithmetic itself is tested against the rounded product in test_qmatmul_int8.py."""
+    llm = LLM(kv_cache_memory_gb=0.05, max_model_len=512)
+    assert llm.llm_engine.model.ops.int8_activations
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text

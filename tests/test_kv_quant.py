@@ -64,7 +64,8 @@ def bundled_reference(smollm2_tokenizer):
     from tokenmill.bench.perplexity import default_text_path, strip_header
     ids = smollm2_tokenizer.encode(strip_header(default_text_path().read_text()))
     prompts = [ids[i * 200:i * 200 + 32] for i in range(16)]
-    return float_reference(None, prompts, 256, dtype="float32", kv_cache_memory_gb=0.2)
+    # float activations, as the bounds were measured: the cache's rounding alone
+    return float_reference(None, prompts, 256, dtype="float32", kv_cache_memory_gb=0.2, int8_activations=False)
 
 
 @pytest.mark.slow

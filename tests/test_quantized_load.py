@@ -22,7 +22,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=
 
 def run(path: str, cpu_kernels: str, **kw):
     llm = LLM(path, dtype="float32", kv_cache_memory_gb=0.02, max_model_len=256, cpu_kernels=cpu_kernels,
-              tokenizer=None, **kw)
+              tokenizer=None, int8_activations=False, **kw)
     outs = llm.generate([{"prompt_token_ids": p} for p in random_prompts([5, 33, 70, 1, 20], seed=4)], GREEDY,
                         use_tqdm=False)
     return [o.outputs[0] for o in outs], llm

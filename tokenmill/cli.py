@@ -29,8 +29,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto (TOKENMILL_CPU_ISA, else the best for this CPU) | avx512 | avx2 | neon | generic | "
                         "reference (plain torch)")
     p.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=True,
-                   help="Q4_K/Q5_K/Q6_K decode multiplies activations rounded to int8 per 256, as llama.cpp does (the "
-                        "default); --no-int8-activations keeps them float32, exact against the dequantised model")
+                   help="Q4_K/Q5_K/Q6_K decode multiplies activations rounded to int8 per 256, Q4_0/Q4_1/Q8_0 per 32, "
+                        "as llama.cpp does (the default); --no-int8-activations keeps them float32, exact against the dequantised model")
     p.add_argument("--threads", "-t", type=int, default=None, dest="num_threads",
                    help="compute threads (default: the cores this process may use, by affinity and cgroup quota, "
                         "fewer while other processes hold some of them)")

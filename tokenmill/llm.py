@@ -33,7 +33,8 @@ class LLM:
     kv_cache_memory_gb sizes the paged KV cache (default: a share of free memory); attention_backend picks the
     attention kernels; a GGUF's matrices stay in their quantised blocks (quantized_kernels=False dequantises them
     to float at load, the plain path); quantization="int8" or "int4" quantises a float checkpoint at load;
-    Q4_K/Q5_K/Q6_K weights multiply activations rounded to int8 per 256, as llama.cpp does (int8_activations=False
+    Q4_K/Q5_K/Q6_K weights multiply activations rounded to int8 per 256, and Q4_0/Q4_1/Q8_0 ones in steps of up to
+    16 rows per 32, as llama.cpp does (int8_activations=False
     keeps them float32, exact against the dequantised model);
     cpu_kernels picks the CPU kernel variant (auto, avx512, avx2, neon, generic) or "reference" (plain torch);
     pooling_type ("LAST" or "MEAN") is what embed() pools over the prompt; tensor_parallel_size splits the model over

@@ -58,7 +58,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="bfloat16: half the KV cache's bytes (K/V rounded); int8 and fp8 (fp8_e4m3, fp8_e5m2): "
                         "about a quarter; int4: about a sixth")
     p.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=True,
-                   help="Q4_K/Q5_K/Q6_K matmuls take activations rounded to int8 per 256, as llama.cpp's (default)")
+                   help="Q4_K/Q5_K/Q6_K matmuls take activations rounded to int8 per 256, Q4_0/Q4_1/Q8_0 per 32, as "
+                        "llama.cpp's (default)")
     p.add_argument("--threads", "-t", type=int, default=None, dest="num_threads",
                    help="compute threads (default: the cores available, fewer while other processes hold some)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",

@@ -8,7 +8,7 @@
 
 static int mm(const tm_matrix *m, const float *x, int rows, float *y, int num_threads) {
     if (m->q) {
-        const tm_qmatmul_args a = {m->q, x, y, rows, num_threads};
+        const tm_qmatmul_args a = {m->q, x, y, rows, m->int8_x, num_threads};
         return tm_qmatmul(&a);
     }
     const tm_gmatmul_args a = {m->g, x, y, rows, m->int8_x, num_threads};

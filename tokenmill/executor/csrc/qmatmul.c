@@ -8,7 +8,8 @@
  * llama.cpp's reference dequantiser does) and multiplied into every input; with one (gemv) a block's codes meet
  * x and its scale and offset come in once, d * sum(c x) + m * sum(x). Either way the activations stay float32,
  * and the result differs from x @ dequantised(w)^T only by float32 rounding. Written once over simd.h's vectors;
- * AVX-512 adds the lanes kernel (arch/avx512/).
+ * AVX-512 adds the lanes kernel (arch/avx512/). With int8_x, up to TM_QMATMUL_INT8_MAX_ROWS inputs take the int8
+ * route instead (qmatmul_int8.c, x86): x rounded to int8 per 32, as llama.cpp does.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -285,6 +286,9 @@ TM_API int tm_qmatmul(const tm_qmatmul_args *a) {
     if (B < 1 || B > TM_QMATMUL_MAX_ROWS || K % QK != 0 || N < 1 || (w->bits != 4 && w->bits != 8)
         || (q4 && !m))
         return -1;
+#if HAVE_QMATMUL_INT8
+    if (a->int8_x && B <= TM_QMATMUL_INT8_MAX_ROWS) return qmatmul_int8(q4, x, B, K, N, codes, d, m, y, num_threads);
+#endif
 #if HAVE_LANES
     if (w->lanes_codes && B >= LANES_MIN_ROWS && B <= LANES_MAX_ROWS && N % 16 == 0)
         return qgemm_lanes(w, x, B, y, num_threads);

@@ -18,6 +18,7 @@ TM_API const char *tm_build_hash(void);   /* hash of the sources it was built fr
 /* ---- matmul over llama.cpp's 32-wide quantised blocks (qmatmul.c; lanes layout: arch/avx512/) -------------- */
 #define TM_QMATMUL_BLOCK 32       /* weights per block along k */
 #define TM_QMATMUL_MAX_ROWS 64    /* rows of x per call */
+#define TM_QMATMUL_INT8_MAX_ROWS 16   /* rows of x the int8 route takes (int8_x); more run in float */
 
 /* W [n, k]: W[r][32i + j] = scale[r][i] * code + offset[r][i] */
 typedef struct {
@@ -37,6 +38,7 @@ typedef struct {
     const float *x;               /* [rows, k] */
     float *y;                     /* [rows, n] */
     int rows;
+    int int8_x;                   /* 1: on x86 (AVX2 and up), x rounded to int8 per 32 (llama.cpp's Q8_0/Q8_1) */
     int num_threads;
 } tm_qmatmul_args;
 TM_API int tm_qmatmul(const tm_qmatmul_args *a);
@@ -251,7 +253,7 @@ TM_API int tm_decode_attention(const tm_decode_attention_args *a);
 typedef struct {
     const tm_qweight *q;
     const tm_gweight *g;
-    int int8_x;                   /* g only: as tm_gmatmul_args.int8_x */
+    int int8_x;                   /* as tm_qmatmul_args.int8_x (q) or tm_gmatmul_args.int8_x (g) */
 } tm_matrix;
 
 typedef struct {

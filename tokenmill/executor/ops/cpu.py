@@ -39,8 +39,8 @@ class CpuKernelOps(ReferenceOps):
     def __init__(self, kernels: KernelLibrary, dtype: torch.dtype, int8_activations: bool = True):
         self.kernels = kernels
         self.dtype = dtype
-        # Q4_K/Q5_K/Q6_K decode multiplies x rounded to int8 per 256, as llama.cpp and vLLM's GGUF kernels do:
-        # several times the float route's speed, not float32-exact (False keeps x in float32)
+        # Q4_K/Q5_K/Q6_K decode multiplies x rounded to int8 per 256, and Q4_0/Q4_1/Q8_0 steps per 32, as llama.cpp
+        # and vLLM's GGUF kernels do: faster than the float route, not float32-exact (False keeps x in float32)
         self.int8_activations = int8_activations
         self.name = f"cpu-{kernels.isa}"
         self.max_rows = kernels.limits["TM_QMATMUL_MAX_ROWS"]
@@ -131,7 +131,8 @@ class CpuKernelOps(ReferenceOps):
         matrices, rows = [], self.max_rows
         for lin in linears:
             if id(lin.quant) in self._qweights:
-                matrices.append(self.kernels.struct("matrix", q=self._qweights[id(lin.quant)][1], g=None, int8_x=0))
+                matrices.append(self.kernels.struct("matrix", q=self._qweights[id(lin.quant)][1], g=None,
+                                                    int8_x=int(self.int8_activations)))
             elif id(lin.quant) in self._gweights:
                 matrices.append(self.kernels.struct("matrix", q=None, g=self._gweights[id(lin.quant)][1],
                                                     int8_x=int(self.int8_activations)))
@@ -215,7 +216,8 @@ class CpuKernelOps(ReferenceOps):
         qw = entry[1] if entry is not None and entry[0] is p else self._qweight(p)
         x = x.contiguous()
         y = torch.empty(b, p.shape[0], dtype=torch.float32)
-        self.kernels.run("qmatmul", w=qw, x=x, y=y, rows=b, num_threads=torch.get_num_threads())
+        self.kernels.run("qmatmul", w=qw, x=x, y=y, rows=b, int8_x=int(self.int8_activations),
+                         num_threads=torch.get_num_threads())
         return y
 
     def rms_norm(self, x, residual, weight, eps):

@@ -1,0 +1,282 @@
+/* The int8 route over llama.cpp's 32-wide blocks (Q4_0, Q4_1, Q8_0) for decode-sized batches, as llama.cpp
+ * multiplies them: each 32 of x rounded to int8 with its own scale (dx = max|x| / 127, its Q8_0/Q8_1), the codes
+ * meeting xq in integer multiply-adds, and each block's d * dx entered once in float; Q4's offset m comes in
+ * through the blocks' sums, m * dx * sum(xq). The result equals the dequantised weights times the rounded x, to
+ * float32 rounding. Integer work per weight is a fraction of the float route's dequantise-then-FMA, which is what
+ * makes a few inputs (a verification step's rows) cost about what one does.
+ *
+ * Each input's arithmetic is the same whatever the batch and the threads: row b of y depends on row b of x only,
+ * so a step of several rows gives every row the bits a step of one gives it.
+ *
+ * x86 only (AVX2 and AVX-512BW); the other variants keep the float route (HAVE_QMATMUL_INT8 in qmatmul.h). */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "qmatmul.h"
+
+#if HAVE_QMATMUL_INT8
+/* W: bytes in an integer vector; G: Q4 blocks whose codes fill one (16 bytes each), G / 2 Q8 blocks do */
+#if defined(__AVX512BW__)
+#define W 64
+typedef __m512i vi8;
+typedef __m512 vf32;
+#define I8_MAX_B 8          /* inputs a pass keeps accumulators for: 32 registers */
+#else
+#define W 32
+typedef __m256i vi8;
+typedef __m256 vf32;
+#define I8_MAX_B 4          /* 16 registers */
+#endif
+#define G (W / 16)
+#define LANES (W / 4)       /* int32 (and float) lanes */
+
+/* ---- the vector operations, per instruction set ------------------------------------------------------------- */
+#if W == 64
+TM_INLINE vi8 load_bytes(const void *p, int bytes) {   /* the first bytes (0 .. W), the rest zero */
+    return bytes == W ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8((1ULL << bytes) - 1, p);
+}
+TM_INLINE vf32 load_floats(const float *p, int n) {   /* n floats, the rest zero */
+    return n == LANES ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p);
+}
+TM_INLINE vi8 low_nibbles(vi8 v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
+TM_INLINE vi8 high_nibbles(vi8 v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
+/* int32 lanes: sums of four u8 x s8 products of u with s */
+TM_INLINE vi8 dot_u8s8(vi8 u, vi8 s) {
+    return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
+}
+/* Q8_0's signed codes: |w| against x with w's sign */
+TM_INLINE vi8 dot_s8s8(vi8 w, vi8 x) {
+    const __mmask64 neg = _mm512_movepi8_mask(w);
+    return dot_u8s8(_mm512_abs_epi8(w), _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x));
+}
+TM_INLINE vf32 spread8(const float *d, int n) {
+    return _mm512_insertf32x8(_mm512_set1_ps(d[0]), _mm256_set1_ps(n == 2 ? d[1] : 0.f), 1);
+}
+/* four vectors' dwords turned round within each 128-bit lane: out[k] holds dword k of in[0..3] */
+TM_INLINE void transpose4(const vi8 in[4], vi8 out[4]) {
+    const vi8 t0 = _mm512_unpacklo_epi32(in[0], in[1]), t1 = _mm512_unpackhi_epi32(in[0], in[1]);
+    const vi8 t2 = _mm512_unpacklo_epi32(in[2], in[3]), t3 = _mm512_unpackhi_epi32(in[2], in[3]);
+    out[0] = _mm512_unpacklo_epi64(t0, t2), out[1] = _mm512_unpackhi_epi64(t0, t2);
+    out[2] = _mm512_unpacklo_epi64(t1, t3), out[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+TM_INLINE vi8 maddubs(vi8 u, vi8 s) { return _mm512_maddubs_epi16(u, s); }
+TM_INLINE vi8 add16(vi8 a, vi8 b) { return _mm512_add_epi16(a, b); }
+TM_INLINE vi8 widen_sum16(vi8 a) { return _mm512_madd_epi16(a, _mm512_set1_epi16(1)); }
+/* a group's LANES block scales, lane L taking block lane_block(L) */
+TM_INLINE vf32 group_scales(const float *d, int n) {
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),
+                                 load_floats(d, n));
+}
+TM_INLINE vf32 fmadd(vf32 a, vf32 b, vf32 c) { return _mm512_fmadd_ps(a, b, c); }
+TM_INLINE vf32 mul(vf32 a, vf32 b) { return _mm512_mul_ps(a, b); }
+TM_INLINE vf32 to_float(vi8 v) { return _mm512_cvtepi32_ps(v); }
+TM_INLINE vf32 fzero(void) { return _mm512_setzero_ps(); }
+TM_INLINE float fsum(vf32 v) { return _mm512_reduce_add_ps(v); }
+#else
+TM_INLINE vi8 load_bytes(const void *p, int bytes) {   /* W, 16 or none */
+    return bytes == W    ? _mm256_loadu_si256((const __m256i *)p)
+           : bytes == 16 ? _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)p))
+                         : _mm256_setzero_si256();
+}
+TM_INLINE vf32 load_floats(const float *p, int n) {
+    return n == LANES ? _mm256_loadu_ps(p)
+                      : _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+TM_INLINE vi8 low_nibbles(vi8 v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
+TM_INLINE vi8 high_nibbles(vi8 v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
+TM_INLINE vi8 dot_u8s8(vi8 u, vi8 s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+TM_INLINE vi8 dot_s8s8(vi8 w, vi8 x) { return dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)); }
+TM_INLINE vf32 spread8(const float *d, int n) { return _mm256_set1_ps(d[0]); }
+TM_INLINE void transpose4(const vi8 in[4], vi8 out[4]) {
+    const vi8 t0 = _mm256_unpacklo_epi32(in[0], in[1]), t1 = _mm256_unpackhi_epi32(in[0], in[1]);
+    const vi8 t2 = _mm256_unpacklo_epi32(in[2], in[3]), t3 = _mm256_unpackhi_epi32(in[2], in[3]);
+    out[0] = _mm256_unpacklo_epi64(t0, t2), out[1] = _mm256_unpackhi_epi64(t0, t2);
+    out[2] = _mm256_unpacklo_epi64(t1, t3), out[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+TM_INLINE vi8 maddubs(vi8 u, vi8 s) { return _mm256_maddubs_epi16(u, s); }
+TM_INLINE vi8 add16(vi8 a, vi8 b) { return _mm256_add_epi16(a, b); }
+TM_INLINE vi8 widen_sum16(vi8 a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)); }
+TM_INLINE vf32 group_scales(const float *d, int n) {
+    return _mm256_permutevar8x32_ps(load_floats(d, n), _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+}
+TM_INLINE vf32 fmadd(vf32 a, vf32 b, vf32 c) { return _mm256_fmadd_ps(a, b, c); }
+TM_INLINE vf32 mul(vf32 a, vf32 b) { return _mm256_mul_ps(a, b); }
+TM_INLINE vf32 to_float(vi8 v) { return _mm256_cvtepi32_ps(v); }
+TM_INLINE vf32 fzero(void) { return _mm256_setzero_ps(); }
+TM_INLINE float fsum(vf32 v) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+#endif
+
+/* ---- x rounded, laid out as the codes will meet it ----------------------------------------------------------
+ * q4 goes a group of LANES blocks at a time, one block a lane, so that a block's 32 products add up in one lane in
+ * integers and its scales come in once: the group's codes (4 vectors, 128-bit lane a of vector s holding block
+ * G * s + a) are turned round so that vector k holds every block's bytes 4k .. 4k+3 (transpose4), and lane L = 4a + s
+ * then takes block G * (L % 4) + L / 4 (lane_block). x is laid out to match: per group, for k = 0..3, W bytes of
+ * each lane's block positions 4k .. 4k+3, then W of positions 16 + 4k ...
+ * q8 goes a vector of codes (G / 2 blocks, 8 lanes each) at a time, x in its own order.
+ * dxs: per step (q4: group), each lane's block dx (zero past the last block); s: per block, dx * sum(xq). */
+typedef struct {
+    int8_t *xq;         /* [B][steps * step_bytes] */
+    float *dxs;         /* [B][steps * LANES] */
+    float *s;           /* [B][nb16]: nb rounded up to 16, zero past nb */
+    int steps, step_bytes, nb16;
+} xint8;
+
+TM_INLINE int lane_block(int L) { return G * (L % 4) + L / 4; }
+
+static int round_x(int q4, const float *x, int B, int K, xint8 *r) {
+    const int nb = K / QK, per = q4 ? LANES : G / 2;
+    r->steps = (nb + per - 1) / per;
+    r->step_bytes = q4 ? 8 * W : W;
+    r->nb16 = (nb + 15) / 16 * 16;
+    r->xq = calloc((size_t)B * r->steps * r->step_bytes, 1);
+    r->dxs = calloc((size_t)B * r->steps * LANES, sizeof(float));
+    r->s = calloc((size_t)B * r->nb16, sizeof(float));
+    if (!r->xq || !r->dxs || !r->s) return -2;
+    int lane_of[LANES];     /* the lane each block of a q4 group takes */
+    for (int L = 0; L < LANES; L++) lane_of[lane_block(L)] = L;
+    for (int b = 0; b < B; b++) {
+        int8_t *xq = r->xq + (size_t)b * r->steps * r->step_bytes;
+        float *dxs = r->dxs + (size_t)b * r->steps * LANES, *s = r->s + (size_t)b * r->nb16;
+        for (int i = 0; i < nb; i++) {
+            const float *v = x + (size_t)b * K + (size_t)i * QK;
+            float amax = 0.f;
+            for (int j = 0; j < QK; j++) amax = v[j] > amax ? v[j] : -v[j] > amax ? -v[j] : amax;
+            const float dx = amax / 127.f, id = dx != 0.f ? 1.f / dx : 0.f;
+            int8_t q[QK];
+            int sum = 0;
+            for (int j = 0; j < QK; j++) {
+                q[j] = (int8_t)__builtin_rintf(v[j] * id);    /* nearest, ties to even */
+                sum += q[j];
+            }
+            s[i] = dx * (float)sum;
+            const int step = i / per, at = i % per;
+            int8_t *o = xq + (size_t)step * r->step_bytes;
+            if (q4) {
+                const int L = lane_of[at];
+                for (int k = 0; k < 4; k++) {
+                    memcpy(o + (size_t)(2 * k) * W + 4 * L, q + 4 * k, 4);
+                    memcpy(o + (size_t)(2 * k + 1) * W + 4 * L, q + 16 + 4 * k, 4);
+                }
+                dxs[(size_t)step * LANES + L] = dx;
+            } else {
+                memcpy(o + 32 * at, q, 32);
+                for (int l = 0; l < 8; l++) dxs[(size_t)step * LANES + 8 * at + l] = dx;
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---- one weight row against B inputs (B a constant at each call site: accumulators in registers) -------- */
+TM_INLINE void row_q4(const uint8_t *codes, const float *d, const float *m, int nb, const xint8 *x, int b0, int B,
+                      float *y, size_t ystride) {
+    vf32 acc[I8_MAX_B];
+#pragma GCC unroll 8
+    for (int b = 0; b < B; b++) acc[b] = fzero();
+    const int full = nb / LANES;
+    for (int g = 0; g <= full; g++) {   /* whole groups, then the last partial one (loads masked to its blocks) */
+        const int blocks = g < full ? LANES : nb - full * LANES;
+        if (blocks == 0) break;
+        vi8 raw[4], c[4];
+        for (int v = 0; v < 4; v++) {
+            const int left = 16 * blocks - v * W;
+            raw[v] = load_bytes(codes + (size_t)g * 4 * W + (size_t)v * W, left >= W ? W : left > 0 ? left : 0);
+        }
+        transpose4(raw, c);
+        const vf32 dw = group_scales(d + (size_t)g * LANES, blocks);
+        vi8 lo[4], hi[4];
+        for (int k = 0; k < 4; k++) lo[k] = low_nibbles(c[k]), hi[k] = high_nibbles(c[k]);
+#pragma GCC unroll 8
+        for (int b = 0; b < B; b++) {
+            const int8_t *xq = x->xq + ((size_t)(b0 + b) * x->steps + g) * x->step_bytes;
+            /* 16 products in a 16-bit lane at most: 16 * 15 * 127 < 2^15 */
+            vi8 t = maddubs(lo[0], load_bytes(xq, W));
+            t = add16(t, maddubs(hi[0], load_bytes(xq + W, W)));
+            for (int k = 1; k < 4; k++) {
+                t = add16(t, maddubs(lo[k], load_bytes(xq + 2 * k * W, W)));
+                t = add16(t, maddubs(hi[k], load_bytes(xq + (2 * k + 1) * W, W)));
+            }
+            t = widen_sum16(t);
+            const vf32 dx = load_floats(x->dxs + ((size_t)(b0 + b) * x->steps + g) * LANES, LANES);
+            acc[b] = fmadd(to_float(t), mul(dw, dx), acc[b]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int b = 0; b < B; b++) {   /* the offsets, sum over blocks of m * dx * sum(xq), LANES blocks a vector */
+        const float *s = x->s + (size_t)(b0 + b) * x->nb16;
+        for (int i = 0; i < nb; i += LANES)
+            acc[b] = fmadd(load_floats(m + i, nb - i < LANES ? nb - i : LANES), load_floats(s + i, LANES), acc[b]);
+        y[(size_t)(b0 + b) * ystride] = fsum(acc[b]);
+    }
+}
+
+TM_INLINE void row_q8(const int8_t *codes, const float *d, int nb, const xint8 *x, int b0, int B, float *y,
+                      size_t ystride) {
+    vf32 acc[I8_MAX_B];
+#pragma GCC unroll 8
+    for (int b = 0; b < B; b++) acc[b] = fzero();
+    const int per = G / 2, full = nb / per;
+    for (int v = 0; v <= full; v++) {
+        const int blocks = v < full ? per : nb - full * per;
+        if (blocks == 0) break;
+        const vi8 c = load_bytes(codes + (size_t)v * W, 32 * blocks);
+        const vf32 dw = spread8(d + (size_t)v * per, blocks);
+#pragma GCC unroll 8
+        for (int b = 0; b < B; b++) {
+            const int8_t *xq = x->xq + ((size_t)(b0 + b) * x->steps + v) * x->step_bytes;
+            const vf32 dx = load_floats(x->dxs + ((size_t)(b0 + b) * x->steps + v) * LANES, LANES);
+            acc[b] = fmadd(to_float(dot_s8s8(c, load_bytes(xq, W))), mul(dw, dx), acc[b]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int b = 0; b < B; b++) y[(size_t)(b0 + b) * ystride] = fsum(acc[b]);
+}
+
+#define ROWS_PER_TASK 16    /* whole rows a task takes: their codes stay in L1 while every chunk of inputs passes */
+
+int qmatmul_int8(int q4, const float *x, int B, int K, int N, const uint8_t *codes, const float *d,
+                 const float *m, float *y, int num_threads) {
+    xint8 xr;
+    int rc = round_x(q4, x, B, K, &xr);
+    if (rc == 0) {
+        const int nb = K / QK;
+        const size_t row_bytes = q4 ? (size_t)K / 2 : (size_t)K;
+        const int tasks = (N + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int t = 0; t < tasks; t++) {
+            const int n0 = t * ROWS_PER_TASK, n1 = n0 + ROWS_PER_TASK < N ? n0 + ROWS_PER_TASK : N;
+            for (int b0 = 0; b0 < B; b0 += I8_MAX_B)
+                for (int n = n0; n < n1; n++) {
+                    const uint8_t *c = codes + (size_t)n * row_bytes;
+                    const float *dn = d + (size_t)n * nb, *mn = q4 ? m + (size_t)n * nb : NULL;
+                    float *yn = y + n;
+#define ROW(BC) (q4 ? row_q4(c, dn, mn, nb, &xr, b0, BC, yn, N) : row_q8((const int8_t *)c, dn, nb, &xr, b0, BC, yn, N))
+                    switch (B - b0 < I8_MAX_B ? B - b0 : I8_MAX_B) {
+                        case 1: ROW(1); break;
+                        case 2: ROW(2); break;
+                        case 3: ROW(3); break;
+#if I8_MAX_B == 8
+                        case 4: ROW(4); break;
+                        case 5: ROW(5); break;
+                        case 6: ROW(6); break;
+                        case 7: ROW(7); break;
+#endif
+                        default: ROW(I8_MAX_B); break;
+                    }
+#undef ROW
+                }
+        }
+    }
+    free(xr.xq);
+    free(xr.dxs);
+    free(xr.s);
+    return rc;
+}
+#endif
