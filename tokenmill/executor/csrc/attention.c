@@ -384,6 +384,22 @@ static void combine(void *out, int bf16, size_t orow, int D, int parts, int step
     store_row(out, bf16, orow, o, 1.f / total, D);
 }
 
+/* how a request's own positions are split into parts that run in parallel (flash-decoding): into up to `most`
+ * parts of >= 64 positions, and on the fast path into parts of at most FAST_N */
+typedef struct {
+    int most;
+    int fast;
+} split_t;
+
+static int parts_of(split_t s, int n) {
+    int parts = n / 64 < s.most ? n / 64 : s.most;
+    if (parts < 1) parts = 1;
+#if HAVE_FAST
+    if (s.fast && parts < (n + FAST_N - 1) / FAST_N) parts = (n + FAST_N - 1) / FAST_N;
+#endif
+    return parts;
+}
+
 static int paged_decode(const void *q, int q_stride, const tm_kv_cache *kv, void *out, int q_bf16,
                  const int32_t *tables, int max_blocks, const int32_t *starts, const int32_t *lens, int shared_len,
                  int B, int H, int block_size, float scale, int max_len, int num_threads) {
@@ -400,13 +416,15 @@ static int paged_decode(const void *q, int q_stride, const tm_kv_cache *kv, void
      * are split into parts that run in parallel and are merged after (flash-decoding), parts of >= 64. */
     const int per_head = B < 2 * num_threads || H > MAX_ROWS;   /* a request's heads must fit a work item */
     const int units = per_head ? B * KV : B, rows = per_head ? G : H;
-    const int own = max_len - shared_len;       /* the longest per-request range */
-    int parts = units < 2 * num_threads ? (2 * num_threads + units - 1) / units : 1;
-    if (parts > own / 64) parts = own / 64 > 1 ? own / 64 : 1;
     const int fast = HAVE_FAST && D % 16 == 0;
-#if HAVE_FAST
-    if (fast && parts < (own + FAST_N - 1) / FAST_N) parts = (own + FAST_N - 1) / FAST_N;
-#endif
+    /* A request's parts follow from its own length alone (as many as a lone request needs to fill the threads),
+     * so its sums are the same whatever the batch around it: a verification's rows get a lone decode's bits. */
+    const split_t split = {(2 * num_threads + KV - 1) / KV, fast};
+    int parts = 1;
+    for (int b = 0; b < B; b++) {
+        const int pb = parts_of(split, lens[b] - (shared_len > 0 ? shared_len : starts[b]));
+        parts = pb > parts ? pb : parts;
+    }
     const int items = units * parts;
     /* cascade: tiles of requests whose G rows per kv head together stay within TILE_ROWS */
     const int tile = shared_len > 0 ? (TILE_ROWS / G > 0 ? TILE_ROWS / G : 1) : 0;
@@ -450,8 +468,8 @@ static int paged_decode(const void *q, int q_stride, const tm_kv_cache *kv, void
                 const int unit = item / parts, p = item % parts;
                 const int b = per_head ? unit / KV : unit, h0 = per_head ? unit % KV : 0;
                 const int from = shared_len > 0 ? shared_len : starts[b];
-                const int n = lens[b] - from, chunk = (n + parts - 1) / parts;
-                const int first = p * chunk, count = n - first < chunk ? n - first : chunk;
+                const int n = lens[b] - from, pb = parts_of(split, n), chunk = (n + pb - 1) / pb;
+                const int first = p * chunk, count = p >= pb ? 0 : n - first < chunk ? n - first : chunk;
                 const size_t at = (size_t)item * rows;
                 if (count <= 0) {             /* a short context split into more parts than it fills */
                     for (int r = 0; r < rows; r++) sum[at + r] = 0.f;
