@@ -2,8 +2,8 @@
  * multiplies them: each 32 of x rounded to int8 with its own scale (dx = max|x| / 127, its Q8_0/Q8_1), the codes
  * meeting xq in integer multiply-adds, and each block's d * dx entered once in float; Q4's offset m comes in
  * through the blocks' sums, m * dx * sum(xq). The result equals the dequantised weights times the rounded x, to
- * float32 rounding. Integer work per weight is a fraction of the float route's dequantise-then-FMA, which is what
- * makes a few inputs (a verification step's rows) cost about what one does.
+ * float32 rounding. Integer work per weight is a fraction of the float route's dequantise-then-FMA, so a few
+ * inputs (a verification step's rows) cost far less than as many one-input calls.
  *
  * Each input's arithmetic is the same whatever the batch and the threads: row b of y depends on row b of x only,
  * so a step of several rows gives every row the bits a step of one gives it.
@@ -16,7 +16,7 @@
 #include "qmatmul.h"
 
 #if HAVE_QMATMUL_INT8
-/* W: bytes in an integer vector; G: Q4 blocks whose codes fill one (16 bytes each), G / 2 Q8 blocks do */
+/* W: bytes in an integer vector; G: its 128-bit lanes, the Q4 blocks whose codes fill it (G / 2 Q8 blocks do) */
 #if defined(__AVX512BW__)
 #define W 64
 typedef __m512i vi8;
