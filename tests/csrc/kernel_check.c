@@ -635,7 +635,7 @@ static void check_touch_pages(void) {
  * random codes with random scales (fp8: codes of values in [-1, 1], subnormals among them; from all codes,
  * values up to 448 give scores whose float32 rounding alone exceeds the tolerances). */
 typedef struct {
-    int B, KV, D, bs, fmt, max_blocks, max_len;
+    int B, KV, D, bs, fmt, max_blocks;
     int32_t *lens, *starts, *tables;
     int64_t num_slots;
     tm_kv_cache kv;
@@ -687,7 +687,6 @@ static context make_context(int B, const int *lens, const int *starts, int KV, i
         c.starts[b] = starts ? starts[b] : 0;
         const int need = (lens[b] + bs - 1) / bs;
         if (need > c.max_blocks) c.max_blocks = need;
-        if (lens[b] > c.max_len) c.max_len = lens[b];
         blocks += need > shared_blocks ? need - shared_blocks : 0;
     }
     c.max_blocks += 1;   /* a padding column */
@@ -868,7 +867,7 @@ static void check_paged_decode(void) {
         const void *q = random_values((size_t)B * q_stride, dc->q_bf16, -4.f, 4.f);
         const tm_decode_step step = {.tables = c.tables, .max_blocks = c.max_blocks, .starts = c.starts,
                                      .lens = c.lens, .shared_len = dc->shared_len, .batch = B,
-                                     .block_size = dc->bs, .max_len = c.max_len, .num_threads = 2};
+                                     .block_size = dc->bs, .num_threads = 2};
         void *out[2];
         int st[2];
         for (int v = 0; v < 2; v++) {
@@ -898,7 +897,7 @@ static void check_paged_decode(void) {
         tm_kv_cache kv = c.kv;
         kv.head_dim = bad[i].D;
         const tm_decode_step step = {.tables = c.tables, .max_blocks = c.max_blocks, .starts = c.starts,
-                                     .lens = c.lens, .batch = 1, .block_size = bad[i].bs, .max_len = c.max_len,
+                                     .lens = c.lens, .batch = 1, .block_size = bad[i].bs,
                                      .num_threads = 1};
         const tm_paged_decode_args a = {.step = &step, .kv = &kv, .q = q, .q_stride = bad[i].H * bad[i].D,
                                         .out = out, .heads = bad[i].H, .scale = 0.2f};
@@ -1006,7 +1005,7 @@ static void check_decode_attention(void) {
         if (outside) slots[B - 1] = c.num_slots;
         const tm_decode_step step = {.tables = c.tables, .max_blocks = c.max_blocks, .starts = c.starts,
                                      .lens = c.lens, .shared_len = dc->shared_len, .batch = B,
-                                     .block_size = dc->bs, .max_len = c.max_len, .cos = cos_t, .sin = sin_t,
+                                     .block_size = dc->bs, .cos = cos_t, .sin = sin_t,
                                      .slots = slots, .num_threads = 2};
         float *qkv[2], *out[2];
         tm_kv_cache kv[2];
@@ -1070,7 +1069,7 @@ static void check_decode_layer(void) {
         rotary_tables(cos_t, sin_t, B, head_dim);
         for (int b = 0; b < B; b++) slots[b] = slot_of(&c, b, c.lens[b] - 1);
         const tm_decode_step step = {.tables = c.tables, .max_blocks = c.max_blocks, .starts = c.starts,
-                                     .lens = c.lens, .batch = B, .block_size = bs, .max_len = c.max_len,
+                                     .lens = c.lens, .batch = B, .block_size = bs,
                                      .cos = cos_t, .sin = sin_t, .slots = slots, .num_threads = 2};
         float *x[2], *res[2], *out[2];
         tm_kv_cache kv[2];

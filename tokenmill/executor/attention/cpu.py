@@ -105,8 +105,7 @@ class CpuKernelBackend(AttentionBackend):
             out.decode_step = self.kernels.struct(
                 "decode_step", tables=tables, max_blocks=tables.shape[1], starts=starts, lens=lens,
                 shared_len=self._shared_len(meta, decode, tables), batch=len(decode), block_size=meta.block_size,
-                max_len=int(max(meta.seq_lens[i] for i in decode)), cos=None, sin=None, slots=slots,
-                num_threads=threads)
+                cos=None, sin=None, slots=slots, num_threads=threads)
             out.keep += [tables, starts, lens]
         if prefill:
             qsl = meta.query_start_loc

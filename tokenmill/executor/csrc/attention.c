@@ -402,7 +402,7 @@ static int parts_of(split_t s, int n) {
 
 static int paged_decode(const void *q, int q_stride, const tm_kv_cache *kv, void *out, int q_bf16,
                  const int32_t *tables, int max_blocks, const int32_t *starts, const int32_t *lens, int shared_len,
-                 int B, int H, int block_size, float scale, int max_len, int num_threads) {
+                 int B, int H, int block_size, float scale, int num_threads) {
     /* shared_len > 0 (cascade): positions 0 .. shared_len-1 sit in the same blocks for every request (the
      * caller checked the tables and that no request starts later than 0); they are attended once per tile of
      * requests, and each request's items cover only shared_len .. len-1. */
@@ -673,13 +673,13 @@ static int write_kv(const float *k, const float *v, int src_stride, const tm_kv_
 static int decode_attention(float *qkv, int qkv_stride, float *out, const float *cos, const float *sin,
                             const int64_t *slots, const tm_kv_cache *kv, const int32_t *tables, int max_blocks,
                             const int32_t *starts, const int32_t *lens, int shared_len, int B, int H, int block_size,
-                            float scale, int max_len, int num_threads) {
+                            float scale, int num_threads) {
     const int KV = kv->kv_heads, D = kv->head_dim;
     rotary(qkv, cos, sin, B, H + KV, D, qkv_stride, 1);
     const int rc = write_kv(qkv + (size_t)H * D, qkv + (size_t)(H + KV) * D, qkv_stride, kv, slots, B);
     if (rc != 0) return rc;
     return paged_decode(qkv, qkv_stride, kv, out, 0, tables, max_blocks, starts, lens, shared_len, B, H, block_size,
-                        scale, max_len, num_threads);
+                        scale, num_threads);
 }
 
 
@@ -695,7 +695,7 @@ TM_API int tm_paged_decode(const tm_paged_decode_args *a) {
     const tm_decode_step *s = a->step;
     if (!kv_ok(a->kv)) return -1;
     return paged_decode(a->q, a->q_stride, a->kv, a->out, a->q_bf16, s->tables, s->max_blocks, s->starts, s->lens,
-                        s->shared_len, s->batch, a->heads, s->block_size, a->scale, s->max_len, s->num_threads);
+                        s->shared_len, s->batch, a->heads, s->block_size, a->scale, s->num_threads);
 }
 
 TM_API int tm_paged_prefill(const tm_paged_prefill_args *a) {
@@ -714,5 +714,5 @@ TM_API int tm_decode_attention(const tm_decode_attention_args *a) {
     if (!s->cos || !s->sin || !s->slots || !kv_ok(a->kv)) return -1;
     return decode_attention(a->qkv, a->qkv_stride, a->out, s->cos, s->sin, s->slots, a->kv, s->tables, s->max_blocks,
                             s->starts, s->lens, s->shared_len, s->batch, a->heads, s->block_size, a->scale,
-                            s->max_len, s->num_threads);
+                            s->num_threads);
 }

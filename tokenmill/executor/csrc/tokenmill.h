@@ -183,7 +183,6 @@ typedef struct {
     int shared_len;               /* positions every request reads from the same blocks (cascade), or 0 */
     int batch;
     int block_size;
-    int max_len;
     const float *cos;             /* [batch, head_dim] rotary tables, for tm_decode_attention */
     const float *sin;
     const int64_t *slots;         /* [batch] where the new K/V go, for tm_decode_attention */
