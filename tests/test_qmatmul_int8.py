@@ -23,8 +23,9 @@ SHAPES = [(37, 576), (16, 608), (5, 32), (64, 1536)]
 def weight(kind: str, n: int, k: int, gen: torch.Generator) -> PackedWeight:
     nb = k // 32
     scale = torch.rand(n, nb, generator=gen) * 0.02 + 0.001
-    if kind == "q8_0":
-        return PackedWeight(8, torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen), scale, None, (n, k))
+    if kind == "q8_0":   # -128 too: a file may hold it, and |code| must not wrap
+        codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
+        return PackedWeight(8, codes, scale, None, (n, k))
     codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
     offset = -8 * scale if kind == "q4_0" else -8 * scale + torch.randn(n, nb, generator=gen) * 0.002
     return PackedWeight(4, codes, scale, offset, (n, k))

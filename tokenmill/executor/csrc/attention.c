@@ -412,8 +412,8 @@ static int paged_decode(const void *q, int q_stride, const tm_kv_cache *kv, void
     const int bs_shift = __builtin_ctz(block_size), bs_mask = block_size - 1;
     const size_t es = q_bf16 ? 2 : 4;
     /* Work units: with enough requests to keep every thread busy, one per request with all its heads; otherwise
-     * one per (request, kv head). Too few units even so (a single stream: 1 x KV), and each unit's positions
-     * are split into parts that run in parallel and are merged after (flash-decoding), parts of >= 64. */
+     * one per (request, kv head). Each unit's positions are split into parts of >= 64 that run in parallel and
+     * are merged after (flash-decoding), as many as a lone request's kv heads need to fill the threads. */
     const int per_head = B < 2 * num_threads || H > MAX_ROWS;   /* a request's heads must fit a work item */
     const int units = per_head ? B * KV : B, rows = per_head ? G : H;
     const int fast = HAVE_FAST && D % 16 == 0;

@@ -6,7 +6,7 @@
 #include "simd.h"
 #include "tokenmill.h"
 
-#define KC 128
+#define KC 128      /* positions of weights dequantised at a time by the many-row kernels */
 
 /* The int8 route (qmatmul_int8.c): x rounded to int8 per 32, for x86's AVX2 and up */
 #if defined(__AVX2__)
@@ -15,7 +15,7 @@ int qmatmul_int8(int q4, const float *x, int B, int K, int N, const uint8_t *cod
                  const float *m, float *y, int num_threads);
 #else
 #define HAVE_QMATMUL_INT8 0
-#endif      /* positions of weights dequantised at a time by the many-row kernels */
+#endif
 
 /* The lanes kernel (arch/avx512/qmatmul_lanes.c): 16 outputs along the vector lanes, for 9 to 40 rows. */
 #if defined(__AVX512F__)
