@@ -16,42 +16,37 @@
 #include "qmatmul.h"
 
 #if HAVE_QMATMUL_INT8
-/* W: bytes in an integer vector; G: its 128-bit lanes, the Q4 blocks whose codes fill it (G / 2 Q8 blocks do) */
+/* Integer vectors are the variant's; float ones simd.h's vf. W: bytes in an integer vector; G: its 128-bit lanes, the Q4 blocks whose codes fill it (G / 2 Q8 blocks do) */
 #if defined(__AVX512BW__)
 #define W 64
 typedef __m512i vi8;
-typedef __m512 vf32;
 #define I8_MAX_B 8          /* inputs a pass keeps accumulators for: 32 registers */
 #else
 #define W 32
 typedef __m256i vi8;
-typedef __m256 vf32;
 #define I8_MAX_B 4          /* 16 registers */
 #endif
 #define G (W / 16)
-#define LANES (W / 4)       /* int32 (and float) lanes */
+#define LANES (W / 4)       /* int32 lanes, and simd.h's float vector vf */
+_Static_assert(LANES == VL, "an integer vector's int32 lanes are simd.h's float lanes");
 
 /* ---- the vector operations, per instruction set ------------------------------------------------------------- */
 #if W == 64
 TM_INLINE vi8 load_bytes(const void *p, int bytes) {   /* the first bytes (0 .. W), the rest zero */
     return bytes == W ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8((1ULL << bytes) - 1, p);
 }
-TM_INLINE vf32 load_floats(const float *p, int n) {   /* n floats, the rest zero */
-    return n == LANES ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p);
+TM_INLINE vf load_floats(const float *p, int n) {   /* n floats, the rest zero */
+    return (vf)(n == LANES ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p));
 }
 TM_INLINE vi8 low_nibbles(vi8 v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
 TM_INLINE vi8 high_nibbles(vi8 v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
-/* int32 lanes: sums of four u8 x s8 products of u with s */
-TM_INLINE vi8 dot_u8s8(vi8 u, vi8 s) {
-    return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
+/* Q8_0's signed codes for an unsigned-by-signed multiply: |w| into u, and x with w's sign into s */
+TM_INLINE void sign_apart(vi8 w, vi8 x, vi8 *u, vi8 *s) {
+    *u = _mm512_abs_epi8(w);
+    *s = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
 }
-/* Q8_0's signed codes: |w| against x with w's sign */
-TM_INLINE vi8 dot_s8s8(vi8 w, vi8 x) {
-    const __mmask64 neg = _mm512_movepi8_mask(w);
-    return dot_u8s8(_mm512_abs_epi8(w), _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x));
-}
-TM_INLINE vf32 spread8(const float *d, int n) {
-    return _mm512_insertf32x8(_mm512_set1_ps(d[0]), _mm256_set1_ps(n == 2 ? d[1] : 0.f), 1);
+TM_INLINE vf spread8(const float *d, int n) {
+    return (vf)_mm512_insertf32x8(_mm512_set1_ps(d[0]), _mm256_set1_ps(n == 2 ? d[1] : 0.f), 1);
 }
 /* four vectors' dwords turned round within each 128-bit lane: out[k] holds dword k of in[0..3] */
 TM_INLINE void transpose4(const vi8 in[4], vi8 out[4]) {
@@ -64,32 +59,29 @@ TM_INLINE vi8 maddubs(vi8 u, vi8 s) { return _mm512_maddubs_epi16(u, s); }
 TM_INLINE vi8 add16(vi8 a, vi8 b) { return _mm512_add_epi16(a, b); }
 TM_INLINE vi8 widen_sum16(vi8 a) { return _mm512_madd_epi16(a, _mm512_set1_epi16(1)); }
 /* a group's LANES block scales, lane L taking block lane_block(L) */
-TM_INLINE vf32 group_scales(const float *d, int n) {
-    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),
-                                 load_floats(d, n));
+TM_INLINE vf group_scales(const float *d, int n) {
+    return (vf)_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),
+                                     (__m512)load_floats(d, n));
 }
-TM_INLINE vf32 fmadd(vf32 a, vf32 b, vf32 c) { return _mm512_fmadd_ps(a, b, c); }
-TM_INLINE vf32 mul(vf32 a, vf32 b) { return _mm512_mul_ps(a, b); }
-TM_INLINE vf32 to_float(vi8 v) { return _mm512_cvtepi32_ps(v); }
-TM_INLINE vf32 fzero(void) { return _mm512_setzero_ps(); }
-TM_INLINE float fsum(vf32 v) { return _mm512_reduce_add_ps(v); }
+TM_INLINE vf to_float(vi8 v) { return (vf)_mm512_cvtepi32_ps(v); }
 #else
 TM_INLINE vi8 load_bytes(const void *p, int bytes) {   /* W, 16 or none */
     return bytes == W    ? _mm256_loadu_si256((const __m256i *)p)
            : bytes == 16 ? _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)p))
                          : _mm256_setzero_si256();
 }
-TM_INLINE vf32 load_floats(const float *p, int n) {
-    return n == LANES ? _mm256_loadu_ps(p)
-                      : _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+TM_INLINE vf load_floats(const float *p, int n) {
+    return (vf)(n == LANES ? _mm256_loadu_ps(p)
+                           : _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n),
+                                                                      _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))));
 }
 TM_INLINE vi8 low_nibbles(vi8 v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
 TM_INLINE vi8 high_nibbles(vi8 v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
-TM_INLINE vi8 dot_u8s8(vi8 u, vi8 s) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+TM_INLINE void sign_apart(vi8 w, vi8 x, vi8 *u, vi8 *s) {
+    *u = _mm256_sign_epi8(w, w);
+    *s = _mm256_sign_epi8(x, w);
 }
-TM_INLINE vi8 dot_s8s8(vi8 w, vi8 x) { return dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)); }
-TM_INLINE vf32 spread8(const float *d, int n) { return _mm256_set1_ps(d[0]); }
+TM_INLINE vf spread8(const float *d, int n) { return vset1(d[0]); }
 TM_INLINE void transpose4(const vi8 in[4], vi8 out[4]) {
     const vi8 t0 = _mm256_unpacklo_epi32(in[0], in[1]), t1 = _mm256_unpackhi_epi32(in[0], in[1]);
     const vi8 t2 = _mm256_unpacklo_epi32(in[2], in[3]), t3 = _mm256_unpackhi_epi32(in[2], in[3]);
@@ -99,19 +91,18 @@ TM_INLINE void transpose4(const vi8 in[4], vi8 out[4]) {
 TM_INLINE vi8 maddubs(vi8 u, vi8 s) { return _mm256_maddubs_epi16(u, s); }
 TM_INLINE vi8 add16(vi8 a, vi8 b) { return _mm256_add_epi16(a, b); }
 TM_INLINE vi8 widen_sum16(vi8 a) { return _mm256_madd_epi16(a, _mm256_set1_epi16(1)); }
-TM_INLINE vf32 group_scales(const float *d, int n) {
-    return _mm256_permutevar8x32_ps(load_floats(d, n), _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+TM_INLINE vf group_scales(const float *d, int n) {
+    return (vf)_mm256_permutevar8x32_ps((__m256)load_floats(d, n), _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
 }
-TM_INLINE vf32 fmadd(vf32 a, vf32 b, vf32 c) { return _mm256_fmadd_ps(a, b, c); }
-TM_INLINE vf32 mul(vf32 a, vf32 b) { return _mm256_mul_ps(a, b); }
-TM_INLINE vf32 to_float(vi8 v) { return _mm256_cvtepi32_ps(v); }
-TM_INLINE vf32 fzero(void) { return _mm256_setzero_ps(); }
-TM_INLINE float fsum(vf32 v) {
-    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 t = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
+TM_INLINE vf to_float(vi8 v) { return (vf)_mm256_cvtepi32_ps(v); }
 #endif
+
+/* int32 lanes: sums of four u8 x s8 products (Q8_0's signed codes split by sign_apart first) */
+TM_INLINE vi8 dot_s8s8(vi8 w, vi8 x) {
+    vi8 u, s;
+    sign_apart(w, x, &u, &s);
+    return widen_sum16(maddubs(u, s));
+}
 
 /* ---- x rounded, laid out as the codes will meet it ----------------------------------------------------------
  * q4 goes a group of LANES blocks at a time, one block a lane, so that a block's 32 products add up in one lane in
@@ -177,9 +168,9 @@ static int round_x(int q4, const float *x, int B, int K, xint8 *r) {
 /* ---- one weight row against B inputs (B a constant at each call site: accumulators in registers) -------- */
 TM_INLINE void row_q4(const uint8_t *codes, const float *d, const float *m, int nb, const xint8 *x, int b0, int B,
                       float *y, size_t ystride) {
-    vf32 acc[I8_MAX_B];
+    vf acc[I8_MAX_B];
 #pragma GCC unroll 8
-    for (int b = 0; b < B; b++) acc[b] = fzero();
+    for (int b = 0; b < B; b++) acc[b] = (vf){0};
     const int full = nb / LANES;
     for (int g = 0; g <= full; g++) {   /* whole groups, then the last partial one (loads masked to its blocks) */
         const int blocks = g < full ? LANES : nb - full * LANES;
@@ -190,7 +181,7 @@ TM_INLINE void row_q4(const uint8_t *codes, const float *d, const float *m, int 
             raw[v] = load_bytes(codes + (size_t)g * 4 * W + (size_t)v * W, left >= W ? W : left > 0 ? left : 0);
         }
         transpose4(raw, c);
-        const vf32 dw = group_scales(d + (size_t)g * LANES, blocks);
+        const vf dw = group_scales(d + (size_t)g * LANES, blocks);
         vi8 lo[4], hi[4];
         for (int k = 0; k < 4; k++) lo[k] = low_nibbles(c[k]), hi[k] = high_nibbles(c[k]);
 #pragma GCC unroll 8
@@ -204,39 +195,39 @@ TM_INLINE void row_q4(const uint8_t *codes, const float *d, const float *m, int 
                 t = add16(t, maddubs(hi[k], load_bytes(xq + (2 * k + 1) * W, W)));
             }
             t = widen_sum16(t);
-            const vf32 dx = load_floats(x->dxs + ((size_t)(b0 + b) * x->steps + g) * LANES, LANES);
-            acc[b] = fmadd(to_float(t), mul(dw, dx), acc[b]);
+            const vf dx = load_floats(x->dxs + ((size_t)(b0 + b) * x->steps + g) * LANES, LANES);
+            acc[b] = vfma(to_float(t), dw * dx, acc[b]);
         }
     }
 #pragma GCC unroll 8
     for (int b = 0; b < B; b++) {   /* the offsets, sum over blocks of m * dx * sum(xq), LANES blocks a vector */
         const float *s = x->s + (size_t)(b0 + b) * x->nb16;
         for (int i = 0; i < nb; i += LANES)
-            acc[b] = fmadd(load_floats(m + i, nb - i < LANES ? nb - i : LANES), load_floats(s + i, LANES), acc[b]);
-        y[(size_t)(b0 + b) * ystride] = fsum(acc[b]);
+            acc[b] = vfma(load_floats(m + i, nb - i < LANES ? nb - i : LANES), load_floats(s + i, LANES), acc[b]);
+        y[(size_t)(b0 + b) * ystride] = vhsum(acc[b]);
     }
 }
 
 TM_INLINE void row_q8(const int8_t *codes, const float *d, int nb, const xint8 *x, int b0, int B, float *y,
                       size_t ystride) {
-    vf32 acc[I8_MAX_B];
+    vf acc[I8_MAX_B];
 #pragma GCC unroll 8
-    for (int b = 0; b < B; b++) acc[b] = fzero();
+    for (int b = 0; b < B; b++) acc[b] = (vf){0};
     const int per = G / 2, full = nb / per;
     for (int v = 0; v <= full; v++) {
         const int blocks = v < full ? per : nb - full * per;
         if (blocks == 0) break;
         const vi8 c = load_bytes(codes + (size_t)v * W, 32 * blocks);
-        const vf32 dw = spread8(d + (size_t)v * per, blocks);
+        const vf dw = spread8(d + (size_t)v * per, blocks);
 #pragma GCC unroll 8
         for (int b = 0; b < B; b++) {
             const int8_t *xq = x->xq + ((size_t)(b0 + b) * x->steps + v) * x->step_bytes;
-            const vf32 dx = load_floats(x->dxs + ((size_t)(b0 + b) * x->steps + v) * LANES, LANES);
-            acc[b] = fmadd(to_float(dot_s8s8(c, load_bytes(xq, W))), mul(dw, dx), acc[b]);
+            const vf dx = load_floats(x->dxs + ((size_t)(b0 + b) * x->steps + v) * LANES, LANES);
+            acc[b] = vfma(to_float(dot_s8s8(c, load_bytes(xq, W))), dw * dx, acc[b]);
         }
     }
 #pragma GCC unroll 8
-    for (int b = 0; b < B; b++) y[(size_t)(b0 + b) * ystride] = fsum(acc[b]);
+    for (int b = 0; b < B; b++) y[(size_t)(b0 + b) * ystride] = vhsum(acc[b]);
 }
 
 #define ROWS_PER_TASK 16    /* whole rows a task takes: their codes stay in L1 while every chunk of inputs passes */
