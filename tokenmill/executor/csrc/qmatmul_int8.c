@@ -63,6 +63,11 @@ TM_INLINE vf group_scales(const float *d, int n) {
     return (vf)_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),
                                      (__m512)load_floats(d, n));
 }
+/* n blocks' scales, block a across 128-bit lane a */
+TM_INLINE vf lane_scales(const float *d, int n) {
+    return (vf)_mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                     (__m512)load_floats(d, n));
+}
 TM_INLINE vf to_float(vi8 v) { return (vf)_mm512_cvtepi32_ps(v); }
 #else
 TM_INLINE vi8 load_bytes(const void *p, int bytes) {   /* W, 16 or none */
@@ -94,6 +99,9 @@ TM_INLINE vi8 widen_sum16(vi8 a) { return _mm256_madd_epi16(a, _mm256_set1_epi16
 TM_INLINE vf group_scales(const float *d, int n) {
     return (vf)_mm256_permutevar8x32_ps((__m256)load_floats(d, n), _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
 }
+TM_INLINE vf lane_scales(const float *d, int n) {
+    return (vf)_mm256_permutevar8x32_ps((__m256)load_floats(d, n), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+}
 TM_INLINE vf to_float(vi8 v) { return (vf)_mm256_cvtepi32_ps(v); }
 #endif
 
@@ -110,30 +118,52 @@ TM_INLINE vi8 dot_s8s8(vi8 w, vi8 x) {
  * G * s + a) are turned round so that vector k holds every block's bytes 4k .. 4k+3 (transpose4), and lane L = 4a + s
  * then takes block G * (L % 4) + L / 4 (lane_block). x is laid out to match: per group, for k = 0..3, W bytes of
  * each lane's block positions 4k .. 4k+3, then W of positions 16 + 4k ...
+ * A short tail of blocks (up to TAIL_MAX; K = 576 leaves 2 past 16) would cost a whole group, so it goes as the
+ * codes lie, G blocks a vector, a block a 128-bit lane: per tail vector, W bytes of each block's positions 0 .. 15,
+ * then W of 16 .. 31, matching the low and high nibbles.
  * q8 goes a vector of codes (G / 2 blocks, 8 lanes each) at a time, x in its own order.
- * dxs: per step (q4: group), each lane's block dx (zero past the last block); s: per block, dx * sum(xq). */
+ * dxs: per step (q4: group or tail vector), each lane's block dx (zero past the last block); s: per block,
+ * dx * sum(xq). */
+#define TAIL_MAX (2 * G)
+
 typedef struct {
-    int8_t *xq;         /* [B][steps * step_bytes] */
+    int8_t *xq;         /* [B][bytes] */
     float *dxs;         /* [B][steps * LANES] */
     float *s;           /* [B][nb16]: nb rounded up to 16, zero past nb */
-    int steps, step_bytes, nb16;
+    int groups, steps;  /* q4: whole (or masked) groups, then steps - groups tail vectors; q8: steps vectors */
+    size_t group_bytes, bytes;  /* a group's (q4) or a step's (q8); all of an input's */
+    int nb16;
 } xint8;
 
 TM_INLINE int lane_block(int L) { return G * (L % 4) + L / 4; }
+/* where step's x starts for input b: q4's groups take 8 W bytes each and its tail vectors 2 W, q8's steps W */
+TM_INLINE int8_t *xq_at(const xint8 *x, int b, int step) {
+    const size_t at = step <= x->groups ? (size_t)step * x->group_bytes
+                                        : (size_t)x->groups * x->group_bytes + (size_t)(step - x->groups) * 2 * W;
+    return x->xq + (size_t)b * x->bytes + at;
+}
 
 static int round_x(int q4, const float *x, int B, int K, xint8 *r) {
-    const int nb = K / QK, per = q4 ? LANES : G / 2;
-    r->steps = (nb + per - 1) / per;
-    r->step_bytes = q4 ? 8 * W : W;
+    const int nb = K / QK, tail = q4 ? nb % LANES : 0, natural = tail > 0 && tail <= TAIL_MAX;
+    if (q4) {
+        r->groups = natural ? nb / LANES : (nb + LANES - 1) / LANES;
+        r->steps = r->groups + (natural ? (tail + G - 1) / G : 0);
+        r->group_bytes = 8 * W;
+        r->bytes = (size_t)r->groups * 8 * W + (size_t)(r->steps - r->groups) * 2 * W;
+    } else {
+        r->groups = r->steps = (nb + G / 2 - 1) / (G / 2);
+        r->group_bytes = W;
+        r->bytes = (size_t)r->steps * W;
+    }
     r->nb16 = (nb + 15) / 16 * 16;
-    r->xq = calloc((size_t)B * r->steps * r->step_bytes, 1);
+    r->xq = calloc((size_t)B * r->bytes, 1);
     r->dxs = calloc((size_t)B * r->steps * LANES, sizeof(float));
     r->s = calloc((size_t)B * r->nb16, sizeof(float));
     if (!r->xq || !r->dxs || !r->s) return -2;
     int lane_of[LANES];     /* the lane each block of a q4 group takes */
     for (int L = 0; L < LANES; L++) lane_of[lane_block(L)] = L;
+    const int grouped = q4 ? (natural ? nb / LANES * LANES : nb) : 0;   /* blocks before the q4 tail */
     for (int b = 0; b < B; b++) {
-        int8_t *xq = r->xq + (size_t)b * r->steps * r->step_bytes;
         float *dxs = r->dxs + (size_t)b * r->steps * LANES, *s = r->s + (size_t)b * r->nb16;
         for (int i = 0; i < nb; i++) {
             const float *v = x + (size_t)b * K + (size_t)i * QK;
@@ -147,17 +177,23 @@ static int round_x(int q4, const float *x, int B, int K, xint8 *r) {
                 sum += q[j];
             }
             s[i] = dx * (float)sum;
-            const int step = i / per, at = i % per;
-            int8_t *o = xq + (size_t)step * r->step_bytes;
-            if (q4) {
-                const int L = lane_of[at];
+            if (q4 && i < grouped) {
+                const int step = i / LANES, L = lane_of[i % LANES];
+                int8_t *o = xq_at(r, b, step);
                 for (int k = 0; k < 4; k++) {
                     memcpy(o + (size_t)(2 * k) * W + 4 * L, q + 4 * k, 4);
                     memcpy(o + (size_t)(2 * k + 1) * W + 4 * L, q + 16 + 4 * k, 4);
                 }
                 dxs[(size_t)step * LANES + L] = dx;
+            } else if (q4) {
+                const int step = r->groups + (i - grouped) / G, a = (i - grouped) % G;
+                int8_t *o = xq_at(r, b, step);
+                memcpy(o + 16 * a, q, 16);
+                memcpy(o + W + 16 * a, q + 16, 16);
+                for (int l = 0; l < 4; l++) dxs[(size_t)step * LANES + 4 * a + l] = dx;
             } else {
-                memcpy(o + 32 * at, q, 32);
+                const int step = i / (G / 2), at = i % (G / 2);
+                memcpy(xq_at(r, b, step) + 32 * at, q, 32);
                 for (int l = 0; l < 8; l++) dxs[(size_t)step * LANES + 8 * at + l] = dx;
             }
         }
@@ -171,10 +207,8 @@ TM_INLINE void row_q4(const uint8_t *codes, const float *d, const float *m, int 
     vf acc[I8_MAX_B];
 #pragma GCC unroll 8
     for (int b = 0; b < B; b++) acc[b] = (vf){0};
-    const int full = nb / LANES;
-    for (int g = 0; g <= full; g++) {   /* whole groups, then the last partial one (loads masked to its blocks) */
-        const int blocks = g < full ? LANES : nb - full * LANES;
-        if (blocks == 0) break;
+    for (int g = 0; g < x->groups; g++) {   /* whole groups, then perhaps a partial one (loads masked to its blocks) */
+        const int blocks = nb - g * LANES < LANES ? nb - g * LANES : LANES;
         vi8 raw[4], c[4];
         for (int v = 0; v < 4; v++) {
             const int left = 16 * blocks - v * W;
@@ -186,7 +220,7 @@ TM_INLINE void row_q4(const uint8_t *codes, const float *d, const float *m, int 
         for (int k = 0; k < 4; k++) lo[k] = low_nibbles(c[k]), hi[k] = high_nibbles(c[k]);
 #pragma GCC unroll 8
         for (int b = 0; b < B; b++) {
-            const int8_t *xq = x->xq + ((size_t)(b0 + b) * x->steps + g) * x->step_bytes;
+            const int8_t *xq = xq_at(x, b0 + b, g);
             /* 16 products in a 16-bit lane at most: 16 * 15 * 127 < 2^15 */
             vi8 t = maddubs(lo[0], load_bytes(xq, W));
             t = add16(t, maddubs(hi[0], load_bytes(xq + W, W)));
@@ -196,6 +230,19 @@ TM_INLINE void row_q4(const uint8_t *codes, const float *d, const float *m, int 
             }
             t = widen_sum16(t);
             const vf dx = load_floats(x->dxs + ((size_t)(b0 + b) * x->steps + g) * LANES, LANES);
+            acc[b] = vfma(to_float(t), dw * dx, acc[b]);
+        }
+    }
+    for (int v = x->groups; v < x->steps; v++) {   /* the tail as the codes lie, a block a 128-bit lane */
+        const int first = x->groups * LANES + (v - x->groups) * G, blocks = nb - first < G ? nb - first : G;
+        const vi8 c = load_bytes(codes + (size_t)first * 16, 16 * blocks);
+        const vi8 lo = low_nibbles(c), hi = high_nibbles(c);
+        const vf dw = lane_scales(d + first, blocks);
+#pragma GCC unroll 8
+        for (int b = 0; b < B; b++) {
+            const int8_t *xq = xq_at(x, b0 + b, v);
+            const vi8 t = widen_sum16(add16(maddubs(lo, load_bytes(xq, W)), maddubs(hi, load_bytes(xq + W, W))));
+            const vf dx = load_floats(x->dxs + ((size_t)(b0 + b) * x->steps + v) * LANES, LANES);
             acc[b] = vfma(to_float(t), dw * dx, acc[b]);
         }
     }
@@ -221,7 +268,7 @@ TM_INLINE void row_q8(const int8_t *codes, const float *d, int nb, const xint8 *
         const vf dw = spread8(d + (size_t)v * per, blocks);
 #pragma GCC unroll 8
         for (int b = 0; b < B; b++) {
-            const int8_t *xq = x->xq + ((size_t)(b0 + b) * x->steps + v) * x->step_bytes;
+            const int8_t *xq = xq_at(x, b0 + b, v);
             const vf dx = load_floats(x->dxs + ((size_t)(b0 + b) * x->steps + v) * LANES, LANES);
             acc[b] = vfma(to_float(dot_s8s8(c, load_bytes(xq, W))), dw * dx, acc[b]);
         }
@@ -230,6 +277,7 @@ TM_INLINE void row_q8(const int8_t *codes, const float *d, int nb, const xint8 *
     for (int b = 0; b < B; b++) y[(size_t)(b0 + b) * ystride] = vhsum(acc[b]);
 }
 
+#define PF_ROWS 8           /* rows ahead whose blocks are asked for */
 #define ROWS_PER_TASK 16    /* whole rows a task takes: their codes stay in L1 while every chunk of inputs passes */
 
 int qmatmul_int8(int q4, const float *x, int B, int K, int N, const uint8_t *codes, const float *d,
@@ -245,6 +293,14 @@ int qmatmul_int8(int q4, const float *x, int B, int K, int N, const uint8_t *cod
             const int n0 = t * ROWS_PER_TASK, n1 = n0 + ROWS_PER_TASK < N ? n0 + ROWS_PER_TASK : N;
             for (int b0 = 0; b0 < B; b0 += I8_MAX_B)
                 for (int n = n0; n < n1; n++) {
+                    if (n + PF_ROWS < N) {   /* rows sit back to back: ask for a later row's blocks ahead of use */
+                        const uint8_t *pc = codes + (size_t)(n + PF_ROWS) * row_bytes;
+                        for (size_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(pc + o, 0, 3);
+                        for (size_t o = 0; o < (size_t)nb * 4; o += 64) {
+                            __builtin_prefetch((const char *)(d + (size_t)(n + PF_ROWS) * nb) + o, 0, 3);
+                            if (q4) __builtin_prefetch((const char *)(m + (size_t)(n + PF_ROWS) * nb) + o, 0, 3);
+                        }
+                    }
                     const uint8_t *c = codes + (size_t)n * row_bytes;
                     const float *dn = d + (size_t)n * nb, *mn = q4 ? m + (size_t)n * nb : NULL;
                     float *yn = y + n;
