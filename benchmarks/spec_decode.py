@@ -6,7 +6,8 @@
      decode time, and the acceptance rate;
   2. offline-64 (`tokenmill bench throughput`), where the random prompts give the lookup little to find.
 
-  .venv/bin/python benchmarks/spec_decode.py [--k 3] [--pairs 3] [--out results/NAME.json]
+  .venv/bin/python benchmarks/spec_decode.py [--k 3] [--lookup-min 2] [--lookup-max 4] [--pairs 3]
+      [--out results/NAME.json]
 
 Guesses come from the n-gram lookup, or with --draft PATH from a draft model; --draft-layers N cuts one from the
 bundled model (its first N layers, make_layer_draft.py), and --draft self uses the bundled model as its own draft.
@@ -62,6 +63,8 @@ def offline(spec: dict | None) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--lookup-min", type=int, default=2, help="prompt_lookup_min: the shortest suffix looked up")
+    ap.add_argument("--lookup-max", type=int, default=4, help="prompt_lookup_max")
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--skip-offline", action="store_true")
     ap.add_argument("--draft", default=None, help="a draft model's path, or 'self'")
@@ -70,7 +73,8 @@ def main() -> int:
     args = ap.parse_args()
     from tokenmill.executor.kernels import machine_record
     from tokenmill.executor.loader import resolve_model_path
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
+            "prompt_lookup_max": args.lookup_max}
     draft = args.draft
     if args.draft_layers is not None:
         from make_layer_draft import cut_layers
