@@ -242,3 +242,33 @@ def test_int8_cache_holds_about_four_times_the_tokens(tiny_llama):
     want = 4 * D / (D + 4)
     assert abs(blocks["int8"] / blocks["float32"] - want) < 0.05 * want
     assert abs(blocks["fp8"] / blocks["float32"] - 4) < 0.05 * 4      # fp8's scales are the layer's, not a token's
+
+
+@pytest.mark.parametrize("beside", [0, 1])
+@pytest.mark.parametrize("rows", [2, 4, 6])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, "int8"])
+@pytest.mark.parametrize("backend", CPU)
+def test_verification_rows_get_the_bits_of_lone_decodes(backend, kv_dtype, rows, beside):
+    """A verification's rows (one request's token and its guesses: the same table, one position apart, here across
+    a part boundary at 128), alone or beside another request, give each row exactly what a decode step of that row
+    alone gives, so guessing changes no greedy token. (Four rows of one request once took the cascade.)"""
+    H, KV, D, bs, nblocks = 9, 3, 64, 16, 64
+    torch.manual_seed(5)
+    cache = _cache(torch.randn(nblocks * bs, KV, D), torch.randn(nblocks * bs, KV, D), kv_dtype)
+    table, other = list(range(0, 20)), list(range(20, 40))
+    lens = [126 + j for j in range(rows)] + [200]
+    tables = [table] * rows + [other]
+    q = torch.randn(rows + 1, H + 2, D)[:, 1:H + 1]
+    k, v = torch.randn(rows + 1, KV, D), torch.randn(rows + 1, KV, D)
+    be = _backend(backend, H, KV, D)
+    be.bind_kv_cache([cache])
+
+    def step(idx):
+        slots = torch.tensor([tables[i][(lens[i] - 1) // bs] * bs + (lens[i] - 1) % bs for i in idx])
+        meta = AttentionMetadata(slots, list(range(len(idx) + 1)), [lens[i] - 1 for i in idx], [lens[i] for i in idx],
+                                 [tables[i] for i in idx], bs, None)
+        return be.forward(0, q[idx], k[idx], v[idx], be.prepare(meta), D ** -0.5)
+
+    together = step(list(range(rows + beside)))   # writes every row's K/V, which the later rows attend
+    for i in range(rows + beside):
+        assert torch.equal(together[i], step([i])[0]), f"row {i}"

@@ -119,8 +119,10 @@ class CpuKernelBackend(AttentionBackend):
         return out
 
     def _shared_len(self, meta: AttentionMetadata, decode: list[int], tables: torch.Tensor) -> int:
-        """Leading positions that all decoding requests read from the same blocks (0: no cascade)."""
-        if len(decode) < self.min_shared_batch or meta.sliding_window is not None:
+        """Leading positions that all decoding requests read from the same blocks (0: no cascade). A verification's
+        rows are one request: the kernel reads its context once for them already, summed as lone steps sum it."""
+        if meta.sliding_window is not None or len(decode) < self.min_shared_batch \
+                or len(torch.unique(tables, dim=0)) < self.min_shared_batch:
             return 0
         same = (tables == tables[:1]).all(0).to(torch.int32)          # [blocks] True while all tables agree
         blocks = int(same.cumprod(0).sum())

@@ -336,7 +336,8 @@ static void attend_tile(const ctx_t *c, int h, int rows, scratch_t *s, const int
                         int p1, int fast) {
 #if HAVE_FAST
     if (fast && p1 - p0 <= FAST_N) {
-        decode_fast_any(c, h, 1, rows, s->qs, p0, p1 - p0, s->m, s->l, s->acc, s->sbuf, s->slot, s->kt, begin, end);
+        decode_fast_any(c, h, 1, rows, s->qs, p0, p1 - p0, s->m, s->l, s->acc, s->sbuf, s->slot, s->kt, begin, end,
+                        0);
         return;
     }
 #endif
@@ -361,9 +362,9 @@ static void store_row(void *out, int bf16, size_t orow, const float *o, float in
 }
 
 /* Output row `orow` from partial results of one query over disjoint position ranges (flash-decoding): part p
- * is (mx[p * step], sum[p * step], acc[p * step]); each is rescaled by exp(mx_p - M) to the common max M. An
+ * is (mx[p * step], sum[p * step], acc[p * step * D ..]); each is rescaled by exp(mx_p - M) to the common max M. An
  * optional extra part (xm, xl, xacc: the shared prefix of cascade attention) joins them. */
-static void combine(void *out, int bf16, size_t orow, int D, int parts, int step, float (*acc)[MAX_D],
+static void combine(void *out, int bf16, size_t orow, int D, int parts, int step, const float *acc,
                     const float *mx, const float *sum, const float *xm, const float *xl, const float *xacc) {
     float M = -FLT_MAX, total = 0.f, o[MAX_D];
     memset(o, 0, sizeof(float) * D);
@@ -379,25 +380,35 @@ static void combine(void *out, int bf16, size_t orow, int D, int parts, int step
         if (sum[p * step] <= 0.f) continue;     /* a part with no positions */
         const float w = expf(mx[p * step] - M);
         total += w * sum[p * step];
-        for (int d = 0; d < D; d++) o[d] += w * acc[p * step][d];
+        for (int d = 0; d < D; d++) o[d] += w * acc[((size_t)p * step) * D + d];
     }
     store_row(out, bf16, orow, o, 1.f / total, D);
 }
 
-/* how a request's own positions are split into parts that run in parallel (flash-decoding): into up to `most`
- * parts of >= 64 positions, and on the fast path into parts of at most FAST_N */
+/* How a request's own positions are split into parts that run in parallel (flash-decoding). On the fast path at
+ * fixed multiples of PART_N from the first: a row's parts then depend on nothing but its own positions, so the rows
+ * of one verification (a request's token and its guesses, one position apart) share every boundary but the last
+ * and go through as one tile, each row still summed as a lone decode step sums it. Elsewhere into up to `most`
+ * parts of >= 64 positions. */
+#define PART_N 128
 typedef struct {
     int most;
-    int fast;
+    int fixed;
 } split_t;
 
-static int parts_of(split_t s, int n) {
+static int part_size(split_t s, int n) {
+    if (s.fixed) return PART_N;
     int parts = n / 64 < s.most ? n / 64 : s.most;
     if (parts < 1) parts = 1;
-#if HAVE_FAST
-    if (s.fast && parts < (n + FAST_N - 1) / FAST_N) parts = (n + FAST_N - 1) / FAST_N;
-#endif
-    return parts;
+    return (n + parts - 1) / parts;
+}
+
+/* Whether entry b continues the verification tile that entry b0 starts: the same request (table and window
+ * start) one position on */
+static int same_tile(const int32_t *tables, int max_blocks, const int32_t *starts, const int32_t *lens, int b0,
+                     int b) {
+    return starts[b] == starts[b0] && lens[b] == lens[b - 1] + 1
+           && memcmp(tables + (size_t)b * max_blocks, tables + (size_t)b0 * max_blocks, sizeof(int32_t) * max_blocks) == 0;
 }
 
 static int paged_decode(const void *q, int q_stride, const tm_kv_cache *kv, void *out, int q_bf16,
@@ -411,40 +422,65 @@ static int paged_decode(const void *q, int q_stride, const tm_kv_cache *kv, void
     const int G = H / KV;
     const int bs_shift = __builtin_ctz(block_size), bs_mask = block_size - 1;
     const size_t es = q_bf16 ? 2 : 4;
-    /* Work units: with enough requests to keep every thread busy, one per request with all its heads; otherwise
-     * one per (request, kv head). Each unit's positions are split into parts of >= 64 that run in parallel and
-     * are merged after (flash-decoding), as many as a lone request's kv heads need to fill the threads. */
-    const int per_head = B < 2 * num_threads || H > MAX_ROWS;   /* a request's heads must fit a work item */
-    const int units = per_head ? B * KV : B, rows = per_head ? G : H;
     const int fast = HAVE_FAST && D % 16 == 0;
-    /* A request's parts follow from its own length alone (as many as a lone request needs to fill the threads),
-     * so its sums are the same whatever the batch around it: a verification's rows get a lone decode's bits. */
     const split_t split = {(2 * num_threads + KV - 1) / KV, fast};
-    int parts = 1;
-    for (int b = 0; b < B; b++) {
-        const int pb = parts_of(split, lens[b] - (shared_len > 0 ? shared_len : starts[b]));
-        parts = pb > parts ? pb : parts;
+    /* Tiles: runs of entries that are one verification's rows (fast path only), up to what a work item carries */
+    const int most_per_tile = H <= MAX_ROWS ? MAX_ROWS / H : MAX_ROWS / G;
+    int *first = malloc(sizeof(int) * (size_t)(B + 1)), *tile_of = malloc(sizeof(int) * (size_t)B), tiles_n = 0;
+    if (!first || !tile_of) {
+        free(first);
+        free(tile_of);
+        return -2;
     }
-    const int items = units * parts;
+    for (int b = 0; b < B; b++) {
+        if (!(fast && b > 0 && b - first[tiles_n - 1] < most_per_tile
+              && same_tile(tables, max_blocks, starts, lens, first[tiles_n - 1], b)))
+            first[tiles_n++] = b;
+        tile_of[b] = tiles_n - 1;
+    }
+    first[tiles_n] = B;
+    /* Work units: with enough tiles to keep every thread busy, one per tile with all its heads; otherwise one per
+     * (tile, kv head). Each unit's positions are split into parts that run in parallel and are merged after. */
+    const int per_head = tiles_n < 2 * num_threads || H > MAX_ROWS;   /* a tile's heads must fit a work item */
+    const int units = per_head ? KV : 1, rows = per_head ? G : H;     /* per tile; query rows per entry */
+    /* per tile: its parts and its first work item; per entry: where its partial results start */
+    int *parts = malloc(sizeof(int) * (size_t)tiles_n), *item0 = malloc(sizeof(int) * (size_t)(tiles_n + 1));
+    size_t *at0 = malloc(sizeof(size_t) * (size_t)(B + 1));
+    int status = parts && item0 && at0 ? 0 : -2;
+    int items = 0, widest = rows;
+    if (status == 0) {
+        at0[0] = 0;
+        for (int t = 0; t < tiles_n; t++) {
+            const int last = first[t + 1] - 1, from = shared_len > 0 ? shared_len : starts[last];
+            const int n = lens[last] - from, size = part_size(split, n);
+            parts[t] = n > 0 ? (n + size - 1) / size : 1;
+            item0[t] = items;
+            items += units * parts[t];
+            for (int b = first[t]; b <= last; b++) at0[b + 1] = at0[b] + (size_t)units * parts[t] * rows;
+            if ((last - first[t] + 1) * rows > widest) widest = (last - first[t] + 1) * rows;
+        }
+        item0[tiles_n] = items;
+    }
     /* cascade: tiles of requests whose G rows per kv head together stay within TILE_ROWS */
     const int tile = shared_len > 0 ? (TILE_ROWS / G > 0 ? TILE_ROWS / G : 1) : 0;
-    const int tiles = shared_len > 0 ? (B + tile - 1) / tile : 0;
-    float(*acc)[MAX_D] = malloc(sizeof(float) * MAX_D * (size_t)items * rows);
-    float *mx = malloc(sizeof(float) * (size_t)items * rows), *sum = malloc(sizeof(float) * (size_t)items * rows);
+    const int ctiles = shared_len > 0 ? (B + tile - 1) / tile : 0;
+    const size_t total = status == 0 ? at0[B] : 0;
+    float *acc = status == 0 ? malloc(sizeof(float) * D * total) : NULL;   /* [total][D] */
+    float *mx = status == 0 ? malloc(sizeof(float) * total) : NULL, *sum = status == 0 ? malloc(sizeof(float) * total) : NULL;
     float(*xacc)[MAX_D] = shared_len > 0 ? malloc(sizeof(float) * MAX_D * (size_t)B * H) : NULL;
     float *xm = shared_len > 0 ? malloc(sizeof(float) * (size_t)B * H) : NULL;
     float *xl = shared_len > 0 ? malloc(sizeof(float) * (size_t)B * H) : NULL;
-    int status = (acc && mx && sum && (shared_len == 0 || (xacc && xm && xl))) ? 0 : -2;
+    if (status == 0) status = (acc && mx && sum && (shared_len == 0 || (xacc && xm && xl))) ? 0 : -2;
     if (status == 0) {
 #pragma omp parallel num_threads(num_threads)
         {
             scratch_t s;
-            const int most = rows > tile * G ? rows : tile * G;       /* query rows of one work item */
+            const int most = widest > tile * G ? widest : tile * G;     /* query rows of one work item */
             const int ok = scratch_init(&s, fast ? most : 0);
             if (!ok) status = -2;
             /* the shared prefix: item = (kv head, tile of requests), rows (request, g) of that head */
 #pragma omp for schedule(dynamic, 1) nowait
-            for (int item = 0; item < KV * tiles; item++) {
+            for (int item = 0; item < KV * ctiles; item++) {
                 if (!ok) continue;
                 const int h = item % KV, b0 = (item / KV) * tile, nb = B - b0 < tile ? B - b0 : tile;
                 const ctx_t c = ctx_of(kv, bs_shift, bs_mask, tables);   /* request 0's table */
@@ -461,51 +497,74 @@ static int paged_decode(const void *q, int q_stride, const tm_kv_cache *kv, void
                         memcpy(xacc[at], s.acc[i * G + g], sizeof(float) * D);
                     }
             }
-            /* each request's own positions */
+            /* each tile's own positions: item = (tile, unit, part), rows (kv head, entry, g) */
 #pragma omp for schedule(dynamic, 1)
             for (int item = 0; item < items; item++) {
                 if (!ok) continue;
-                const int unit = item / parts, p = item % parts;
-                const int b = per_head ? unit / KV : unit, h0 = per_head ? unit % KV : 0;
-                const int from = shared_len > 0 ? shared_len : starts[b];
-                const int n = lens[b] - from, pb = parts_of(split, n), chunk = (n + pb - 1) / pb;
-                const int first = p * chunk, count = p >= pb ? 0 : n - first < chunk ? n - first : chunk;
-                const size_t at = (size_t)item * rows;
-                if (count <= 0) {             /* a short context split into more parts than it fills */
-                    for (int r = 0; r < rows; r++) sum[at + r] = 0.f;
-                    continue;
+                int t = 0;                      /* the tile whose items hold this one */
+                for (int lo = 0, hi = tiles_n - 1; lo <= hi;) {
+                    const int mid = (lo + hi) / 2;
+                    if (item0[mid] <= item) t = mid, lo = mid + 1;
+                    else hi = mid - 1;
                 }
-                const ctx_t c = ctx_of(kv, bs_shift, bs_mask, tables + (size_t)b * max_blocks);
-                const void *qb = (const char *)q + (size_t)b * q_stride * es;
-                for (int r = 0; r < rows; r++) {
-                    load_q(s.qs[r], qb, q_bf16, (size_t)h0 * G + r, D, scale);
-                    mx[at + r] = -FLT_MAX;
-                    sum[at + r] = 0.f;
-                    memset(acc[at + r], 0, sizeof(float) * D);
-                }
+                const int unit = (item - item0[t]) / parts[t], p = (item - item0[t]) % parts[t];
+                const int b0 = first[t], R = first[t + 1] - b0, h0 = per_head ? unit : 0, NH = per_head ? 1 : KV;
+                const int from = shared_len > 0 ? shared_len : starts[b0];
+                const int n = lens[b0 + R - 1] - from, size = part_size(split, n), begin = from + p * size;
+                const int count = n - p * size < size ? n - p * size : size, RG = R * G;
+                for (int h = 0; h < NH; h++)
+                    for (int i = 0; i < R; i++)
+                        for (int g = 0; g < G; g++) {
+                            const int r = h * RG + i * G + g;
+                            load_q(s.qs[r], (const char *)q + (size_t)(b0 + i) * q_stride * es, q_bf16,
+                                   (size_t)(h0 + h) * G + g, D, scale);
+                            s.end[r] = lens[b0 + i];
+                        }
+                if (count > 0) {
+                    const ctx_t c = ctx_of(kv, bs_shift, bs_mask, tables + (size_t)b0 * max_blocks);
 #if HAVE_FAST
-                if (fast) {
-                    decode_fast_any(&c, h0, per_head ? 1 : KV, G, s.qs, from + first, count, mx + at, sum + at,
-                                    acc + at, s.sbuf, s.slot, s.kt, NULL, NULL);
-                    continue;
-                }
+                    if (fast)
+                        decode_fast_any(&c, h0, NH, RG, s.qs, begin, count, s.m, s.l, s.acc, s.sbuf, s.slot, s.kt,
+                                        NULL, s.end, 1);
+                    else
 #endif
-                attend_rows(&c, h0, per_head ? 1 : KV, G, s.qs, NULL, NULL, from + first, from + first + count,
-                            mx + at, sum + at, acc + at, s.kbuf, s.vbuf);
+                    {
+                        reset_rows(&s, NH * RG, D);
+                        attend_rows(&c, h0, NH, RG, s.qs, NULL, NULL, begin, begin + count, s.m, s.l, s.acc, s.kbuf,
+                                    s.vbuf);
+                    }
+                } else {
+                    reset_rows(&s, NH * RG, D);     /* no positions (an empty context): l = 0, skipped in combine */
+                }
+                for (int h = 0; h < NH; h++)
+                    for (int i = 0; i < R; i++)
+                        for (int g = 0; g < G; g++) {
+                            const int r = h * RG + i * G + g;
+                            const size_t at = at0[b0 + i] + ((size_t)unit * parts[t] + p) * rows + h * G + g;
+                            mx[at] = s.m[r];
+                            sum[at] = s.l[r];
+                            memcpy(acc + at * D, s.acc[r], sizeof(float) * D);
+                        }
             }
 #pragma omp for schedule(static)
-            for (int unit = 0; unit < units; unit++) {
-                const int b = per_head ? unit / KV : unit, h0 = per_head ? unit % KV : 0;
-                const size_t at = (size_t)unit * parts * rows;
-                for (int r = 0; r < rows; r++) {
-                    const size_t orow = (size_t)b * H + h0 * G + r;
-                    combine(out, q_bf16, orow, D, parts, rows, acc + at + r, mx + at + r, sum + at + r,
-                            xm ? xm + orow : NULL, xl ? xl + orow : NULL, xacc ? xacc[orow] : NULL);
-                }
+            for (int b = 0; b < B; b++) {
+                const int t = tile_of[b];
+                for (int unit = 0; unit < units; unit++)
+                    for (int r = 0; r < rows; r++) {
+                        const size_t orow = (size_t)b * H + (size_t)unit * G * per_head + r;
+                        const size_t at = at0[b] + (size_t)unit * parts[t] * rows + r;
+                        combine(out, q_bf16, orow, D, parts[t], rows, acc + at * D, mx + at, sum + at,
+                                xm ? xm + orow : NULL, xl ? xl + orow : NULL, xacc ? xacc[orow] : NULL);
+                    }
             }
             scratch_free(&s);   /* frees what scratch_init got, all or part */
         }
     }
+    free(first);
+    free(tile_of);
+    free(parts);
+    free(item0);
+    free(at0);
     free(acc);
     free(mx);
     free(sum);

@@ -48,7 +48,7 @@ static inline size_t slot_of(const ctx_t *c, int pos) {
 #define KT_POS 64     /* positions of K turned round at a time for the many-row score pass: kt [D][64] */
 void decode_fast_any(const ctx_t *c, int h0, int NH, int G, float (*qs)[MAX_D], int p0, int n, float *m,
                      float *l, float (*acc)[MAX_D], float *sbuf, size_t *slot, float *kt, const int *begin,
-                     const int *end);
+                     const int *end, int few);   /* few: each row's scores summed as for a lone row */
 #else
 #define HAVE_FAST 0
 #endif

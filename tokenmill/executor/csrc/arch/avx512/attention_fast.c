@@ -203,18 +203,20 @@ static inline __attribute__((always_inline)) void scores_few(const ctx_t *c, int
 
 /* Attention of rows (h - h0) * G + g (qs, scaled) over positions p0 .. p0+n-1 (n <= FAST_N) of a float32
  * cache of format fmt (TM_KV_*), D a multiple of 16, in two passes: all scores first (scores_few, or
- * scores_many for many rows of one kv head), then one exact softmax per row (row r only over [begin[r], end[r])
- * where begin/end are given: a causal prompt tile), then the weighted sum of V (up to 4 rows, 6 for many rows,
- * x 64 dims of accumulators; 16-wide tails of D one vector at a time). Leaves m (max), l (sum of e^(s - m))
- * and acc (unnormalised) as attend_rows does, so combine() merges the results the same way. */
+ * scores_many for many rows of one kv head unless `few`), then one exact softmax per row (row r only over
+ * [begin[r], end[r]) where begin/end are given: a causal prompt tile, a verification's rows), then the weighted sum
+ * of V (up to 4 rows, 6 for many rows, x 64 dims of accumulators; 16-wide tails of D one vector at a time). Leaves
+ * m (max), l (sum of e^(s - m)) and acc (unnormalised) as attend_rows does, so combine() merges the results the
+ * same way. With `few`, a row's bits depend on its own positions only, not on the rows beside it nor on n past its
+ * end (masked positions add exact zeros). */
 static inline __attribute__((always_inline)) void decode_fast(const ctx_t *c, int h0, int NH, int G,
                                                                float (*qs)[MAX_D], int p0, int n, float *m,
                                                                float *l, float (*acc)[MAX_D], float *sbuf,
                                                                size_t *slot, float *kt, const int *begin,
-                                                               const int *end, const int fmt) {
+                                                               const int *end, int few, const int fmt) {
     const int D = c->D;
     for (int j = 0; j < n; j++) slot[j] = slot_of(c, p0 + j);
-    const int many = NH == 1 && G >= GEMM_ROWS;
+    const int many = !few && NH == 1 && G >= GEMM_ROWS;
     if (many) scores_many(c, h0, G, qs, n, sbuf, slot, kt, fmt);
     else scores_few(c, h0, NH, G, qs, n, sbuf, slot, fmt);
     /* One exact softmax per row over the positions it attends, [lo, hi) of the n (row r's [begin, end) where
@@ -289,8 +291,8 @@ static inline __attribute__((always_inline)) void decode_fast(const ctx_t *c, in
 /* decode_fast for the cache's format (a constant in each call, so the loads compile without a branch) */
 void decode_fast_any(const ctx_t *c, int h0, int NH, int G, float (*qs)[MAX_D], int p0, int n, float *m,
                             float *l, float (*acc)[MAX_D], float *sbuf, size_t *slot, float *kt, const int *begin,
-                            const int *end) {
-#define FAST(FMT) decode_fast(c, h0, NH, G, qs, p0, n, m, l, acc, sbuf, slot, kt, begin, end, FMT)
+                            const int *end, int few) {
+#define FAST(FMT) decode_fast(c, h0, NH, G, qs, p0, n, m, l, acc, sbuf, slot, kt, begin, end, few, FMT)
     switch (c->fmt) {
         case TM_KV_F32: FAST(TM_KV_F32); break;
         case TM_KV_BF16: FAST(TM_KV_BF16); break;
