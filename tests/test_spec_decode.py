@@ -112,9 +112,16 @@ def test_mismatched_drafts_are_refused(llama, tiny_text_model, tmp_path):
 def _reference_lookup(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
     for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
         suffix = tokens[-n:]
-        for i in range(len(tokens) - n - 1, -1, -1):       # the latest earlier occurrence
-            if tokens[i:i + n] == suffix:
-                return tokens[i + n:i + n + k]
+        starts = [i for i in range(len(tokens) - n) if tokens[i:i + n] == suffix]     # earlier occurrences
+        if starts:
+            latest = tokens[starts[-1] + n:starts[-1] + n + k]
+            if len(starts) == 1:
+                return latest
+            before = tokens[starts[-2] + n:starts[-2] + n + k]     # the guess is what the two latest agree on
+            agree = 0
+            while agree < min(len(latest), len(before)) and latest[agree] == before[agree]:
+                agree += 1
+            return latest[:agree]
     return []
 
 

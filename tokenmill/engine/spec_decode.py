@@ -79,25 +79,34 @@ class SpeculativeConfig:
 
 
 class NgramIndex:
-    """Where each n-gram of a request's tokens last ended (the position after it), built as the tokens grow, so a
-    lookup costs O(prompt_lookup_max) however long the request is."""
+    """Where each n-gram of a request's tokens last ended (the position after it) and where it ended the time before,
+    built as the tokens grow, so a lookup costs O(prompt_lookup_max) however long the request is."""
 
     def __init__(self, lo: int, hi: int):
         self.lo, self.hi = lo, hi
-        self.ends: dict[tuple[int, ...], int] = {}
+        self.ends: dict[tuple[int, ...], tuple[int, int]] = {}    # n-gram -> (latest end, the one before or -1)
         self.indexed = 0                  # n-grams ending before this position are in ends
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix."""
+        """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix, as far as they
+        agree with what followed the occurrence before it: where two earlier continuations part (a field's value in
+        a list of records), a guess would be a coin toss, and a wrong one costs a row of the batch."""
         last = len(tokens) - 1           # the suffix itself ends at last; index only what ends before it
         for end in range(self.indexed, last):
             for n in range(self.lo, min(self.hi, end + 1) + 1):
-                self.ends[tuple(tokens[end + 1 - n:end + 1])] = end + 1
+                key = tuple(tokens[end + 1 - n:end + 1])
+                self.ends[key] = (end + 1, self.ends.get(key, (-1, -1))[0])
         self.indexed = max(self.indexed, last)
         for n in range(min(self.hi, len(tokens)), self.lo - 1, -1):
-            pos = self.ends.get(tuple(tokens[len(tokens) - n:]))
+            pos, before = self.ends.get(tuple(tokens[len(tokens) - n:]), (None, -1))
             if pos is not None:
-                return tokens[pos:pos + k]
+                guess = tokens[pos:pos + k]
+                if before >= 0:
+                    agree = 0
+                    while agree < len(guess) and tokens[before + agree] == guess[agree]:
+                        agree += 1
+                    guess = guess[:agree]
+                return guess
         return []
 
 
