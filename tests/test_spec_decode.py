@@ -395,6 +395,30 @@ def test_metrics_count_guesses(llama):
         server.stop()
 
 
+def test_the_ceiling_replay_counts_what_the_engine_did(llama):
+    """benchmarks/spec_ceiling.py replays a text under other guessing rules: replaying the engine's own rule must
+    give the engine's steps and guesses, and its ceiling must never guess wrong."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "spec_ceiling.py"
+    spec = importlib.util.spec_from_file_location("spec_ceiling", path)
+    ceiling = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ceiling)
+    k, lo, hi, max_tokens = 3, 2, 4, 40
+    llm = LLM(llama, **ENGINE, speculative_config=ngram(k, prompt_lookup_min=lo, prompt_lookup_max=hi))
+    texts = []
+    for p in repetitive_prompts(6, seed=3):       # one at a time, as the benchmark's stream
+        out = llm.generate([p], SamplingParams(temperature=0, max_tokens=max_tokens))[0]
+        texts.append((list(out.prompt_token_ids), list(out.outputs[0].token_ids)))
+    st = llm.llm_engine.stats
+    tokens = sum(len(o) - 1 for _, o in texts)
+    assert st.spec_num_accepted_tokens > 0
+    assert ceiling.replay(texts, ceiling.lookup(k, lo, hi), max_tokens) == (
+        tokens - st.spec_num_accepted_tokens, st.spec_num_draft_tokens)
+    steps, guesses = ceiling.replay(texts, ceiling.ceiling(k), max_tokens)
+    assert steps + guesses == tokens and steps <= tokens - st.spec_num_accepted_tokens
+
+
 @pytest.mark.slow
 def test_greedy_tokens_identical_on_the_bundled_model():
     """The bundled quantised bfloat16 model on the grounded requests the benchmark runs: a verification's rows get
