@@ -69,6 +69,26 @@ TM_INLINE vf lane_scales(const float *d, int n) {
                                      (__m512)load_floats(d, n));
 }
 TM_INLINE vf to_float(vi8 v) { return (vf)_mm512_cvtepi32_ps(v); }
+/* lane r of the result: the sum of v[r]'s lanes, for LANES vectors at once (a tree of shuffles, a few operations a
+ * vector where a lone sum takes eight); each lane's sum is taken in the same order whatever its r */
+TM_INLINE vf sum_each(const vf v[LANES]) {
+    __m512 h[8], q[4];
+    for (int i = 0; i < 8; i++)     /* halves added: a | b, 8 lanes each */
+        h[i] = _mm512_add_ps(_mm512_shuffle_f32x4((__m512)v[2 * i], (__m512)v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4((__m512)v[2 * i], (__m512)v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)     /* quarters added: 128-bit lane c holds vector 4i + c's 4 lanes */
+        q[i] = _mm512_add_ps(_mm512_shuffle_f32x4(h[2 * i], h[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(h[2 * i], h[2 * i + 1], 0xDD));
+    const __m512 s0 = _mm512_add_ps(_mm512_unpacklo_ps(q[0], q[1]), _mm512_unpackhi_ps(q[0], q[1]));
+    const __m512 s1 = _mm512_add_ps(_mm512_unpacklo_ps(q[2], q[3]), _mm512_unpackhi_ps(q[2], q[3]));
+    const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(s0, s1, 0x44), _mm512_shuffle_ps(s0, s1, 0xEE));
+    /* lane 4c + i now holds vector 4i + c */
+    return (vf)_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
+TM_INLINE void store_floats(float *p, vf v, int n) {   /* the first n lanes */
+    if (n == LANES) _mm512_storeu_ps(p, (__m512)v);
+    else _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), (__m512)v);
+}
 #else
 TM_INLINE vi8 load_bytes(const void *p, int bytes) {   /* W, 16 or none */
     return bytes == W    ? _mm256_loadu_si256((const __m256i *)p)
@@ -103,6 +123,17 @@ TM_INLINE vf lane_scales(const float *d, int n) {
     return (vf)_mm256_permutevar8x32_ps((__m256)load_floats(d, n), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
 }
 TM_INLINE vf to_float(vi8 v) { return (vf)_mm256_cvtepi32_ps(v); }
+TM_INLINE vf sum_each(const vf v[LANES]) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps((__m256)v[0], (__m256)v[1]), _mm256_hadd_ps((__m256)v[2], (__m256)v[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps((__m256)v[4], (__m256)v[5]), _mm256_hadd_ps((__m256)v[6], (__m256)v[7]));
+    /* a: vectors 0..3's low-half sums, then their high-half sums; b: 4..7's */
+    return (vf)_mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+TM_INLINE void store_floats(float *p, vf v, int n) {
+    if (n == LANES) _mm256_storeu_ps(p, (__m256)v);
+    else _mm256_maskstore_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+                             (__m256)v);
+}
 #endif
 
 /* int32 lanes: sums of four u8 x s8 products (Q8_0's signed codes split by sign_apart first) */
@@ -122,17 +153,17 @@ TM_INLINE vi8 dot_s8s8(vi8 w, vi8 x) {
  * codes lie, G blocks a vector, a block a 128-bit lane: per tail vector, W bytes of each block's positions 0 .. 15,
  * then W of 16 .. 31, matching the low and high nibbles.
  * q8 goes a vector of codes (G / 2 blocks, 8 lanes each) at a time, x in its own order.
- * dxs: per step (q4: group or tail vector), each lane's block dx (zero past the last block); s: per block,
- * dx * sum(xq). */
+ * dxs: per step (q4: group or tail vector), each lane's block dx (zero past the last block); sx (q4): per step,
+ * dx * sum(xq) of each lane's block where its codes begin (a group's every lane, a tail block's first of 4 lanes),
+ * zero elsewhere, so that Q4's offsets m enter beside the scales, once a block. */
 #define TAIL_MAX (2 * G)
 
 typedef struct {
     int8_t *xq;         /* [B][bytes] */
     float *dxs;         /* [B][steps * LANES] */
-    float *s;           /* [B][nb16]: nb rounded up to 16, zero past nb */
+    float *sx;          /* [B][steps * LANES] (q4) */
     int groups, steps;  /* q4: whole (or masked) groups, then steps - groups tail vectors; q8: steps vectors */
     size_t group_bytes, bytes;  /* a group's (q4) or a step's (q8); all of an input's */
-    int nb16;
 } xint8;
 
 TM_INLINE int lane_block(int L) { return G * (L % 4) + L / 4; }
@@ -155,16 +186,15 @@ static int round_x(int q4, const float *x, int B, int K, xint8 *r) {
         r->group_bytes = W;
         r->bytes = (size_t)r->steps * W;
     }
-    r->nb16 = (nb + 15) / 16 * 16;
     r->xq = calloc((size_t)B * r->bytes, 1);
     r->dxs = calloc((size_t)B * r->steps * LANES, sizeof(float));
-    r->s = calloc((size_t)B * r->nb16, sizeof(float));
-    if (!r->xq || !r->dxs || !r->s) return -2;
+    r->sx = calloc((size_t)B * r->steps * LANES, sizeof(float));
+    if (!r->xq || !r->dxs || !r->sx) return -2;
     int lane_of[LANES];     /* the lane each block of a q4 group takes */
     for (int L = 0; L < LANES; L++) lane_of[lane_block(L)] = L;
     const int grouped = q4 ? (natural ? nb / LANES * LANES : nb) : 0;   /* blocks before the q4 tail */
     for (int b = 0; b < B; b++) {
-        float *dxs = r->dxs + (size_t)b * r->steps * LANES, *s = r->s + (size_t)b * r->nb16;
+        float *dxs = r->dxs + (size_t)b * r->steps * LANES, *sx = r->sx + (size_t)b * r->steps * LANES;
         for (int i = 0; i < nb; i++) {
             const float *v = x + (size_t)b * K + (size_t)i * QK;
             float amax = 0.f;
@@ -176,7 +206,6 @@ static int round_x(int q4, const float *x, int B, int K, xint8 *r) {
                 q[j] = (int8_t)__builtin_rintf(v[j] * id);    /* nearest, ties to even */
                 sum += q[j];
             }
-            s[i] = dx * (float)sum;
             if (q4 && i < grouped) {
                 const int step = i / LANES, L = lane_of[i % LANES];
                 int8_t *o = xq_at(r, b, step);
@@ -185,12 +214,14 @@ static int round_x(int q4, const float *x, int B, int K, xint8 *r) {
                     memcpy(o + (size_t)(2 * k + 1) * W + 4 * L, q + 16 + 4 * k, 4);
                 }
                 dxs[(size_t)step * LANES + L] = dx;
+                sx[(size_t)step * LANES + L] = dx * (float)sum;
             } else if (q4) {
                 const int step = r->groups + (i - grouped) / G, a = (i - grouped) % G;
                 int8_t *o = xq_at(r, b, step);
                 memcpy(o + 16 * a, q, 16);
                 memcpy(o + W + 16 * a, q + 16, 16);
                 for (int l = 0; l < 4; l++) dxs[(size_t)step * LANES + 4 * a + l] = dx;
+                sx[(size_t)step * LANES + 4 * a] = dx * (float)sum;
             } else {
                 const int step = i / (G / 2), at = i % (G / 2);
                 memcpy(xq_at(r, b, step) + 32 * at, q, 32);
@@ -201,9 +232,11 @@ static int round_x(int q4, const float *x, int B, int K, xint8 *r) {
     return 0;
 }
 
-/* ---- one weight row against B inputs (B a constant at each call site: accumulators in registers) -------- */
+/* ---- one weight row against B inputs (B a constant at each call site: accumulators in registers) --------
+ * Each input's LANES partial sums go to out (a vector every ostride floats), to be added up with a task's other
+ * rows (sum_each). */
 TM_INLINE void row_q4(const uint8_t *codes, const float *d, const float *m, int nb, const xint8 *x, int b0, int B,
-                      float *y, size_t ystride) {
+                      float *out, size_t ostride) {
     vf acc[I8_MAX_B];
 #pragma GCC unroll 8
     for (int b = 0; b < B; b++) acc[b] = (vf){0};
@@ -215,7 +248,7 @@ TM_INLINE void row_q4(const uint8_t *codes, const float *d, const float *m, int 
             raw[v] = load_bytes(codes + (size_t)g * 4 * W + (size_t)v * W, left >= W ? W : left > 0 ? left : 0);
         }
         transpose4(raw, c);
-        const vf dw = group_scales(d + (size_t)g * LANES, blocks);
+        const vf dw = group_scales(d + (size_t)g * LANES, blocks), mw = group_scales(m + (size_t)g * LANES, blocks);
         vi8 lo[4], hi[4];
         for (int k = 0; k < 4; k++) lo[k] = low_nibbles(c[k]), hi[k] = high_nibbles(c[k]);
 #pragma GCC unroll 8
@@ -229,34 +262,31 @@ TM_INLINE void row_q4(const uint8_t *codes, const float *d, const float *m, int 
                 t = add16(t, maddubs(hi[k], load_bytes(xq + (2 * k + 1) * W, W)));
             }
             t = widen_sum16(t);
-            const vf dx = load_floats(x->dxs + ((size_t)(b0 + b) * x->steps + g) * LANES, LANES);
-            acc[b] = vfma(to_float(t), dw * dx, acc[b]);
+            const size_t at = ((size_t)(b0 + b) * x->steps + g) * LANES;
+            acc[b] = vfma(to_float(t), dw * load_floats(x->dxs + at, LANES), acc[b]);
+            acc[b] = vfma(mw, load_floats(x->sx + at, LANES), acc[b]);
         }
     }
     for (int v = x->groups; v < x->steps; v++) {   /* the tail as the codes lie, a block a 128-bit lane */
         const int first = x->groups * LANES + (v - x->groups) * G, blocks = nb - first < G ? nb - first : G;
         const vi8 c = load_bytes(codes + (size_t)first * 16, 16 * blocks);
         const vi8 lo = low_nibbles(c), hi = high_nibbles(c);
-        const vf dw = lane_scales(d + first, blocks);
+        const vf dw = lane_scales(d + first, blocks), mw = lane_scales(m + first, blocks);
 #pragma GCC unroll 8
         for (int b = 0; b < B; b++) {
             const int8_t *xq = xq_at(x, b0 + b, v);
             const vi8 t = widen_sum16(add16(maddubs(lo, load_bytes(xq, W)), maddubs(hi, load_bytes(xq + W, W))));
-            const vf dx = load_floats(x->dxs + ((size_t)(b0 + b) * x->steps + v) * LANES, LANES);
-            acc[b] = vfma(to_float(t), dw * dx, acc[b]);
+            const size_t at = ((size_t)(b0 + b) * x->steps + v) * LANES;
+            acc[b] = vfma(to_float(t), dw * load_floats(x->dxs + at, LANES), acc[b]);
+            acc[b] = vfma(mw, load_floats(x->sx + at, LANES), acc[b]);
         }
     }
 #pragma GCC unroll 8
-    for (int b = 0; b < B; b++) {   /* the offsets, sum over blocks of m * dx * sum(xq), LANES blocks a vector */
-        const float *s = x->s + (size_t)(b0 + b) * x->nb16;
-        for (int i = 0; i < nb; i += LANES)
-            acc[b] = vfma(load_floats(m + i, nb - i < LANES ? nb - i : LANES), load_floats(s + i, LANES), acc[b]);
-        y[(size_t)(b0 + b) * ystride] = vhsum(acc[b]);
-    }
+    for (int b = 0; b < B; b++) vstore(out + (size_t)b * ostride, acc[b]);
 }
 
-TM_INLINE void row_q8(const int8_t *codes, const float *d, int nb, const xint8 *x, int b0, int B, float *y,
-                      size_t ystride) {
+TM_INLINE void row_q8(const int8_t *codes, const float *d, int nb, const xint8 *x, int b0, int B, float *out,
+                      size_t ostride) {
     vf acc[I8_MAX_B];
 #pragma GCC unroll 8
     for (int b = 0; b < B; b++) acc[b] = (vf){0};
@@ -274,11 +304,12 @@ TM_INLINE void row_q8(const int8_t *codes, const float *d, int nb, const xint8 *
         }
     }
 #pragma GCC unroll 8
-    for (int b = 0; b < B; b++) y[(size_t)(b0 + b) * ystride] = vhsum(acc[b]);
+    for (int b = 0; b < B; b++) vstore(out + (size_t)b * ostride, acc[b]);
 }
 
 #define PF_ROWS 8           /* rows ahead whose blocks are asked for */
 #define ROWS_PER_TASK 16    /* whole rows a task takes: their codes stay in L1 while every chunk of inputs passes */
+_Static_assert(ROWS_PER_TASK % LANES == 0, "a task's rows are added up LANES at a time");
 
 int qmatmul_int8(int q4, const float *x, int B, int K, int N, const uint8_t *codes, const float *d,
                  const float *m, float *y, int num_threads) {
@@ -291,7 +322,11 @@ int qmatmul_int8(int q4, const float *x, int B, int K, int N, const uint8_t *cod
 #pragma omp parallel for schedule(static) num_threads(num_threads)
         for (int t = 0; t < tasks; t++) {
             const int n0 = t * ROWS_PER_TASK, n1 = n0 + ROWS_PER_TASK < N ? n0 + ROWS_PER_TASK : N;
-            for (int b0 = 0; b0 < B; b0 += I8_MAX_B)
+            /* each input's partial sums of the task's rows, [input][row][LANES]; rows past N stay zero */
+            float tile[I8_MAX_B * ROWS_PER_TASK * LANES] __attribute__((aligned(64)));
+            if (n1 - n0 < ROWS_PER_TASK) memset(tile, 0, sizeof tile);
+            for (int b0 = 0; b0 < B; b0 += I8_MAX_B) {
+                const int bc = B - b0 < I8_MAX_B ? B - b0 : I8_MAX_B;
                 for (int n = n0; n < n1; n++) {
                     if (n + PF_ROWS < N) {   /* rows sit back to back: ask for a later row's blocks ahead of use */
                         const uint8_t *pc = codes + (size_t)(n + PF_ROWS) * row_bytes;
@@ -303,9 +338,10 @@ int qmatmul_int8(int q4, const float *x, int B, int K, int N, const uint8_t *cod
                     }
                     const uint8_t *c = codes + (size_t)n * row_bytes;
                     const float *dn = d + (size_t)n * nb, *mn = q4 ? m + (size_t)n * nb : NULL;
-                    float *yn = y + n;
-#define ROW(BC) (q4 ? row_q4(c, dn, mn, nb, &xr, b0, BC, yn, N) : row_q8((const int8_t *)c, dn, nb, &xr, b0, BC, yn, N))
-                    switch (B - b0 < I8_MAX_B ? B - b0 : I8_MAX_B) {
+                    float *out = tile + (size_t)(n - n0) * LANES;
+                    const size_t os = (size_t)ROWS_PER_TASK * LANES;
+#define ROW(BC) (q4 ? row_q4(c, dn, mn, nb, &xr, b0, BC, out, os) : row_q8((const int8_t *)c, dn, nb, &xr, b0, BC, out, os))
+                    switch (bc) {
                         case 1: ROW(1); break;
                         case 2: ROW(2); break;
                         case 3: ROW(3); break;
@@ -319,11 +355,20 @@ int qmatmul_int8(int q4, const float *x, int B, int K, int N, const uint8_t *cod
                     }
 #undef ROW
                 }
+                for (int b = 0; b < bc; b++)
+                    for (int r = 0; r < n1 - n0; r += LANES) {
+                        vf v[LANES];
+                        for (int i = 0; i < LANES; i++)
+                            v[i] = vload(tile + ((size_t)b * ROWS_PER_TASK + r + i) * LANES);
+                        const int rows = n1 - n0 - r < LANES ? n1 - n0 - r : LANES;
+                        store_floats(y + (size_t)(b0 + b) * N + n0 + r, sum_each(v), rows);
+                    }
+            }
         }
     }
     free(xr.xq);
     free(xr.dxs);
-    free(xr.s);
+    free(xr.sx);
     return rc;
 }
 #endif
