@@ -7,7 +7,14 @@
   2. offline-64 (`tokenmill bench throughput`), where the random prompts give the lookup little to find.
 
   .venv/bin/python benchmarks/spec_decode.py [--k 3] [--lookup-min 2] [--lookup-max 4] [--pairs 3]
-      [--out results/NAME.json]
+      [--llama-server PATH] [--out results/NAME.json]
+
+The peers, on the same GGUF and the same prompt tokens, off and on in the same pairs (ratios are each engine's own):
+  - llama.cpp's prompt lookup as Python users call it: llama-cpp-python's LlamaPromptLookupDecoding, k tokens a
+    guess from suffixes of up to --lookup-max tokens (peer_spec_llamacpp.py; the venv is made on first use, as
+    run.py makes it);
+  - with --llama-server, a llama-server binary built from llama.cpp: --spec-type ngram-simple, a lookup of
+    --lookup-min tokens and guesses of k.
 
 Guesses come from the n-gram lookup, or with --draft PATH from a draft model; --draft-layers N cuts one from the
 bundled model (its first N layers, make_layer_draft.py), and --draft self uses the bundled model as its own draft.
@@ -21,9 +28,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
+from run import PEERS, ensure_llamacpp
+
 ROOT = Path(__file__).resolve().parent.parent
+GROUNDED = ROOT / "tokenmill" / "bench" / "data" / "grounded.json"
 STREAM = r'''
 import json, sys
 from tokenmill import LLM, SamplingParams
@@ -55,6 +66,52 @@ def stream(spec: dict | None) -> dict:
     return run([sys.executable, "-c", STREAM, json.dumps(spec)])
 
 
+def grounded_prompts(path: Path) -> dict:
+    """The stream's prompts as token ids (the bundled model's chat template) and its stop ids, for the peers."""
+    from tokenmill import LLM
+    from tokenmill.tokenizer import apply_chat_template
+    llm = LLM()
+    reqs = json.loads(GROUNDED.read_text())["requests"]
+    ids = [apply_chat_template(llm.get_tokenizer(),
+                               [{"role": "user", "content": r["instruction"] + "\n\n" + r["text"]}]) for r in reqs]
+    spec = {"prompts": ids, "stop": sorted(llm.model_config.eos_token_ids)}
+    path.write_text(json.dumps(spec))
+    return spec
+
+
+def llamacpp_stream(py: Path, gguf: str, prompts: Path, k: int, ngram: int) -> dict:
+    return run([str(py), str(ROOT / "benchmarks" / "peer_spec_llamacpp.py"), gguf, str(prompts), "256", "2", str(k),
+                str(ngram)])
+
+
+def server_stream(binary: str, gguf: str, prompts: dict, k: int, ngram: int, port: int = 8137) -> dict:
+    """llama-server, one request at a time; decode tok/s from its own timings (predicted_n over predicted_ms)."""
+    spec_args = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(ngram),
+                 "--spec-ngram-simple-size-m", str(k)] if k else []
+    proc = subprocess.Popen([binary, "-m", gguf, "-t", "2", "-c", "4096", "--port", str(port), *spec_args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                if urllib.request.urlopen(url + "/health", timeout=5).status == 200:
+                    break
+            except OSError:
+                time.sleep(0.1)
+        tokens, ms, drafted, accepted = 0, 0.0, 0, 0
+        for ids in prompts["prompts"]:
+            body = json.dumps({"prompt": ids, "n_predict": 256, "temperature": 0, "cache_prompt": False}).encode()
+            req = urllib.request.Request(url + "/completion", body, {"Content-Type": "application/json"})
+            t = json.loads(urllib.request.urlopen(req, timeout=600).read())["timings"]
+            tokens, ms = tokens + t["predicted_n"], ms + t["predicted_ms"]
+            drafted, accepted = drafted + t.get("draft_n", 0), accepted + t.get("draft_n_accepted", 0)
+        return {"decode_tok_s": 1e3 * tokens / ms, "decode_tokens": tokens,
+                "acceptance_rate": accepted / drafted if drafted else 0.0}
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 def offline(spec: dict | None) -> dict:
     cmd = [sys.executable, "-m", "tokenmill.cli", "bench", "throughput", "--preset", "offline-64", "--json"]
     return run(cmd + (["--speculative-config", json.dumps(spec)] if spec else []))
@@ -69,6 +126,10 @@ def main() -> int:
     ap.add_argument("--skip-offline", action="store_true")
     ap.add_argument("--draft", default=None, help="a draft model's path, or 'self'")
     ap.add_argument("--draft-layers", type=int, default=None, help="a draft of the bundled model's first N layers")
+    ap.add_argument("--skip-llamacpp", action="store_true", help="no llama-cpp-python peer")
+    ap.add_argument("--llamacpp-venv", type=Path, default=PEERS / "llamacpp",
+                    help="a venv with llama-cpp-python (made with the PyPI build on first use)")
+    ap.add_argument("--llama-server", default=None, help="a llama-server binary built from llama.cpp: a second peer")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     from tokenmill.executor.kernels import machine_record
@@ -86,15 +147,35 @@ def main() -> int:
     if draft is not None:
         spec = {"method": "draft_model", "num_speculative_tokens": args.k,
                 "model": resolve_model_path(None) if draft == "self" else draft}
+    gguf = resolve_model_path(None)
+    if Path(gguf).is_dir():
+        gguf = str(next(Path(gguf).glob("*.gguf")))
+    prompts_path = Path(tempfile.mkdtemp()) / "grounded-ids.json"
+    prompts = grounded_prompts(prompts_path)
+    peers = {}     # name -> (off, on) callables; the peers guess by n-gram lookup, so only beside it
+    py = None if args.skip_llamacpp or draft is not None else ensure_llamacpp(args.llamacpp_venv)
+    if py is not None:
+        peers["llama-cpp-python"] = tuple(
+            (lambda k=k: llamacpp_stream(py, gguf, prompts_path, k, args.lookup_max)) for k in (0, args.k))
+    if args.llama_server and draft is None:
+        peers["llama-server"] = tuple(
+            (lambda k=k: server_stream(args.llama_server, gguf, prompts, k, args.lookup_min)) for k in (0, args.k))
     rows: dict[str, list] = {"stream": [], "offline64": []}
     for i in range(args.pairs):
         order = (None, spec) if i % 2 == 0 else (spec, None)     # alternate, so drift favours neither
         r = {json.dumps(s): stream(s) for s in order}
         off, on = r["null"], r[json.dumps(spec)]
-        rows["stream"].append({"off": off, "on": on, "ratio": on["decode_tok_s"] / off["decode_tok_s"]})
+        row = {"off": off, "on": on, "ratio": on["decode_tok_s"] / off["decode_tok_s"], "peers": {}}
+        rows["stream"].append(row)
         print(f"stream pair {i + 1}: off {off['decode_tok_s']:.1f} tok/s, on {on['decode_tok_s']:.1f} tok/s "
-              f"(ratio {rows['stream'][-1]['ratio']:.2f}, acceptance {on['acceptance_rate']:.2f}, "
+              f"(ratio {row['ratio']:.2f}, acceptance {on['acceptance_rate']:.2f}, "
               f"{on['mean_accepted_length']:.2f} tokens a verification)", flush=True)
+        for name, arms in peers.items():
+            got = {j: arms[j]() for j in ((0, 1) if i % 2 == 0 else (1, 0))}
+            p_off, p_on = got[0], got[1]
+            row["peers"][name] = {"off": p_off, "on": p_on, "ratio": p_on["decode_tok_s"] / p_off["decode_tok_s"]}
+            print(f"  {name}: off {p_off['decode_tok_s']:.1f} tok/s, on {p_on['decode_tok_s']:.1f} tok/s "
+                  f"(ratio {row['peers'][name]['ratio']:.2f})", flush=True)
         if not args.skip_offline:
             r = {json.dumps(s): offline(s) for s in order}
             off, on = r["null"], r[json.dumps(spec)]
@@ -112,6 +193,9 @@ def main() -> int:
         if rows[name]:
             res[f"{name}_median_ratio"] = statistics.median(p["ratio"] for p in rows[name])
             print(f"{name}: median on / off {res[f'{name}_median_ratio']:.3f}")
+    for name in peers:
+        res[f"{name}_median_ratio"] = statistics.median(p["peers"][name]["ratio"] for p in rows["stream"])
+        print(f"{name}: median on / off {res[f'{name}_median_ratio']:.3f}")
     if args.out:
         args.out.write_text(json.dumps(res, indent=1) + "\n")
     return 0
