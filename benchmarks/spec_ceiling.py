@@ -34,6 +34,11 @@ CEILING_MAX_N = 8          # the longest suffix the ceiling looks up
 MAX_TOKENS = 256           # each request's, as in spec_decode.py
 
 
+def grounded_texts() -> list[str]:
+    """The grounded requests as the stream's user messages: the instruction, a blank line, the text."""
+    return [r["instruction"] + "\n\n" + r["text"] for r in json.loads(GROUNDED.read_text())["requests"]]
+
+
 def stream(llm: LLM, prompts: list[str]) -> tuple[list[tuple[list[int], list[int]]], float, dict]:
     """(prompt ids, output ids) per request, the decode seconds, and the engine's counters over these requests."""
     st = llm.llm_engine.stats
@@ -100,7 +105,7 @@ def main() -> int:
     from tokenmill.executor.kernels import machine_record
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
             "prompt_lookup_max": args.lookup_max}
-    prompts = [r["instruction"] + "\n\n" + r["text"] for r in json.loads(GROUNDED.read_text())["requests"]]
+    prompts = grounded_texts()
     runs: dict[str, list] = {"off": [], "on": []}
     for i in range(args.rounds):
         for name in (("off", "on") if i % 2 == 0 else ("on", "off")):

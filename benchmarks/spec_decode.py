@@ -32,20 +32,19 @@ import urllib.request
 from pathlib import Path
 
 from run import PEERS, ensure_llamacpp
+from spec_ceiling import grounded_texts
 
 ROOT = Path(__file__).resolve().parent.parent
-GROUNDED = ROOT / "tokenmill" / "bench" / "data" / "grounded.json"
 STREAM = r'''
 import json, sys
 from tokenmill import LLM, SamplingParams
-spec = json.loads(sys.argv[1])
+spec, texts = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 llm = LLM(speculative_config=spec)
-reqs = json.load(open("tokenmill/bench/data/grounded.json"))["requests"]
 p = SamplingParams(temperature=0, max_tokens=256)
 llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=8))      # warm-up
 tokens = seconds = 0
-for r in reqs:
-    out = llm.chat([{"role": "user", "content": r["instruction"] + "\n\n" + r["text"]}], p)[0]
+for text in texts:
+    out = llm.chat([{"role": "user", "content": text}], p)[0]
     m = out.metrics
     tokens += len(out.outputs[0].token_ids) - 1
     seconds += m.last_token_time - m.first_token_time
@@ -63,7 +62,7 @@ def run(cmd: list[str]) -> dict:
 
 
 def stream(spec: dict | None) -> dict:
-    return run([sys.executable, "-c", STREAM, json.dumps(spec)])
+    return run([sys.executable, "-c", STREAM, json.dumps(spec), json.dumps(grounded_texts())])
 
 
 def grounded_prompts(path: Path) -> dict:
@@ -71,9 +70,7 @@ def grounded_prompts(path: Path) -> dict:
     from tokenmill import LLM
     from tokenmill.tokenizer import apply_chat_template
     llm = LLM()
-    reqs = json.loads(GROUNDED.read_text())["requests"]
-    ids = [apply_chat_template(llm.get_tokenizer(),
-                               [{"role": "user", "content": r["instruction"] + "\n\n" + r["text"]}]) for r in reqs]
+    ids = [apply_chat_template(llm.get_tokenizer(), [{"role": "user", "content": t}]) for t in grounded_texts()]
     spec = {"prompts": ids, "stop": sorted(llm.model_config.eos_token_ids)}
     path.write_text(json.dumps(spec))
     return spec

@@ -124,8 +124,10 @@ TM_INLINE vf lane_scales(const float *d, int n) {
 }
 TM_INLINE vf to_float(vi8 v) { return (vf)_mm256_cvtepi32_ps(v); }
 TM_INLINE vf sum_each(const vf v[LANES]) {
-    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps((__m256)v[0], (__m256)v[1]), _mm256_hadd_ps((__m256)v[2], (__m256)v[3]));
-    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps((__m256)v[4], (__m256)v[5]), _mm256_hadd_ps((__m256)v[6], (__m256)v[7]));
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps((__m256)v[0], (__m256)v[1]),
+                                    _mm256_hadd_ps((__m256)v[2], (__m256)v[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps((__m256)v[4], (__m256)v[5]),
+                                    _mm256_hadd_ps((__m256)v[6], (__m256)v[7]));
     /* a: vectors 0..3's low-half sums, then their high-half sums; b: 4..7's */
     return (vf)_mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
@@ -188,8 +190,8 @@ static int round_x(int q4, const float *x, int B, int K, xint8 *r) {
     }
     r->xq = calloc((size_t)B * r->bytes, 1);
     r->dxs = calloc((size_t)B * r->steps * LANES, sizeof(float));
-    r->sx = calloc((size_t)B * r->steps * LANES, sizeof(float));
-    if (!r->xq || !r->dxs || !r->sx) return -2;
+    r->sx = q4 ? calloc((size_t)B * r->steps * LANES, sizeof(float)) : NULL;
+    if (!r->xq || !r->dxs || (q4 && !r->sx)) return -2;
     int lane_of[LANES];     /* the lane each block of a q4 group takes */
     for (int L = 0; L < LANES; L++) lane_of[lane_block(L)] = L;
     const int grouped = q4 ? (natural ? nb / LANES * LANES : nb) : 0;   /* blocks before the q4 tail */
@@ -340,7 +342,8 @@ int qmatmul_int8(int q4, const float *x, int B, int K, int N, const uint8_t *cod
                     const float *dn = d + (size_t)n * nb, *mn = q4 ? m + (size_t)n * nb : NULL;
                     float *out = tile + (size_t)(n - n0) * LANES;
                     const size_t os = (size_t)ROWS_PER_TASK * LANES;
-#define ROW(BC) (q4 ? row_q4(c, dn, mn, nb, &xr, b0, BC, out, os) : row_q8((const int8_t *)c, dn, nb, &xr, b0, BC, out, os))
+#define ROW(BC) (q4 ? row_q4(c, dn, mn, nb, &xr, b0, BC, out, os) \
+                    : row_q8((const int8_t *)c, dn, nb, &xr, b0, BC, out, os))
                     switch (bc) {
                         case 1: ROW(1); break;
                         case 2: ROW(2); break;
