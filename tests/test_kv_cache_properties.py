@@ -26,14 +26,34 @@ def make_request(i: int, plen: int, max_tokens: int, family: int) -> Request:
     return Request(str(i), prompt, SamplingParams(max_tokens=max_tokens), 0.0, max_tokens, ())
 
 
-def _sampled(out, accept: int) -> dict[str, list[int]]:
+def _sampled(sched: Scheduler, out, accept: int) -> dict[str, list[int]]:
     """Tokens for the requests that reached their end: the first `accept` of their guesses and one more."""
     res = {}
-    for r, k in zip(out.reqs, out.num_scheduled):
-        guesses = out.spec_token_ids.get(r.request_id, [])
-        if r.num_computed_tokens + k - len(guesses) == r.num_tokens:
-            res[r.request_id] = guesses[:accept] + [5]
+    for s in out.scheduled:
+        r = sched.requests[s.req_id]
+        if r.num_computed_tokens + s.num_tokens - len(s.spec_token_ids) == r.num_tokens:
+            res[r.request_id] = list(s.spec_token_ids[:accept]) + [5]
     return res
+
+
+def _mirror(runner_tables: dict[str, list[list[int]]], out) -> None:
+    """What the runner keeps of the block tables, from the step's deltas alone."""
+    for rid in out.finished_req_ids:
+        runner_tables.pop(rid, None)
+    for s in out.scheduled:
+        tables = runner_tables.setdefault(s.req_id, [[] for _ in s.block_deltas])
+        for table, (keep, new) in zip(tables, s.block_deltas):
+            del table[keep:]
+            table.extend(new)
+
+
+def _check_mirror(runner_tables: dict[str, list[list[int]]], kv, out) -> None:
+    """The runner's tables equal the manager's wherever a block is still held (a window's freed entries may stay
+    stale: no query attends them)."""
+    for s in out.scheduled:
+        for mine, theirs in zip(runner_tables[s.req_id], kv.tables_of(s.req_id)):
+            assert len(mine) == len(theirs)
+            assert all(b == t for b, t in zip(mine, theirs) if t != NO_BLOCK)
 
 
 WINDOW = 6     # the hybrid cache's window groups (Gemma's local layers), in tokens
@@ -48,6 +68,7 @@ def test_random_operations_keep_integrity(ops, num_blocks, budget, caching, hybr
         KVCacheManager(num_blocks, BS, enable_caching=caching)
     sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=budget, max_model_len=64), kv)
     live: list[Request] = []
+    runner_tables: dict[str, list[list[int]]] = {}
     accept = 0
     for n, op in enumerate(ops):
         if op[0] == "add":
@@ -65,11 +86,14 @@ def test_random_operations_keep_integrity(ops, num_blocks, budget, caching, hybr
                 assert kv.can_allocate(r, 3) == copy.deepcopy(kv).allocate_slots(r, 3)
             out = sched.schedule()
             assert out.total_tokens <= budget
-            for r in out.reqs:       # a window group has given back the blocks its window passed
+            _mirror(runner_tables, out)
+            _check_mirror(runner_tables, kv, out)
+            for s in out.scheduled:       # a window group has given back the blocks its window passed
+                r = sched.requests[s.req_id]
                 for table in kv.tables_of(r.request_id)[1:]:
                     passed = max(0, r.num_computed_tokens - WINDOW + 1) // BS
                     assert all(b == NO_BLOCK for b in table[:passed]), "a window group kept a passed block"
-            sched.update(out, _sampled(out, accept))
+            sched.update(out, _sampled(sched, out, accept))
             for r in list(sched.running):
                 if len(r.output_token_ids) >= r.max_tokens:
                     sched.finish(r, RequestStatus.FINISHED_LENGTH)
@@ -90,7 +114,9 @@ def test_random_operations_keep_integrity(ops, num_blocks, budget, caching, hybr
             break
         out = sched.schedule()
         assert not out.is_empty, "scheduler made no progress with requests waiting"
-        sched.update(out, _sampled(out, 0))
+        _mirror(runner_tables, out)
+        _check_mirror(runner_tables, kv, out)
+        sched.update(out, _sampled(sched, out, 0))
         for r in list(sched.running):
             if len(r.output_token_ids) >= r.max_tokens:
                 sched.finish(r, RequestStatus.FINISHED_LENGTH)

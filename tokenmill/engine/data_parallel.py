@@ -15,7 +15,8 @@ import torch
 
 from tokenmill.config import CacheConfig
 from tokenmill.engine.async_engine import AsyncLLM, EngineState, IterationHook, QueueFullError, RequestStream
-from tokenmill.engine.engine import LLMEngine, PromptType, default_kv_budget
+from tokenmill.engine.engine import LLMEngine, PromptType
+from tokenmill.executor.loading import default_kv_budget
 from tokenmill.engine.replica import RemoteReplica
 from tokenmill.engine.router import Router, check_routing
 from tokenmill.executor.cpus import available_cpus

@@ -11,7 +11,7 @@ when it could guess (a full pool, a busy step), though never its distribution.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -19,7 +19,9 @@ from tokenmill.config import ModelConfig
 from tokenmill.engine.kv_cache_manager import HybridKVCacheManager, KVCacheManager
 from tokenmill.engine.spec_decode import SpeculativeConfig, guess_room
 from tokenmill.executor.runner import ModelRunner
-from tokenmill.executor.sampler import SamplingInput
+from tokenmill.executor.sampler import SamplingInput, make_generator
+
+DRAFT_SEED_SALT = 0x5EED_D2AF7      # a seeded request's draft stream: another seed than its verification's
 
 
 @dataclass
@@ -28,6 +30,8 @@ class DraftState:
     request: Any                                        # the request it follows (a reused id starts over)
     fed: list[int] = field(default_factory=list)        # the tokens whose K/V the draft's cache holds, in order
     verified: int = 0                                   # fed[:verified] are the request's own tokens, not guesses
+    # a seeded request's guesses draw from a stream of their own: the target's verification draws from the seed's
+    generator: Optional[torch.Generator] = None
 
     @property
     def request_id(self) -> str:
@@ -91,7 +95,11 @@ class DraftModelProposer:
             prefilling = req.num_computed_tokens < req.num_tokens - 1
             if budget <= 0 or req.is_pooling or req.grammar is not None or not (room > 0 or prefilling):
                 continue
-            st = self.states.setdefault(req.request_id, DraftState(req))
+            st = self.states.get(req.request_id)
+            if st is None:
+                seed = req.params.seed
+                st = self.states[req.request_id] = DraftState(req, generator=None if seed is None else make_generator(
+                    seed ^ DRAFT_SEED_SALT, self.runner.device))
             # what it fed past `verified` were guesses: it keeps those the step accepted, never the last token
             keep = st.verified + _common_prefix(st.fed[st.verified:], req.all_token_ids[st.verified:-1])
             del st.fed[keep:]
@@ -129,7 +137,7 @@ class DraftModelProposer:
             drafting = [batch[i][0] for i in rows]
             tokens, probs = self.runner.sampler.draw(logits[torch.tensor(rows, device=logits.device)], [
                 SamplingInput(req.params, req.prompt_token_ids, req.output_token_ids + req.spec_token_ids,
-                              req.generator, req.bad_words_token_ids) for req in drafting])
+                              st.generator, req.bad_words_token_ids) for req, st, *_ in (batch[i] for i in rows)])
             for req, tok, q in zip(drafting, tokens, probs):
                 req.spec_token_ids.append(tok)
                 if q is not None:

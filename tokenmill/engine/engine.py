@@ -16,26 +16,28 @@ from typing import Any, Iterable, Optional, Union
 
 import torch
 
-from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_dtype
+from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_dtype
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.draft_model import DraftModelProposer, check_draft_config, check_draft_tokenizer
 from tokenmill.engine.kv_cache_manager import blocks_for, make_kv_manager
 from tokenmill.engine.request import Request, RequestStatus
-from tokenmill.engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from tokenmill.engine.scheduler import Scheduler, SchedulerStats
 from tokenmill.engine.spec_decode import NgramProposer, SpeculativeConfig
 from tokenmill.engine.structured_output import StructuredOutputManager, StructuredOutputsConfig
 from tokenmill.executor.cpus import thread_policy
 from tokenmill.executor.kernels.isa import choose as choose_isa
-from tokenmill.executor.loader import Checkpoint, open_checkpoint, quantized_at_load, resolve_model_path
+from tokenmill.executor.loader import open_checkpoint, resolve_model_path
+from tokenmill.executor.loading import load_model, open_model, size_kv_cache
 from tokenmill.executor.models.decoder import DecoderForCausalLM
-from tokenmill.executor.ops import make_ops
 from tokenmill.executor.parallel import (TensorParallelRunner, TPGroup, WorkerSpec, check_tensor_parallel,
                                          local_threads, shard_config, sharded_checkpoint, start_ranks, stop_workers)
-from tokenmill.executor.runner import ModelRunner, RunnerOutput
-from tokenmill.executor.sampler import bad_words_to_token_ids, check_params_for_vocab, make_generator
+from tokenmill.executor.gpu_runner import GpuRunner
+from tokenmill.executor.runner import CpuRunner, ModelRunner, RunnerOutput
+from tokenmill.executor.sampler import bad_words_to_token_ids, check_params_for_vocab
 from tokenmill.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
 from tokenmill.pooling_params import PoolingParams, check_pooling_type
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.scheduler_output import SchedulerOutput
 
 PromptType = Union[str, list[int], dict]
 log = logging.getLogger("tokenmill.engine")
@@ -119,54 +121,6 @@ def pick_device(device: Optional[str]) -> torch.device:
     return dev
 
 
-def load_model(path: str, mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int,
-               ckpt: Checkpoint, quantized_kernels: bool = True, cpu_kernels: str = "auto",
-               int8_activations: bool = True, tp: Optional["TPGroup"] = None) -> DecoderForCausalLM:
-    """tp: the tensor-parallel group of a rank's share of a split model (mc and ckpt are that share's)."""
-    ops = make_ops(device, dtype, cpu_kernels, int8_activations)     # the execution plan: what serves each op, chosen once
-    ops.tp = tp
-    with torch.device("meta"):
-        model = DecoderForCausalLM(mc, max_len, ops)
-    model.make_rotary(max_len, device)
-    # quantised matrices stay in their blocks on CPU; quantized_kernels=False (or a GPU) dequantises them
-    keep_blocks = quantized_kernels and device.type == "cpu"
-    model.load_weights(ckpt.tensors(keep_blocks=keep_blocks), dtype, device)
-    model.finalize()
-    ops.prepare(model)
-    ckpt.release()
-    return model.eval()
-
-
-def open_model(path: str, quantization: Optional[str], device: torch.device) -> tuple[Checkpoint, ModelConfig]:
-    """A checkpoint (quantised at load when asked) and its config."""
-    ckpt = open_checkpoint(path)
-    if quantization is not None:
-        if device.type != "cpu":
-            raise ValueError("quantization= quantises for the CPU kernels; on a GPU load the float checkpoint")
-        ckpt = quantized_at_load(ckpt, quantization)
-    return ckpt, ModelConfig.from_hf_dict(ckpt.config)
-
-
-def _available_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 * 2 ** 30
-
-
-def default_kv_budget(device: torch.device, share: float) -> int:
-    """The KV cache's bytes when no size is given: a share of the free memory (on CPU at most 4 GiB: plenty for
-    CPU batch sizes, and it keeps start-up fast)."""
-    budget = int(_available_memory_bytes(device) * share)
-    return min(budget, 4 * 2 ** 30) if device.type == "cpu" else budget
-
-
 class LLMEngine:
     def __init__(self, model: Optional[str] = None, *, dtype: Optional[str] = None, device: Optional[str] = None,
                  block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
@@ -243,10 +197,16 @@ class LLMEngine:
             draft_model = load_model(draft_path, self.draft_config.model_config, torch_dtype, dev, max_model_len,
                                      draft_ckpt, quantized_kernels, cpu_kernels, int8_activations)
         try:
-            num_blocks = self._size_kv_cache()
+            self.runner = self._runner(self.config, self.model, threads, tp, workers)
+            runners = [self.runner]
+            if self.draft_config is not None:
+                runners.append(self._runner(self.draft_config, draft_model, threads))
+            num_blocks = self._size_kv_cache(sum(r.memory_reserved() for r in runners))
             if tp is not None:
                 tp.send(num_blocks)
-            self.runner = self._runner(self.config, self.model, num_blocks, threads, tp, workers)
+            for r in runners:
+                r.allocate_kv_cache(num_blocks)
+                r.warm_up()
         except BaseException:
             if tp is not None:      # the workers wait for a message that will not come
                 stop_workers(tp, workers)
@@ -263,7 +223,7 @@ class LLMEngine:
             dmc = self.draft_config.model_config
             check_draft_tokenizer(self.tokenizer, self._load_tokenizer(self.draft_config.model))
             self.proposer = DraftModelProposer(
-                spec_config, self._runner(self.draft_config, draft_model, num_blocks, threads),
+                spec_config, runners[1],
                 make_kv_manager(num_blocks, block_size, False, dmc.kv_groups.windows),
                 max_model_len, max_num_batched_tokens)
         elif spec_config is not None and use_kv_cache:
@@ -296,49 +256,27 @@ class LLMEngine:
         extra = 0 if self.draft_config is None else ModelRunner.kv_bytes_per_block(self.draft_config)
         return ModelRunner.kv_bytes_per_block(self.config) + extra
 
-    def _runner(self, config: EngineConfig, model: DecoderForCausalLM, num_blocks: int, threads,
-                tp: Optional[TPGroup] = None, workers: list = ()) -> ModelRunner:
-        """The model's runner with its KV cache allocated (rank 0's, which sends the workers each step, under
-        tensor parallelism); running out of memory doing so is a ValueError that names the budget it tried."""
-        try:
-            if tp is not None:
-                return TensorParallelRunner(config, model, num_blocks, threads, group=tp, workers=list(workers))
-            return ModelRunner(config, model, num_blocks, threads)
-        except RuntimeError as e:       # torch.OutOfMemoryError on a GPU, the allocator's RuntimeError on CPU
-            if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
-                raise
-            cc = config.cache_config
-            asked = f"kv_cache_memory_gb={cc.kv_cache_memory_gb}" if cc.kv_cache_memory_gb is not None else \
-                "a share of the free memory"
-            gib = num_blocks * ModelRunner.kv_bytes_per_block(config) / 2 ** 30
-            raise ValueError(f"out of memory on {config.device} allocating the KV cache: {num_blocks:,} blocks of "
-                             f"{cc.block_size} tokens, {gib:,.2f} GiB ({asked}); lower kv_cache_memory_gb, or free "
-                             f"memory on the device") from None
+    @staticmethod
+    def _runner(config: EngineConfig, model: DecoderForCausalLM, threads, tp: Optional[TPGroup] = None,
+                workers: list = ()) -> ModelRunner:
+        """The model's runner for its device (rank 0's, which sends the workers each step, under tensor
+        parallelism); its KV cache is allocated once the cache is sized."""
+        if tp is not None:
+            return TensorParallelRunner(config, model, threads, group=tp, workers=list(workers))
+        if config.device.type == "cpu":
+            return CpuRunner(config, model, threads)
+        return GpuRunner(config, model)
 
-    def _size_kv_cache(self) -> int:
+    def _size_kv_cache(self, reserved: int) -> int:
+        """Blocks for the KV cache (and a draft model's beside it): at least one request of max_model_len."""
         cfg = self.config
-        per_block = self.kv_bytes_per_block()
-        if cfg.cache_config.kv_cache_memory_gb is not None:
-            budget = int(cfg.cache_config.kv_cache_memory_gb * 2 ** 30)
-            origin = f"kv_cache_memory_gb={cfg.cache_config.kv_cache_memory_gb}"
-        else:
-            share = 0.8 if cfg.device.type == "cuda" else cfg.cache_config.memory_utilization
-            # tensor-parallel ranks on this machine share its memory
-            budget = default_kv_budget(cfg.device, share) // self._local_ranks
-            origin = f"{share:.0%} of free memory"
-        num_blocks = budget // per_block
         bs = cfg.cache_config.block_size
         max_len = cfg.scheduler_config.max_model_len
         windows = cfg.model_config.kv_groups.windows
         if len(windows) == 1 and windows[0] is not None:
             max_len = min(max_len, windows[0] + 2 * bs)
         need = blocks_for(windows, bs, max_len) if len(windows) > 1 else -(-max_len // bs)
-        if num_blocks < need:
-            raise ValueError(
-                f"the KV cache ({origin}: {num_blocks} blocks of {bs} tokens) cannot hold even one request of "
-                f"max_model_len={cfg.scheduler_config.max_model_len} tokens ({need} blocks, "
-                f"{need * per_block / 2 ** 30:.3f} GiB); raise kv_cache_memory_gb or lower max_model_len")
-        return int(num_blocks)
+        return size_kv_cache(cfg, self.kv_bytes_per_block(), need, reserved, self._local_ranks)
 
     # ---- requests in -----------------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
@@ -404,7 +342,6 @@ class LLMEngine:
                 params, n=1, seed=None if params.seed is None else params.seed + i)
             req = Request(cid, ids, p, arrival, max_tokens, mc.eos_token_ids, text, bad_words)
             req.group_id = request_id
-            req.generator = make_generator(p.seed, self.config.device)
             if so is not None:
                 req.grammar = self.structured_outputs.new_request_grammar(so, ids)
             if self.tokenizer is not None and p.detokenize:
@@ -460,22 +397,24 @@ class LLMEngine:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            self.runner.forget(sched.finished_req_ids)
             return []
-        masks = self.structured_outputs.fill_bitmasks(self._sampling_grammars(sched))   # while the model runs
-        out = self.runner.execute(sched, [self.kv.tables_of(r.request_id) for r in sched.reqs], masks)
+        reqs = [self.scheduler.requests[s.req_id] for s in sched.scheduled]
+        masks = self.structured_outputs.fill_bitmasks(self._sampling_grammars(sched, reqs))   # while the model runs
+        out = self.runner.execute(sched, masks)
         self.scheduler.update(sched, out.sampled)
-        outputs = self._process(sched.reqs, out)
+        outputs = self._process(reqs, out)
         if self.proposer is not None:
             self.proposer.propose(self.scheduler.running)
         self._record(sched, out, time.perf_counter() - t0)
         return outputs
 
     @staticmethod
-    def _sampling_grammars(sched: SchedulerOutput) -> dict:
+    def _sampling_grammars(sched: SchedulerOutput, reqs: list[Request]) -> dict:
         """The grammars of the constrained requests that sample this step (those whose scheduled tokens reach their
         end)."""
-        return {r.request_id: r.grammar for r, n in zip(sched.reqs, sched.num_scheduled)
-                if r.grammar is not None and r.num_computed_tokens + n == r.num_tokens}
+        return {r.request_id: r.grammar for r, s in zip(reqs, sched.scheduled)
+                if r.grammar is not None and r.num_computed_tokens + s.num_tokens == r.num_tokens}
 
     def _process(self, reqs: list[Request], out: RunnerOutput) -> list[Union[RequestOutput, PoolingRequestOutput]]:
         """Stop checks and outputs for the requests that got a token this step, and the pooling requests that
@@ -594,10 +533,11 @@ class LLMEngine:
 
     def _record(self, sched: SchedulerOutput, out: RunnerOutput, seconds: float) -> None:
         s = self.stats
-        for rid, guesses in sched.spec_token_ids.items():
-            s.spec_num_drafts += 1
-            s.spec_num_draft_tokens += len(guesses)
-            s.spec_num_accepted_tokens += len(out.sampled.get(rid, [None])) - 1
+        for r in sched.scheduled:
+            if r.spec_token_ids:
+                s.spec_num_drafts += 1
+                s.spec_num_draft_tokens += len(r.spec_token_ids)
+                s.spec_num_accepted_tokens += len(out.sampled.get(r.req_id, [None])) - 1
         st = self.scheduler.stats(sched)
         s.num_steps += 1
         s.prefill_tokens += sched.num_prefill_tokens
@@ -606,9 +546,9 @@ class LLMEngine:
             s.prefill_time_s += seconds
         else:
             s.decode_time_s += seconds
-        s.num_preemptions += len(sched.preempted)
+        s.num_preemptions += len(sched.preempted_req_ids)
         s.prefix_cache_queries, s.prefix_cache_hits = self.kv.num_queries, self.kv.num_hits
         s.max_kv_blocks_used = max(s.max_kv_blocks_used, self.kv.num_used_blocks)
-        s.sum_batch_size += len(sched.reqs)
+        s.sum_batch_size += len(sched.scheduled)
         s.last_step = st
         self.step_history.append((seconds, st))

@@ -47,7 +47,6 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: Optional[int | str] = None
         self.num_preemptions = 0
-        self.generator: Optional[torch.Generator] = None   # the engine seeds one on the logits' device
         self.bad_words_token_ids = bad_words_token_ids or []
         self.metrics = RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids))
         self.logprobs: list[dict[int, Logprob]] = []
@@ -60,6 +59,10 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.spec_draft_probs: Optional[list[torch.Tensor]] = None    # a draft model's q of each guess (sampling)
         self.ngram_index: Any = None
+        # what the runner holds of it: whether it was sent, and how many leading entries of each KV group's block
+        # table it has (a step sends the rest)
+        self.runner_knows = False
+        self.blocks_synced: list[int] = []
 
     @property
     def num_tokens(self) -> int:

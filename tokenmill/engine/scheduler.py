@@ -12,30 +12,13 @@ while another's n=1 waits for all of them.
 from __future__ import annotations
 
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 import time
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.request import Request, RequestStatus
-
-
-@dataclass
-class SchedulerOutput:
-    reqs: list[Request]                    # in batch order
-    num_scheduled: list[int]               # tokens of each request computed this step (guesses included)
-    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)   # the guesses this step verifies
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.reqs
+from tokenmill.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
 
 
 @dataclass
@@ -58,17 +41,21 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}      # every unfinished request, by id
         self.total_preemptions = 0
+        self._finished: list[str] = []              # finished since the last step, for the runner to forget
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+        self.requests[req.request_id] = req
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        out = SchedulerOutput([], [])
+        out = SchedulerOutput(finished_req_ids=self._finished)
+        self._finished = []
         # 1. running requests: their next token (decode) or their next prompt chunk
         i = 0
         while i < len(self.running) and budget > 0:
@@ -81,7 +68,7 @@ class Scheduler:
                     continue
                 victim = self.running.pop()          # the newest request gives its blocks back
                 self._preempt(victim)
-                out.preempted.append(victim)
+                out.preempted_req_ids.append(victim.request_id)
                 if victim is req:
                     break
             if req.status is not RequestStatus.RUNNING:
@@ -91,7 +78,8 @@ class Scheduler:
             i += 1
         # 2. waiting requests, in arrival order (preempted ones were put back at the front), groups taking turns
         seats = Counter(r.group_id for r in self.running) if self.waiting else Counter()
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not out.preempted:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
+                and not out.preempted_req_ids:
             req = self._next_waiting(seats)
             hit_blocks, hit_tokens = ([], 0)
             if req.num_computed_tokens == 0:
@@ -140,18 +128,29 @@ class Scheduler:
         return n
 
     def _add_to_batch(self, out: SchedulerOutput, req: Request, n: int) -> None:
-        out.reqs.append(req)
-        out.num_scheduled.append(n)
-        guesses = n - (req.num_tokens - req.num_computed_tokens)
-        if guesses > 0:
-            out.spec_token_ids[req.request_id] = req.spec_token_ids[:guesses]
-        if n == 1 + max(guesses, 0) and req.output_token_ids and req.num_computed_tokens == req.num_tokens - 1:
+        guesses = max(n - (req.num_tokens - req.num_computed_tokens), 0)
+        tables = self.kv.tables_of(req.request_id)
+        if len(req.blocks_synced) != len(tables):
+            req.blocks_synced = [0] * len(tables)
+        deltas = tuple((k, tuple(t[k:])) for k, t in zip(req.blocks_synced, tables))
+        req.blocks_synced = [len(t) for t in tables]
+        new = None
+        if not req.runner_knows:
+            req.runner_knows = True
+            new = NewRequestData(req.request_id, tuple(req.prompt_token_ids), req.params,
+                                 req.pooling_type if req.is_pooling else None,
+                                 tuple(tuple(w) for w in req.bad_words_token_ids))
+        out.scheduled.append(ScheduledRequest(
+            req.request_id, n, req.num_computed_tokens, deltas, tuple(req.spec_token_ids[:guesses]),
+            tuple(req.spec_draft_probs[:guesses]) if guesses and req.spec_draft_probs is not None else None, new))
+        if n == 1 + guesses and req.output_token_ids and req.num_computed_tokens == req.num_tokens - 1:
             out.num_decode_tokens += n
         else:
             out.num_prefill_tokens += n
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        req.blocks_synced = []          # the runner's tables of it are stale: they are sent whole again
         req.spec_token_ids, req.spec_draft_probs = [], None
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
@@ -163,17 +162,19 @@ class Scheduler:
         """Advance computed counts; append the tokens sampled for requests that reached their end. A request that
         verified guesses got the accepted ones and one more: the KV of the rejected ones is dropped (its count rolled
         back, blocks that only they used returned)."""
-        for req, n in zip(out.reqs, out.num_scheduled):
-            if req.status is not RequestStatus.RUNNING:
+        for s in out.scheduled:
+            req = self.requests.get(s.req_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
                 continue
-            req.num_computed_tokens += n
+            req.num_computed_tokens += s.num_tokens
             toks = sampled.get(req.request_id)
             if toks is None:
                 continue
-            guesses = out.spec_token_ids.get(req.request_id)
-            if guesses:
-                req.num_computed_tokens -= len(guesses) - (len(toks) - 1)
+            if s.spec_token_ids:
+                req.num_computed_tokens -= len(s.spec_token_ids) - (len(toks) - 1)
                 self.kv.trim(req)
+                req.blocks_synced = [min(k, len(t)) for k, t in zip(req.blocks_synced,
+                                                                     self.kv.tables_of(req.request_id))]
             req.spec_token_ids, req.spec_draft_probs = [], None    # spent: the proposer guesses again
             for tok in toks:
                 req.append_token(tok)
@@ -183,6 +184,8 @@ class Scheduler:
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Take a request out (finished or aborted) and return its blocks."""
         req.status = status
+        if self.requests.pop(req.request_id, None) is not None and req.runner_knows:
+            self._finished.append(req.request_id)
         if req in self.running:
             self.running.remove(req)
         else:
@@ -197,5 +200,5 @@ class Scheduler:
             num_running=len(self.running), num_waiting=len(self.waiting),
             num_prefill_tokens=out.num_prefill_tokens, num_decode_tokens=out.num_decode_tokens,
             kv_blocks_used=self.kv.num_used_blocks, kv_usage=self.kv.usage,
-            num_preemptions=len(out.preempted),
+            num_preemptions=len(out.preempted_req_ids),
             prefix_cache_queries=self.kv.num_queries, prefix_cache_hits=self.kv.num_hits)

@@ -24,8 +24,9 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+from tokenmill.scheduler_output import MAX_SPECULATIVE_TOKENS
+
 METHODS = ("ngram", "draft_model")
-MAX_SPECULATIVE_TOKENS = 16       # more guesses than this are rarely all right, and each costs a row of the batch
 
 
 @dataclass(frozen=True)

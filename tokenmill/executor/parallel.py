@@ -36,7 +36,8 @@ import torch.distributed as dist
 from tokenmill.config import ModelConfig
 from tokenmill.executor.cpus import available_cpus
 from tokenmill.executor.loader import Checkpoint, quantized_at_load
-from tokenmill.executor.runner import ModelRunner
+from tokenmill.executor.batch import ForwardBatch
+from tokenmill.executor.runner import CpuRunner
 
 # the families that split: the Llama layout (q/k/v, o, gate/up, down), Phi-3's (q/k/v and gate/up fused in the
 # file: each part split), Gemma's, the Mixture-of-Experts kin's (every expert split as an MLP, the router whole) and
@@ -377,7 +378,7 @@ def _worker_main(rank: int, size: int, port: int, env: dict[str, str]) -> None:
 def serve_rank(group: TPGroup) -> None:
     """A worker rank: build its share of the model from the spec rank 0 sends, then run the steps it sends."""
     from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig
-    from tokenmill.engine.engine import load_model, open_model
+    from tokenmill.executor.loading import load_model, open_model
     from tokenmill.executor.cpus import FixedThreads
     spec: WorkerSpec = group.receive()
     rank, size = group.rank, group.size
@@ -394,13 +395,14 @@ def serve_rank(group: TPGroup) -> None:
     config = EngineConfig(spec.path, part, CacheConfig(spec.block_size, cache_dtype=spec.kv_cache_dtype),
                           SchedulerConfig(max_model_len=spec.max_model_len), spec.dtype, dev, spec.attention_backend,
                           False, spec.cpu_kernels)
-    runner = ModelRunner(config, model, num_blocks, FixedThreads(threads))
+    runner = CpuRunner(config, model, FixedThreads(threads))
+    runner.allocate_kv_cache(num_blocks)
     hidden = None
     with torch.inference_mode():
         while True:
             msg = group.receive()
             if msg[0] == "forward":
-                hidden = runner._forward(*msg[1])
+                hidden = runner._forward(msg[1])
             elif msg[0] == "logits":
                 runner.model.compute_logits(hidden[msg[1]])
             else:
@@ -408,7 +410,7 @@ def serve_rank(group: TPGroup) -> None:
                 return
 
 
-class TensorParallelRunner(ModelRunner):
+class TensorParallelRunner(CpuRunner):
     """Rank 0's runner: each step's inputs, and each logits call's rows, go to the workers first (one message
     each), then rank 0 runs its own share."""
 
@@ -420,9 +422,9 @@ class TensorParallelRunner(ModelRunner):
     def alive(self) -> bool:
         return not self.group.broken and all(p.is_alive() for p in self.workers)
 
-    def _forward(self, *args) -> torch.Tensor:
-        self.group.send(("forward", args))
-        return super()._forward(*args)
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        self.group.send(("forward", batch))
+        return super()._forward(batch)
 
     def _logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         self.group.send(("logits", rows))

@@ -3,30 +3,25 @@ requests, their rows of the final-norm hidden states reduced per request)."""
 from __future__ import annotations
 
 import concurrent.futures
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.scheduler import SchedulerOutput
-from tokenmill.engine.spec_decode import MAX_SPECULATIVE_TOKENS
-from tokenmill.executor.cpus import FixedThreads, ThreadGovernor
-from tokenmill.executor.memory import PageToucher, advise_huge_pages, keep_freed_memory
 from tokenmill.executor.attention import AttentionMetadata, get_backend
+from tokenmill.executor.batch import BatchBuilder, ForwardBatch, StepPlan, sampling_inputs
+from tokenmill.executor.cpus import FixedThreads, ThreadGovernor
 from tokenmill.executor.kv_cache import LayerKV
+from tokenmill.executor.memory import PageToucher, advise_huge_pages, keep_freed_memory
 from tokenmill.executor.models.decoder import DecoderForCausalLM
-from tokenmill.executor.sampler import Sampler, SamplingInput, compute_prompt_logprobs
+from tokenmill.executor.sampler import Sampler, compute_prompt_logprobs
 from tokenmill.outputs import Logprob
+from tokenmill.scheduler_output import SchedulerOutput
 
 
-# up to this many new tokens of a request attend as one-token decodes (the decode kernels' path, cheaper for few
-# rows): as many as a verification or a draft's catch-up after one (the guesses and one more)
-FEW_ROWS = MAX_SPECULATIVE_TOKENS + 1
-
-
-def accepted_length(guesses: list[int], drawn: list[int]) -> int:
+def accepted_length(guesses: tuple[int, ...], drawn: list[int]) -> int:
     """How many guesses stand: each must equal what the model drew at its position (drawn[j] follows guesses[:j])."""
     n = 0
     while n < len(guesses) and guesses[n] == drawn[n]:
@@ -46,8 +41,10 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: DecoderForCausalLM, num_blocks: int,
-                 threads: Union[ThreadGovernor, FixedThreads, None] = None):
+    """The device-neutral runner: the KV cache, the attention backend, the request states and the step. A device's
+    runner (CpuRunner, GpuRunner) decides how a step's batch reaches the model."""
+
+    def __init__(self, config: EngineConfig, model: DecoderForCausalLM):
         self.config = config
         self.model = model
         self.device = config.device
@@ -62,27 +59,50 @@ class ModelRunner:
             raise ValueError(f"kv_cache_dtype={config.cache_config.cache_dtype!r} cannot be served by the "
                              f"{self.backend.name!r} attention backend: {why_not}; choose another kv_cache_dtype "
                              f"('auto' always works)")
-        # one LayerKV per layer: K and V [num_blocks * block_size, kv_heads, head_dim] (flat slots), int8's scales.
-        # Untouched memory: start-up does not wait for the whole budget to be touched (kv_pages faults it in while
-        # the engine loads the tokenizer, and in a server between requests);
-        # attention reads only slots that this or an earlier step wrote (padding repeats a real slot)
-        # layers in groups (layout.py's KVGroups): cache tensor j serves layer j of every group, at its group's blocks
         self.groups = mc.kv_groups
-        tensors = [LayerKV.allocate(num_blocks * self.block_size, mc.cache_kv_heads, mc.cache_head_dim,
-                                    config.kv_cache_dtype, self.device, mc.cache_value_dim)
-                   for _ in range(self.groups.group_size)]
-        self.kv_caches = [tensors[j] for j in self.groups.layer_slot]
-        for kv in tensors:
-            for t in kv.tensors():
-                advise_huge_pages(t)
-        if self.device.type == "cpu":
-            keep_freed_memory()
-        self.backend.bind_kv_cache(self.kv_caches)
-        self.kv_pages = PageToucher(model.ops.kernels, [t for kv in tensors for t in kv.planes()])
+        self.num_blocks = 0
+        self.kv_tensors: list[LayerKV] = []
+        self.kv_caches: list[LayerKV] = []
         # the whole vocabulary, where a tensor-parallel rank's model holds its share of it
         vocab = mc.vocab_size * (model.ops.tp.size if model.ops.tp is not None else 1)
         self.sampler = Sampler(vocab, set(mc.eos_token_ids), model.ops.argmax)
-        self.threads = threads or FixedThreads(torch.get_num_threads())
+        self.builder = BatchBuilder(self.block_size, len(self.groups.windows), self.device)
+
+    def memory_reserved(self) -> int:
+        """Bytes this runner needs on its device besides the weights and the KV cache (a GPU's graphs), counted
+        before the KV cache is sized."""
+        return 0
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """One LayerKV per layer: K and V [slots, kv_heads, head_dim] (a flat view of [blocks, block_size, ...]),
+        int8's scales. Untouched memory: attention reads only slots that this or an earlier step wrote. Layers in
+        groups (layout.py's KVGroups): cache tensor j serves layer j of every group, at its group's blocks. Running
+        out of memory is a ValueError that names the budget it tried."""
+        mc, cfg = self.config.model_config, self.config
+        try:
+            self.kv_tensors = [LayerKV.allocate(self.num_slots(num_blocks), mc.cache_kv_heads, mc.cache_head_dim,
+                                                cfg.kv_cache_dtype, self.device, mc.cache_value_dim)
+                               for _ in range(self.groups.group_size)]
+        except RuntimeError as e:       # torch.OutOfMemoryError on a GPU, the allocator's RuntimeError on CPU
+            if not isinstance(e, torch.OutOfMemoryError) and "allocate" not in str(e):
+                raise
+            cc = cfg.cache_config
+            asked = f"kv_cache_memory_gb={cc.kv_cache_memory_gb}" if cc.kv_cache_memory_gb is not None else \
+                "a share of the free memory"
+            gib = num_blocks * self.kv_bytes_per_block(cfg) / 2 ** 30
+            raise ValueError(f"out of memory on {cfg.device} allocating the KV cache: {num_blocks:,} blocks of "
+                             f"{cc.block_size} tokens, {gib:,.2f} GiB ({asked}); lower kv_cache_memory_gb, or free "
+                             f"memory on the device") from None
+        self.num_blocks = num_blocks
+        self.kv_caches = [self.kv_tensors[j] for j in self.groups.layer_slot]
+        self.backend.bind_kv_cache(self.kv_caches)
+
+    def warm_up(self) -> None:
+        """Work done once before the first request (a GPU compiles its kernels and captures its graphs)."""
+
+    def num_slots(self, num_blocks: int) -> int:
+        """The KV cache's slots for num_blocks blocks (a runner may keep more, for padding rows)."""
+        return num_blocks * self.block_size
 
     @property
     def alive(self) -> bool:
@@ -90,11 +110,9 @@ class ModelRunner:
         return True
 
     def faulting_in_kv_cache(self) -> AbstractContextManager:
-        """A context during which the KV cache's pages are faulted in on a background thread, the first blocks of
-        every layer first (blocks are handed out from the lowest id up), resuming where the last one stopped: for
-        work that leaves a core idle (start-up, a server waiting for requests). A no-op off CPU, or without the
-        kernel library."""
-        return self.kv_pages.running()
+        """A context during which the KV cache's memory is made ready in the background, for work that leaves a
+        core idle (start-up, a server waiting for requests); a no-op where nothing needs it."""
+        return nullcontext()
 
     @staticmethod
     def kv_bytes_per_block(config: EngineConfig) -> int:
@@ -104,127 +122,103 @@ class ModelRunner:
                                           mc.cache_value_dim)
         return mc.kv_groups.group_size * config.cache_config.block_size * per_slot
 
+    def forget(self, req_ids: list[str]) -> None:
+        """Requests that finished: their state goes."""
+        self.builder.forget(req_ids)
+
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, block_tables: list[list[list[int]]],
-                token_bitmasks: Optional[concurrent.futures.Future] = None) -> RunnerOutput:
-        """block_tables: each request's table of each KV group; token_bitmasks: structured outputs' masks (request
-        id -> packed row), being written while the model runs."""
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[list[int]] = [[] for _ in self.groups.windows]
-        qsl = [0]
-        num_computed, seq_lens = [], []
-        sample_rows: list[int] = []        # row of each sampling request's last token
-        sample_reqs = []
-        prompt_lp_reqs = []                # (request, first row, number of rows) wanting prompt logprobs
-        pool_reqs = []                     # (request, first row, number of rows) of pooling requests
-        bs = self.block_size
-        # the attention's entries (one a request, or one a row of a verification): their tables, per group
-        tables: list[list[list[int]]] = [[] for _ in self.groups.windows]
-        for req, n, req_tables in zip(sched.reqs, sched.num_scheduled, block_tables):
-            start = req.num_computed_tokens
-            end = start + n
-            guesses = sched.spec_token_ids.get(req.request_id, [])
-            ids.extend(req.all_token_ids[start:end - len(guesses)] + guesses)
-            pos.extend(range(start, end))
-            for g, table in enumerate(req_tables):
-                slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            # a verification's rows attend as that many decodes of one token, each seeing the guesses before it:
-            # the decode kernels serve them (they write every row's K/V before reading), the cheaper path
-            for first, count in ((start + j, 1) for j in range(n)) if guesses else ((start, n),):
-                qsl.append(qsl[-1] + count)
-                num_computed.append(first)
-                seq_lens.append(first + count)
-                for g, table in enumerate(req_tables):
-                    tables[g].append(table)
-            if req.is_pooling:                 # no logits: its rows of the hidden states are the output
-                pool_reqs.append((req, qsl[-2], n))
-                continue
-            if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1 \
-                    and not req.output_token_ids:
-                prompt_lp_reqs.append((req, qsl[-2], min(end, req.num_prompt_tokens - 1) - start))
-            if end - len(guesses) == req.num_tokens:   # reached the end of what is known: sample the next token
-                # and, verifying guesses, the token after each one
-                sample_rows.extend(range(qsl[-1] - 1 - len(guesses), qsl[-1]))
-                sample_reqs.append((req, guesses))
-        dev = self.device
-        hidden = self._forward(ids, pos, slots, qsl, num_computed, seq_lens, tables)
+    def execute(self, sched: SchedulerOutput, token_bitmasks: Optional[concurrent.futures.Future] = None
+                ) -> RunnerOutput:
+        """token_bitmasks: structured outputs' masks (request id -> packed row), being written while the model runs."""
+        plan = self.builder.build(sched, self.builder.update(sched))
+        hidden = self._forward(plan.batch)
         out = RunnerOutput({})
-        for req, row, count in pool_reqs:
+        dev = self.device
+        for st, row, count in plan.pooling:
             rows = hidden[row:row + count]
-            part = rows.float().sum(0) if req.pooling_type == "MEAN" else rows[-1].float()
-            out.pooled[req.request_id] = (req.num_computed_tokens, part)
-        for req, row, count in prompt_lp_reqs:
+            part = rows.float().sum(0) if st.pooling_type == "MEAN" else rows[-1].float()
+            out.pooled[st.req_id] = (st.num_computed_tokens, part)
+        for st, row, count in plan.prompt_logprobs:
             logits = self._logits(hidden, torch.arange(row, row + count, device=dev))
-            start = req.num_computed_tokens
-            nxt = req.all_token_ids[start + 1:start + 1 + count]
-            lp = compute_prompt_logprobs(logits, nxt, req.params.prompt_logprobs)
-            out.prompt_logprobs[req.request_id] = ([None] if start == 0 else []) + lp
-        if sample_reqs:
-            logits = self._logits(hidden, torch.tensor(sample_rows, device=dev))   # [S, V]
+            start = st.num_computed_tokens
+            nxt = st.all_token_ids[start + 1:start + 1 + count]
+            lp = compute_prompt_logprobs(logits, nxt, st.params.prompt_logprobs)
+            out.prompt_logprobs[st.req_id] = ([None] if start == 0 else []) + lp
+        if plan.samplers:
+            logits = self._sample_logits(hidden, plan)                       # [S, V]
             masks = token_bitmasks.result() if token_bitmasks is not None else {}
-            # a guessed position samples as if the guesses before it were the request's tokens already; a draft
-            # model's guess brings the distribution it was drawn from
-            inputs = [SamplingInput(r.params, r.prompt_token_ids, r.output_token_ids + guesses[:j] if j else
-                                    r.output_token_ids, r.generator, r.bad_words_token_ids, masks.get(r.request_id),
-                                    *((guesses[j], r.spec_draft_probs[j]) if j < len(guesses) and
-                                      r.spec_draft_probs is not None else ()))
-                      for r, guesses in sample_reqs for j in range(len(guesses) + 1)]
-            res = self.sampler(logits, inputs)
+            res = self.sampler(logits, sampling_inputs(plan, masks))
             row = 0
-            for r, guesses in sample_reqs:
+            for st, guesses, _ in plan.samplers:
                 drawn = res.token_ids[row:row + len(guesses) + 1]
                 n = accepted_length(guesses, drawn) + 1
-                out.sampled[r.request_id] = drawn[:n]
-                if r.params.logprobs is not None:
-                    out.logprobs[r.request_id] = res.logprobs[row:row + n]
+                out.sampled[st.req_id] = drawn[:n]
+                if st.params.logprobs is not None:
+                    out.logprobs[st.req_id] = res.logprobs[row:row + n]
                 row += len(guesses) + 1
-        self.threads.tick()
+        self.builder.record(out.sampled)
         return out
 
     @torch.inference_mode()
     def last_logits(self, entries: list[tuple[list[int], int, list[list[int]]]]) -> torch.Tensor:
         """A draft model's pass: each entry's tokens (token ids, position of the first, its table of each KV group)
         are computed, their K/V written, and the logits of each entry's last token returned, [len(entries), V]."""
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[list[int]] = [[] for _ in self.groups.windows]
-        qsl = [0]
-        num_computed, seq_lens, last_rows = [], [], []
-        tables: list[list[list[int]]] = [[] for _ in self.groups.windows]
-        bs = self.block_size
-        for toks, start, req_tables in entries:
-            ids.extend(toks)
-            pos.extend(range(start, start + len(toks)))
-            for g, table in enumerate(req_tables):
-                slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, start + len(toks)))
-            # a catch-up of a few tokens attends as that many one-token decodes, as verification rows do
-            for first, count in (((start + j, 1) for j in range(len(toks))) if len(toks) <= FEW_ROWS
-                                 else ((start, len(toks)),)):
-                qsl.append(qsl[-1] + count)
-                num_computed.append(first)
-                seq_lens.append(first + count)
-                for g, table in enumerate(req_tables):
-                    tables[g].append(table)
-            last_rows.append(qsl[-1] - 1)
-        hidden = self._forward(ids, pos, slots, qsl, num_computed, seq_lens, tables)
+        batch, last_rows = self.builder.build_entries(entries)
+        hidden = self._forward(batch)
         return self._logits(hidden, torch.tensor(last_rows, device=self.device))
+
+    def _sample_logits(self, hidden: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        """float32 logits of the rows that sample."""
+        return self._logits(hidden, torch.tensor(plan.sample_rows, device=self.device))
 
     def _logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """float32 logits of these rows of the hidden states."""
         return self.model.compute_logits(hidden[rows])
 
-    def _forward(self, ids: list[int], pos: list[int], slots: list[list[int]], qsl: list[int],
-                 num_computed: list[int], seq_lens: list[int], tables: list[list[list[int]]]) -> torch.Tensor:
-        """One forward pass over the flattened rows: the final-norm hidden states, [rows, hidden]. slots and
-        tables: each KV group's."""
-        dev = self.device
-        # token ids, positions and each group's KV slots go to the device in one copy
-        rows = torch.tensor([ids, pos, *slots], dtype=torch.long)
-        if dev.type == "cuda":
-            rows = rows.pin_memory().to(dev, non_blocking=True)
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """One forward pass over the flattened rows: the final-norm hidden states, [rows, hidden]."""
+        raise NotImplementedError
+
+
+class CpuRunner(ModelRunner):
+    """The CPU's runner: the step's rows go to the model as host tensors; the KV cache's pages are faulted in while
+    a core idles, on huge pages where the kernel gives them; a thread governor follows the cores this process may
+    use."""
+
+    def __init__(self, config: EngineConfig, model: DecoderForCausalLM,
+                 threads: Union[ThreadGovernor, FixedThreads, None] = None):
+        super().__init__(config, model)
+        self.kv_pages = PageToucher(None, [])
+        self.threads = threads or FixedThreads(torch.get_num_threads())
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        super().allocate_kv_cache(num_blocks)
+        for kv in self.kv_tensors:
+            for t in kv.tensors():
+                advise_huge_pages(t)
+        keep_freed_memory()
+        # faulted in while the engine loads the tokenizer, and in a server between requests: start-up does not
+        # wait for the whole budget to be touched
+        self.kv_pages = PageToucher(self.model.ops.kernels, [t for kv in self.kv_tensors for t in kv.planes()])
+
+    def faulting_in_kv_cache(self) -> AbstractContextManager:
+        """The KV cache's pages faulted in on a background thread, the first blocks of every layer first (blocks are
+        handed out from the lowest id up), resuming where the last one stopped. A no-op without the kernel
+        library."""
+        return self.kv_pages.running()
+
+    def execute(self, sched: SchedulerOutput, token_bitmasks: Optional[concurrent.futures.Future] = None
+                ) -> RunnerOutput:
+        out = super().execute(sched, token_bitmasks)
+        self.threads.tick()
+        return out
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        # token ids, positions and each group's KV slots in one tensor
+        rows = torch.tensor([batch.ids, batch.pos, *batch.slots], dtype=torch.long)
         metas = [self.backend.prepare(AttentionMetadata(
-            slot_mapping=rows[2 + g], query_start_loc=qsl, num_computed=num_computed, seq_lens=seq_lens,
-            block_tables=tables[g], block_size=self.block_size, sliding_window=window, device=dev))
+            slot_mapping=rows[2 + g], query_start_loc=batch.qsl, num_computed=batch.num_computed,
+            seq_lens=batch.seq_lens, block_tables=batch.tables[g], block_size=self.block_size, sliding_window=window,
+            device=self.device))
             for g, window in enumerate(self.groups.windows)]
         return self.model(rows[0], rows[1], self.backend, metas)

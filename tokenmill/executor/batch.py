@@ -1,0 +1,202 @@
+"""The runner's side of the requests, and the one batch builder every device's runner uses.
+
+RequestState is what the runner keeps of a request between steps: its tokens, its block table of each KV group and
+its sampling state (a seeded generator). BatchBuilder applies each SchedulerOutput to those states (new requests,
+block ids appended, requests gone) and flattens the step into a ForwardBatch: every scheduled token of every request
+in one row order, each row's position and KV slot, and the attention's entries (a request, or one row of a
+verification) with their query starts, cached lengths and tables. Plain lists: a device's runner moves them (or only
+what changed) to its device."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from tokenmill.executor.sampler import SamplingInput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.scheduler_output import MAX_SPECULATIVE_TOKENS, ScheduledRequest, SchedulerOutput
+
+# up to this many new tokens of a request attend as one-token decodes (the decode kernels' path, cheaper for few
+# rows): as many as a verification or a draft's catch-up after one (the guesses and one more)
+FEW_ROWS = MAX_SPECULATIVE_TOKENS + 1
+
+
+@dataclass
+class RequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    params: Optional[SamplingParams]            # None: a pooling request
+    pooling_type: Optional[str] = None
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    generator: Optional[torch.Generator] = None
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)      # each KV group's block table
+    num_computed_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.params is None
+
+
+@dataclass
+class ForwardBatch:
+    """One forward pass's rows, flattened: token ids, positions, each KV group's slots; the attention's entries
+    (query start offsets, tokens cached before, lengths after, each group's tables)."""
+    ids: list[int]
+    pos: list[int]
+    slots: list[list[int]]
+    qsl: list[int]
+    num_computed: list[int]
+    seq_lens: list[int]
+    tables: list[list[list[int]]]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.ids)
+
+    @property
+    def decode_only(self) -> bool:
+        """Every entry has one query row (decodes, verification rows)."""
+        return len(self.qsl) - 1 == len(self.ids)
+
+
+@dataclass
+class StepPlan:
+    """What a step does with the forward pass's rows besides attending: which rows sample (the last row of each
+    request that reached its end, and each guessed row), which rows give prompt logprobs, which rows a pooling request
+    reduces."""
+    batch: ForwardBatch
+    sample_rows: list[int] = field(default_factory=list)
+    samplers: list[tuple[RequestState, tuple[int, ...], Optional[tuple]]] = field(default_factory=list)
+    prompt_logprobs: list[tuple[RequestState, int, int]] = field(default_factory=list)    # (state, row, count)
+    pooling: list[tuple[RequestState, int, int]] = field(default_factory=list)
+
+
+class BatchBuilder:
+    def __init__(self, block_size: int, num_groups: int, device: torch.device):
+        self.block_size = block_size
+        self.num_groups = num_groups
+        self.device = device                        # where seeded requests' generators draw
+        self.states: dict[str, RequestState] = {}
+
+    def update(self, sched: SchedulerOutput) -> list[RequestState]:
+        """Apply a step's changes; the scheduled requests' states, in batch order."""
+        self.forget(sched.finished_req_ids)
+        states = []
+        for s in sched.scheduled:
+            st = self.states.get(s.req_id) if s.new is None else self._add(s)
+            for table, (keep, new) in zip(st.tables, s.block_deltas):
+                del table[keep:]
+                table.extend(new)
+            st.num_computed_tokens = s.num_computed_tokens
+            states.append(st)
+        return states
+
+    def forget(self, req_ids: list[str]) -> None:
+        for rid in req_ids:
+            self.states.pop(rid, None)
+
+    def _add(self, s: ScheduledRequest) -> RequestState:
+        n = s.new
+        generator = None
+        if n.params is not None and n.params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(n.params.seed)
+        st = RequestState(n.req_id, list(n.prompt_token_ids), n.params, n.pooling_type,
+                          [list(w) for w in n.bad_words_token_ids], generator, [], list(n.prompt_token_ids),
+                          [[] for _ in range(self.num_groups)])
+        self.states[n.req_id] = st
+        return st
+
+    def record(self, sampled: dict[str, list[int]]) -> None:
+        """The tokens a step gave each request (as the engine appends them)."""
+        for rid, toks in sampled.items():
+            st = self.states.get(rid)
+            if st is not None:
+                st.output_token_ids.extend(toks)
+                st.all_token_ids.extend(toks)
+
+    def build(self, sched: SchedulerOutput, states: list[RequestState]) -> StepPlan:
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[list[int]] = [[] for _ in range(self.num_groups)]
+        qsl = [0]
+        num_computed, seq_lens = [], []
+        tables: list[list[list[int]]] = [[] for _ in range(self.num_groups)]
+        plan = StepPlan(ForwardBatch(ids, pos, slots, qsl, num_computed, seq_lens, tables))
+        bs = self.block_size
+        for st, s in zip(states, sched.scheduled):
+            start = s.num_computed_tokens
+            end = start + s.num_tokens
+            guesses = s.spec_token_ids
+            ids.extend(st.all_token_ids[start:end - len(guesses)])
+            ids.extend(guesses)
+            pos.extend(range(start, end))
+            for g, table in enumerate(st.tables):
+                slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            # a verification's rows attend as that many decodes of one token, each seeing the guesses before it:
+            # the decode kernels serve them (they write every row's K/V before reading), the cheaper path
+            for first, count in ((start + j, 1) for j in range(s.num_tokens)) if guesses else ((start, s.num_tokens),):
+                qsl.append(qsl[-1] + count)
+                num_computed.append(first)
+                seq_lens.append(first + count)
+                for g, table in enumerate(st.tables):
+                    tables[g].append(table)
+            row = qsl[-1] - s.num_tokens          # the request's first row
+            if st.is_pooling:                  # no logits: its rows of the hidden states are the output
+                plan.pooling.append((st, row, s.num_tokens))
+                continue
+            if st.params.prompt_logprobs is not None and start < st.num_prompt_tokens - 1 \
+                    and not st.output_token_ids:
+                plan.prompt_logprobs.append((st, row, min(end, st.num_prompt_tokens - 1) - start))
+            if end - len(guesses) == st.num_tokens:    # reached the end of what is known: sample the next token
+                # and, verifying guesses, the token after each one
+                plan.sample_rows.extend(range(qsl[-1] - 1 - len(guesses), qsl[-1]))
+                plan.samplers.append((st, guesses, s.spec_draft_probs))
+        return plan
+
+    def build_entries(self, entries: list[tuple[list[int], int, list[list[int]]]]) -> tuple[ForwardBatch, list[int]]:
+        """A draft model's pass: each entry's tokens (token ids, position of the first, its table of each KV group).
+        Returns the batch and each entry's last row."""
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[list[int]] = [[] for _ in range(self.num_groups)]
+        qsl = [0]
+        num_computed, seq_lens, last_rows = [], [], []
+        tables: list[list[list[int]]] = [[] for _ in range(self.num_groups)]
+        bs = self.block_size
+        for toks, start, req_tables in entries:
+            ids.extend(toks)
+            pos.extend(range(start, start + len(toks)))
+            for g, table in enumerate(req_tables):
+                slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, start + len(toks)))
+            # a catch-up of a few tokens attends as that many one-token decodes, as verification rows do
+            for first, count in (((start + j, 1) for j in range(len(toks))) if len(toks) <= FEW_ROWS
+                                 else ((start, len(toks)),)):
+                qsl.append(qsl[-1] + count)
+                num_computed.append(first)
+                seq_lens.append(first + count)
+                for g, table in enumerate(req_tables):
+                    tables[g].append(table)
+            last_rows.append(qsl[-1] - 1)
+        return ForwardBatch(ids, pos, slots, qsl, num_computed, seq_lens, tables), last_rows
+
+
+def sampling_inputs(plan: StepPlan, masks: dict) -> list[SamplingInput]:
+    """One SamplingInput a sampled row: a guessed position samples as if the guesses before it were the request's
+    tokens already; a draft model's guess brings the distribution it was drawn from."""
+    return [SamplingInput(st.params, st.prompt_token_ids,
+                          st.output_token_ids + list(guesses[:j]) if j else st.output_token_ids, st.generator,
+                          st.bad_words_token_ids, masks.get(st.req_id),
+                          *((guesses[j], probs[j]) if j < len(guesses) and probs is not None else ()))
+            for st, guesses, probs in plan.samplers for j in range(len(guesses) + 1)]
