@@ -169,3 +169,148 @@ def test_refusals(tiny_llama, monkeypatch):
         monkeypatch.delenv("TRITON_INTERPRET")
         with pytest.raises(ValueError, match="attention_backend='triton' cannot run here: the device is not a GPU"):
             LLM(tiny_llama[0], **ENGINE)
+
+
+# The decode kernel's split count is each request's own, taken on the device from its length (so the grid, which
+# depends on the batch's shape alone, can be frozen in a CUDA graph): the cases below call the kernels directly,
+# over a cache that is NaN wherever no context lies, and compare with a float64 reference.
+
+def _reference(q, k, v, tables, qsl, first_pos, bs, scale, window):
+    """float64 attention of each row of request i (its rows qsl[i]..qsl[i+1], at positions first_pos[i] + m)
+    over the cached keys up to its position; a row at a negative position (a decode of length 0) is zero."""
+    group = q.shape[1] // k.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for i in range(len(first_pos)):
+        for m in range(int(qsl[i + 1] - qsl[i])):
+            p = int(first_pos[i]) + m
+            if p < 0:
+                continue
+            pos = torch.arange(max(0, p - window + 1) if window else 0, p + 1)
+            slots = tables[i].long()[pos // bs] * bs + pos % bs
+            kk = k[slots].double().repeat_interleave(group, 1)
+            vv = v[slots].double().repeat_interleave(group, 1)
+            p_ = (torch.einsum("hd,nhd->hn", q[qsl[i] + m].double(), kk) * scale).softmax(-1)
+            out[qsl[i] + m] = torch.einsum("hn,nhd->hd", p_, vv)
+    return out
+
+
+def _write_context(k, v, tables, lens, bs, seed):
+    """The cache (in place) NaN but for the first lens[i] positions of each request's table."""
+    g = torch.Generator().manual_seed(seed)
+    k.fill_(float("nan"))
+    v.fill_(float("nan"))
+    for i, n in enumerate(lens):
+        pos = torch.arange(n)
+        slots = tables[i].long()[pos // bs] * bs + pos % bs
+        k[slots] = torch.randn(n, *k.shape[1:], generator=g)
+        v[slots] = torch.randn(n, *v.shape[1:], generator=g)
+
+
+def _paged_batch(rows, width, bs=16, H=8, KV=2, D=32, seed=0):
+    """qsl, tables [B, width], a NaN out, q and empty caches for requests of these many query rows."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(rows)
+    nblocks = B * width + 5
+    tables = torch.randperm(nblocks, generator=g)[:B * width].view(B, width).to(torch.int32)
+    qsl = torch.tensor([0] + [sum(rows[:i + 1]) for i in range(B)], dtype=torch.int32)
+    q = torch.randn(sum(rows), H, D, generator=g)
+    k, v = torch.empty(nblocks * bs, KV, D), torch.empty(nblocks * bs, KV, D)
+    return qsl, tables, torch.full_like(q, float("nan")), q, k, v
+
+
+class _Grids:
+    """Stands in for a kernel and records each launch's grid."""
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+def test_decode_splits_depend_on_the_batch_shape_alone():
+    from tokenmill.executor.attention.triton_kernels import MAX_SPLITS, decode_splits
+    assert decode_splits(1, 2, 16) == 8 and decode_splits(3, 2, 16) == 4 and decode_splits(8, 2, 16) == 1
+    assert decode_splits(1, 1, 10 ** 6) == MAX_SPLITS and decode_splits(0, 2, 16) == 1
+    assert decode_splits(4, 8, 1) == 1
+
+
+@pytest.mark.parametrize("max_splits, window", [(1, None), (2, None), (8, None), (8, 100)])
+def test_decode_splits_each_context_by_its_own_length(max_splits, window, monkeypatch):
+    """Contexts of 0 (a padding row), 5, 128 and 129 (one split and two), 300 and 1000 keys in one batch, beside a
+    prompt request the decode leaves alone. The partials' scratch is NaN when allocated: the merge reads only the
+    splits written."""
+    from tokenmill.executor.attention.triton_kernels import paged_decode
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
+    lens, bs = [0, 5, 128, 20, 129, 300, 1000], 16
+    rows = [1, 1, 1, 3, 1, 1, 1]
+    qsl, tables, out, q, k, v = _paged_batch(rows, 1024 // bs, bs)
+    _write_context(k, v, tables, lens, bs, seed=1)
+    decode = [i for i, r in enumerate(rows) if r == 1]
+    paged_decode(out, q, k, v, None, None, qsl, torch.tensor(lens, dtype=torch.int32), tables,
+                 torch.tensor(decode, dtype=torch.int32), max_splits, bs, 32 ** -0.5, window, None)
+    drows = qsl[decode].long()
+    assert out[3:6].isnan().all()                      # the prompt request's rows: not the decode's
+    assert out[drows].isfinite().all() and (out[0] == 0).all()
+    want = _reference(q, k, v, tables, qsl, [n - 1 for n in lens], bs, 32 ** -0.5, window)
+    torch.testing.assert_close(out[drows].double(), want[drows], atol=1e-5, rtol=1e-5)
+
+
+def test_decode_grid_does_not_depend_on_lengths(monkeypatch):
+    """Graph safety: the same call twice, the lengths, queries and cache rewritten in place between (as a CUDA
+    graph's replay sees them), launches the same grids and gives each step's reference."""
+    from tokenmill.executor.attention import triton_kernels
+    split, merge = _Grids(triton_kernels._decode_split_kernel), _Grids(triton_kernels._decode_merge_kernel)
+    monkeypatch.setattr(triton_kernels, "_decode_split_kernel", split)
+    monkeypatch.setattr(triton_kernels, "_decode_merge_kernel", merge)
+    bs = 16
+    qsl, tables, out, q, k, v = _paged_batch([1] * 4, 1024 // bs, bs, seed=2)
+    seq_lens, decode_reqs = torch.zeros(4, dtype=torch.int32), torch.arange(4, dtype=torch.int32)
+    args = (out, q, k, v, None, None, qsl, seq_lens, tables, decode_reqs, 8, bs, 32 ** -0.5, None, None)
+    for step, lens in enumerate(([1000, 0, 40, 300], [7, 600, 0, 129])):
+        seq_lens.copy_(torch.tensor(lens))
+        q.copy_(torch.randn(q.shape))
+        _write_context(k, v, tables, lens, bs, seed=step)
+        out.fill_(float("nan"))
+        triton_kernels.paged_decode(*args)
+        want = _reference(q, k, v, tables, qsl, [n - 1 for n in lens], bs, 32 ** -0.5, None)
+        torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    assert split.grids == [(4, 2, 8)] * 2 and merge.grids == [(4, 8)] * 2
+
+
+def test_kernels_are_custom_ops_in_a_traced_graph():
+    """make_fx records each kernel call as one tokenmill op (real and fake tracing alike), and the traced graph,
+    replayed over lengths and queries changed in place, gives the reference."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from tokenmill.executor.attention.triton_kernels import BLOCK_M, paged_decode, paged_prompt
+    bs, scale = 16, 32 ** -0.5
+    rows = [1, 20, 1, 1]
+    qsl, tables, out, q, k, v = _paged_batch(rows, 512 // bs, bs, seed=3)
+    seq_lens = torch.tensor([300, 50, 0, 9], dtype=torch.int32)
+    computed = seq_lens - torch.tensor(rows, dtype=torch.int32)
+    decode_reqs = torch.tensor([0, 2, 3], dtype=torch.int32)
+    tile_req = torch.tensor([1, 1], dtype=torch.int32)
+    tile_m0 = torch.tensor([0, BLOCK_M], dtype=torch.int32)
+
+    def step(out, q, k, v, qsl, computed, seq_lens, tables, decode_reqs, tile_req, tile_m0):
+        paged_decode(out, q, k, v, None, None, qsl, seq_lens, tables, decode_reqs, 4, bs, scale, None, None)
+        paged_prompt(out, q, k, v, None, None, qsl, computed, tables, tile_req, tile_m0, bs, scale, None, None)
+        return out
+
+    args = (out, q, k, v, qsl, computed, seq_lens, tables, decode_reqs, tile_req, tile_m0)
+    _write_context(k, v, tables, seq_lens.tolist(), bs, seed=4)
+    ops = [torch.ops.tokenmill.paged_decode.default, torch.ops.tokenmill.paged_prompt.default]
+    assert [n.target for n in make_fx(step, tracing_mode="fake")(*args).graph.nodes
+            if n.op == "call_function"] == ops
+    graph = make_fx(step, tracing_mode="real")(*args)
+    assert [n.target for n in graph.graph.nodes if n.op == "call_function"] == ops
+    seq_lens.copy_(torch.tensor([0, 50, 200, 130]))
+    q.copy_(torch.randn(q.shape))
+    _write_context(k, v, tables, seq_lens.tolist(), bs, seed=5)
+    out.fill_(float("nan"))
+    graph(*args)
+    first = [int(seq_lens[i]) - 1 if rows[i] == 1 else int(computed[i]) for i in range(len(rows))]
+    torch.testing.assert_close(out.double(), _reference(q, k, v, tables, qsl, first, bs, scale, None),
+                               atol=1e-5, rtol=1e-5)

@@ -35,7 +35,7 @@ class TritonMetadata(AttentionMetadata):
     decode_reqs: Optional[torch.Tensor] = None    # [Bd] requests with one query row
     tile_req: Optional[torch.Tensor] = None       # [tiles] the request of each prompt tile
     tile_m0: Optional[torch.Tensor] = None        # [tiles] its first row within the request
-    num_splits: int = 1                           # decode splits of each context (a power of two)
+    num_splits: int = 1                           # the most decode splits of a context (a power of two)
 
 
 class TritonBackend(AttentionBackend):
@@ -73,18 +73,12 @@ class TritonBackend(AttentionBackend):
         views[3] = views[3].view(meta.num_reqs, width)
         return extend(meta, TritonMetadata, qsl=views[0], computed=views[1], lens=views[2], tables=views[3],
                       decode_reqs=views[4] if decode else None, tile_req=views[5] if tiles else None,
-                      tile_m0=views[6], num_splits=self._splits(meta, decode))
+                      tile_m0=views[6], num_splits=self._splits(decode))
 
-    def _splits(self, meta: AttentionMetadata, decode: list[int]) -> int:
+    def _splits(self, decode: list[int]) -> int:
         if not decode or not self.kv_caches:
             return 1
-        kv_heads = self.kv_caches[0].k.shape[1]
-        longest = max(meta.seq_lens[i] for i in decode)
-        splits = 1
-        while (splits < self.kernels.MAX_SPLITS and len(decode) * kv_heads * splits < self.min_programs
-               and longest >= 4 * self.kernels.BLOCK_N * splits):
-            splits *= 2
-        return splits
+        return self.kernels.decode_splits(len(decode), self.kv_caches[0].k.shape[1], self.min_programs)
 
     def _attend(self, q, k, v, cache: LayerKV, meta: TritonMetadata, scale, window, softcap) -> torch.Tensor:
         if q.stride(2) != 1:

@@ -3,7 +3,13 @@ in place from the paged cache through the block tables. They run on NVIDIA GPUs,
 interpreter (TRITON_INTERPRET=1, set before this module is imported), which is how `make test` checks them.
 
 Every score and sum is float32. Softmax is online (running max and sum per query row); a decode split leaves its
-partial output and log-sum-exp, and a second kernel weighs the splits by them."""
+partial output and log-sum-exp, and a second kernel weighs the splits by them.
+
+The decode launch is safe to capture in a CUDA graph: its grid depends on the batch size, the head counts and a
+static most splits (decode_splits), never on the lengths, which change at every replay; each program reads its own
+request's length on the device and decides there how many splits that request uses. Both entry points are PyTorch
+custom ops (tokenmill::paged_decode, tokenmill::paged_prompt), so make_fx and torch.compile record each call as one
+op."""
 from __future__ import annotations
 
 import os
@@ -19,7 +25,8 @@ MAX_GROUP = 16              # query heads per kv head in one decode program (tl.
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
 BLOCK_M = 16                # query rows per prompt tile
 BLOCK_N = 32                # keys per inner step
-MAX_SPLITS = 32             # decode splits of one request's context
+MAX_SPLITS = 32             # decode splits of one request's context (the grid's static most, a power of two)
+MIN_SPLIT_LEN = 4 * BLOCK_N  # keys per split of a request's context: its splits average two key tiles or more
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -29,20 +36,27 @@ def _decode_split_kernel(
         qsl_ptr, seq_lens_ptr, tables_ptr, decode_reqs_ptr,
         scale, softcap, window,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_table, stride_ot, stride_oh,
-        NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-        BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+        MAX_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr):
-    """One program: one decoding request, one kv head with all its query heads (GQA), one split of the context."""
+    """One program: one decoding request, one kv head with all its query heads (GQA), one split of the context.
+    The request uses n = min(MAX_SPLITS, max(1, cdiv(keys, MIN_SPLIT_LEN))) splits, counted here from its own
+    length (the grid has MAX_SPLITS whatever the lengths); the programs past its n leave at once. A length of 0 (a
+    padding row of a captured batch) reads nothing and leaves a zero row."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
     req = tl.load(decode_reqs_ptr + b)
-    row = tl.load(qsl_ptr + req)
     seq_len = tl.load(seq_lens_ptr + req)
     start = 0
     if HAS_WINDOW:
         start = tl.maximum(seq_len - window, 0)
-    per_split = tl.cdiv(tl.cdiv(seq_len - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    # the merge kernel counts n the same way
+    n = tl.minimum(tl.maximum(tl.cdiv(seq_len - start, MIN_SPLIT_LEN), 1), MAX_SPLITS)
+    if s >= n:
+        return
+    row = tl.load(qsl_ptr + req)
+    per_split = tl.cdiv(tl.cdiv(seq_len - start, n), BLOCK_N) * BLOCK_N
     lo = start + s * per_split
     hi = tl.minimum(lo + per_split, seq_len)
 
@@ -90,33 +104,47 @@ def _decode_split_kernel(
         m_i = m_new
 
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    if NUM_SPLITS == 1:
+    if MAX_SPLITS == 1:
         tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + dd[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=qmask)
     else:
-        # partials [Bd, H, NUM_SPLITS, BLOCK_D] and [Bd, H, NUM_SPLITS]; an empty split's lse is -inf
+        # partials [Bd, H, MAX_SPLITS, BLOCK_D] and [Bd, H, MAX_SPLITS], the first n written; an empty split's
+        # lse is -inf
         H = tl.num_programs(1) * GROUP
-        base = (b * H + heads) * NUM_SPLITS + s
+        base = (b * H + heads) * MAX_SPLITS + s
         tl.store(part_o_ptr + base[:, None] * BLOCK_D + dd[None, :], o, mask=(g < GROUP)[:, None])
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
         tl.store(part_lse_ptr + base, lse, mask=g < GROUP)
 
 
 @triton.jit
-def _decode_merge_kernel(out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, decode_reqs_ptr, stride_ot, stride_oh,
-                         NUM_SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One program: one decoding request's head; its splits weighed by exp(lse - max lse)."""
+def _decode_merge_kernel(out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, seq_lens_ptr, decode_reqs_ptr, window,
+                         stride_ot, stride_oh, MAX_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
+                         D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """One program: one decoding request's head; its n splits (counted as the split kernel counts them) weighed
+    by exp(lse - max lse). The partials past n were never written and are not read; no split with a key (a
+    length of 0) gives a zero row."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     H = tl.num_programs(1)
-    row = tl.load(qsl_ptr + tl.load(decode_reqs_ptr + b))
-    s = tl.arange(0, NUM_SPLITS)
+    req = tl.load(decode_reqs_ptr + b)
+    row = tl.load(qsl_ptr + req)
+    seq_len = tl.load(seq_lens_ptr + req)
+    start = 0
+    if HAS_WINDOW:
+        start = tl.maximum(seq_len - window, 0)
+    n = tl.minimum(tl.maximum(tl.cdiv(seq_len - start, MIN_SPLIT_LEN), 1), MAX_SPLITS)
+    s = tl.arange(0, MAX_SPLITS)
+    used = s < n
     dd = tl.arange(0, BLOCK_D)
-    base = (b * H + h) * NUM_SPLITS + s
-    lse = tl.load(part_lse_ptr + base)
-    w = tl.exp(lse - tl.max(lse, 0))
-    w = w / tl.sum(w, 0)
-    o = tl.sum(tl.load(part_o_ptr + base[:, None] * BLOCK_D + dd[None, :]) * w[:, None], 0)
+    base = (b * H + h) * MAX_SPLITS + s
+    lse = tl.load(part_lse_ptr + base, mask=used, other=float("-inf"))
+    top = tl.max(lse, 0)
+    w = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))
+    total = tl.sum(w, 0)
+    w = w / tl.where(total == 0.0, 1.0, total)
+    o = tl.sum(tl.load(part_o_ptr + base[:, None] * BLOCK_D + dd[None, :], mask=used[:, None], other=0.0)
+               * w[:, None], 0)
     tl.store(out_ptr + row * stride_ot + h * stride_oh + dd, o.to(out_ptr.dtype.element_ty), mask=dd < D)
 
 
@@ -215,30 +243,86 @@ def _common(q: torch.Tensor, k_cache: torch.Tensor, k_scale: Optional[torch.Tens
                 IEEE=q.dtype == torch.float32 or INTERPRETED)
 
 
-def paged_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor], qsl: torch.Tensor,
-                 seq_lens: torch.Tensor, tables: torch.Tensor, decode_reqs: torch.Tensor, num_splits: int,
-                 block_size: int, scale: float, window: Optional[int], softcap: Optional[float]) -> None:
-    """out[row] for each decoding request (decode_reqs: request indices; its one query row is qsl[req]).
-    q, out [T, H, D]; caches [slots, KV, D]; tables [B, W] int32 (block ids, any value past the context)."""
+def decode_splits(batch: int, kv_heads: int, min_programs: int) -> int:
+    """The decode grid's most splits of a context for a batch of this many requests: the least power of two (at
+    most MAX_SPLITS) with batch x kv_heads x splits >= min_programs, so that a small batch still fills the device.
+    The lengths play no part (a graph captured for this batch size serves every step); each request's own split
+    count is the kernel's, from its length, up to this."""
+    splits = 1
+    while splits < MAX_SPLITS and 0 < batch * kv_heads * splits < min_programs:
+        splits *= 2
+    return splits
+
+
+@torch.library.custom_op("tokenmill::paged_decode", mutates_args=("out",))
+def _paged_decode_op(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor], qsl: torch.Tensor,
+                     seq_lens: torch.Tensor, tables: torch.Tensor, decode_reqs: torch.Tensor, max_splits: int,
+                     block_size: int, scale: float, window: Optional[int], softcap: Optional[float]) -> None:
     H, KV = q.shape[1], k_cache.shape[1]
     group = H // KV
     c = _common(q, k_cache, k_scale, window, softcap)
     bd = decode_reqs.shape[0]
+    if bd == 0:
+        return
     part_o = part_lse = out
-    if num_splits > 1:
-        part_o = torch.empty(bd, H, num_splits, c["BLOCK_D"], dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(bd, H, num_splits, dtype=torch.float32, device=q.device)
+    if max_splits > 1:
+        part_o = torch.empty(bd, H, max_splits, c["BLOCK_D"], dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(bd, H, max_splits, dtype=torch.float32, device=q.device)
     dummy = k_scale if k_scale is not None else qsl
-    _decode_split_kernel[(bd, KV, num_splits)](
+    _decode_split_kernel[(bd, KV, max_splits)](
         q, k_cache, v_cache, dummy, v_scale if v_scale is not None else qsl, out, part_o, part_lse,
         qsl, seq_lens, tables, decode_reqs, scale, softcap or 1.0, window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), tables.stride(0), out.stride(0),
-        out.stride(1), NUM_SPLITS=num_splits, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N, **c)
-    if num_splits > 1:
-        _decode_merge_kernel[(bd, H)](out, part_o, part_lse, qsl, decode_reqs, out.stride(0), out.stride(1),
-                                      NUM_SPLITS=num_splits, D=c["D"], BLOCK_D=c["BLOCK_D"])
+        out.stride(1), MAX_SPLITS=max_splits, MIN_SPLIT_LEN=MIN_SPLIT_LEN, GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N, **c)
+    if max_splits > 1:
+        _decode_merge_kernel[(bd, H)](out, part_o, part_lse, qsl, seq_lens, decode_reqs, window or 0,
+                                      out.stride(0), out.stride(1), MAX_SPLITS=max_splits,
+                                      MIN_SPLIT_LEN=MIN_SPLIT_LEN, D=c["D"], BLOCK_D=c["BLOCK_D"],
+                                      HAS_WINDOW=c["HAS_WINDOW"])
+
+
+@_paged_decode_op.register_fake
+def _(out, q, k_cache, v_cache, k_scale, v_scale, qsl, seq_lens, tables, decode_reqs, max_splits, block_size,
+      scale, window, softcap) -> None:
+    return None
+
+
+def paged_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor], qsl: torch.Tensor,
+                 seq_lens: torch.Tensor, tables: torch.Tensor, decode_reqs: torch.Tensor, max_splits: int,
+                 block_size: int, scale: float, window: Optional[int], softcap: Optional[float]) -> None:
+    """out[row] for each decoding request (decode_reqs: request indices; its one query row is qsl[req]).
+    q, out [T, H, D]; caches [slots, KV, D]; tables [B, W] int32 (block ids, any value past the context).
+    max_splits: the grid's most splits of a context (decode_splits), a power of two; the lengths are read on the
+    device only, so the call can be captured in a CUDA graph and replayed with new lengths written in place."""
+    assert max_splits & (max_splits - 1) == 0 and 1 <= max_splits <= MAX_SPLITS, max_splits
+    torch.ops.tokenmill.paged_decode(out, q, k_cache, v_cache, k_scale, v_scale, qsl, seq_lens, tables,
+                                     decode_reqs, max_splits, block_size, scale, window, softcap)
+
+
+@torch.library.custom_op("tokenmill::paged_prompt", mutates_args=("out",))
+def _paged_prompt_op(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor], qsl: torch.Tensor,
+                     num_computed: torch.Tensor, tables: torch.Tensor, tile_req: torch.Tensor,
+                     tile_m0: torch.Tensor, block_size: int, scale: float, window: Optional[int],
+                     softcap: Optional[float]) -> None:
+    H, KV = q.shape[1], k_cache.shape[1]
+    if tile_req.shape[0] == 0:
+        return
+    c = _common(q, k_cache, k_scale, window, softcap)
+    _prompt_kernel[(tile_req.shape[0], H)](
+        q, k_cache, v_cache, k_scale if k_scale is not None else qsl, v_scale if v_scale is not None else qsl,
+        out, qsl, num_computed, tables, tile_req, tile_m0, scale, softcap or 1.0, window or 0,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), tables.stride(0), out.stride(0),
+        out.stride(1), GROUP=H // KV, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, **c)
+
+
+@_paged_prompt_op.register_fake
+def _(out, q, k_cache, v_cache, k_scale, v_scale, qsl, num_computed, tables, tile_req, tile_m0, block_size, scale,
+      window, softcap) -> None:
+    return None
 
 
 def paged_prompt(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -247,10 +331,5 @@ def paged_prompt(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_ca
                  block_size: int, scale: float, window: Optional[int], softcap: Optional[float]) -> None:
     """out rows of the prompt requests, one program per (tile, head): tile t is BLOCK_M rows of request
     tile_req[t] from its row tile_m0[t]."""
-    H, KV = q.shape[1], k_cache.shape[1]
-    c = _common(q, k_cache, k_scale, window, softcap)
-    _prompt_kernel[(tile_req.shape[0], H)](
-        q, k_cache, v_cache, k_scale if k_scale is not None else qsl, v_scale if v_scale is not None else qsl,
-        out, qsl, num_computed, tables, tile_req, tile_m0, scale, softcap or 1.0, window or 0,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), tables.stride(0), out.stride(0),
-        out.stride(1), GROUP=H // KV, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, **c)
+    torch.ops.tokenmill.paged_prompt(out, q, k_cache, v_cache, k_scale, v_scale, qsl, num_computed, tables,
+                                     tile_req, tile_m0, block_size, scale, window, softcap)
