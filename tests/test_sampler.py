@@ -1,5 +1,6 @@
 """Sampler: greedy equivalences, seeded determinism in any batch, distributions (chi-square), logits
-processors against transformers' processors, logprobs, and SamplingParams validation."""
+processors against transformers' processors, logprobs, no waiting on the device midway (one copy in, one out),
+and SamplingParams validation."""
 from __future__ import annotations
 
 import math
@@ -15,7 +16,10 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from tokenmill.executor.sampler import (
+    PendingSample,
     Sampler,
     SamplingInput,
     apply_logits_processors,
@@ -294,6 +298,191 @@ def test_prompt_logprobs():
             assert lp.logprob == pytest.approx(float(ref[i, t]), abs=1e-5)
             assert lp.rank == int((ref[i] > ref[i, t]).sum()) + 1
     assert compute_prompt_logprobs(logits[:0], [], 3) == []
+
+
+# ----------------------------------------------------------------------------------------- no waiting midway
+
+# ops whose output shape or host value depends on a device tensor's data: on a GPU each one waits for the device
+_DATA_DEPENDENT = {"aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique",
+                   "aten._unique", "aten._unique2", "aten.unique_consecutive", "aten.unique_dim"}
+
+
+class _DataDependentOps(TorchDispatchMode):
+    """Records every aten op that reads a tensor's data back to the host or sizes its output by it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func.overloadpacket) in _DATA_DEPENDENT:
+            self.seen.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def host_reads(monkeypatch):
+    """Counts Tensor.tolist / .cpu / .item / .numpy calls (patched on torch.Tensor)."""
+    counts = {"tolist": 0, "cpu": 0, "item": 0, "numpy": 0}
+    for name in counts:
+        orig = getattr(torch.Tensor, name)
+
+        def counting(self, *a, _orig=orig, _name=name, **kw):
+            counts[_name] += 1
+            return _orig(self, *a, **kw)
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    return counts
+
+
+def _mixed_batch(vocab: int) -> list[SamplingInput]:
+    """Every stage on some row: greedy, temperature + top-k + top-p + min-p, penalties, logit_bias, allowed ids,
+    bad_words, min_tokens, seeded rows, logprobs, a grammar bitmask, a draft model's guess."""
+    words = -(-vocab // 32)
+    mask = torch.zeros(words, dtype=torch.int32)
+    mask[0] = 0b1011_0110                                   # tokens 1, 2, 4, 5, 7
+    q = torch.softmax(rand_logits(1, vocab, seed=42)[0], -1)
+    ps = [SamplingParams(temperature=0),
+          SamplingParams(temperature=0.8, top_k=7, top_p=0.9, min_p=0.02, seed=11, logprobs=3),
+          SamplingParams(temperature=1.1, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.4),
+          SamplingParams(temperature=0, logit_bias={5: 4.0, 9: -3.0}, logprobs=3),
+          SamplingParams(temperature=0.7, seed=5, allowed_token_ids=[2, 3, 8, 13]),
+          SamplingParams(temperature=0.9, min_tokens=4, stop_token_ids=[6], seed=6),
+          SamplingParams(temperature=1.0, seed=7),                       # the bitmask row
+          SamplingParams(temperature=1.0, top_k=3, seed=8),              # verifies a draft guess
+          SamplingParams(temperature=0, logprobs=0)]
+    rows = [inp(p, [0, 1, 2], [4, 4, 9], [[9, 10], [11]]) for p in ps]
+    rows[6].token_bitmask = mask
+    rows[7].draft_token, rows[7].draft_probs = 3, q
+    return rows
+
+
+def test_a_step_reads_nothing_back_until_its_one_result_copy(host_reads):
+    vocab = 40
+    logits = rand_logits(9, vocab, seed=12)
+    sampler = Sampler(vocab, {EOS})
+    inputs = _mixed_batch(vocab)
+    torch.manual_seed(0)
+    with _DataDependentOps() as ops:
+        pending = sampler.sample(logits, inputs)
+        assert isinstance(pending, PendingSample)
+        assert ops.seen == [] and sum(host_reads.values()) == 0, (ops.seen, host_reads)
+        out = pending.result()
+        assert pending.result() is out                          # built once
+    assert ops.seen == [], ops.seen
+    assert host_reads == {"tolist": 1, "cpu": 0, "item": 0, "numpy": 0}     # the one final read
+    # the device tensor of the tokens, for the next step, holds what result() read
+    ids = pending.token_ids_device
+    assert ids.dtype == torch.int64 and ids.shape == (9,) and ids.device == logits.device
+    assert torch.equal(ids, torch.tensor(out.token_ids))
+    # and the work is __call__'s
+    torch.manual_seed(0)
+    again = sampler(logits, _mixed_batch(vocab))
+    assert again == out
+    assert [lp is not None for lp in out.logprobs] == [p.params.logprobs is not None for p in inputs]
+    assert out.token_ids[6] in (1, 2, 4, 5, 7)                  # the grammar's tokens only
+    assert out.token_ids[4] in (2, 3, 8, 13)
+    assert out.token_ids[5] not in (EOS, 6) and 11 not in out.token_ids
+
+
+class _CrossDeviceCopies(TorchDispatchMode):
+    """Records every op that moves data between devices (its tensors on more than one device)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = [a for a in [*args, *(kwargs or {}).values(), out] if isinstance(a, torch.Tensor)]
+        if len({t.device.type for t in tensors}) > 1:
+            self.seen.append(str(func))
+        return out
+
+
+def test_a_step_sends_its_host_values_in_one_copy():
+    # the meta device stands in for an accelerator: every host value a step needs crosses in one copy (seeded rows'
+    # generators live on the logits' device, as the engine makes them: none here, meta has no generator)
+    vocab = 40
+    inputs = _mixed_batch(vocab)
+    for i in inputs:
+        i.generator = None
+    inputs[7].draft_probs = inputs[7].draft_probs.to("meta")       # a draft model's q lives on the device
+    logits = rand_logits(9, vocab, seed=12).to("meta")
+    with _CrossDeviceCopies() as copies:
+        pending = Sampler(vocab, {EOS}).sample(logits, inputs)
+    assert copies.seen == ["aten._to_copy.default"], copies.seen
+    assert pending.token_ids_device.device.type == "meta"
+    # a plain greedy batch sends nothing
+    with _CrossDeviceCopies() as copies:
+        Sampler(vocab, {EOS}).sample(logits, [inp(SamplingParams(temperature=0)) for _ in range(9)])
+    assert copies.seen == []
+
+
+def test_a_greedy_step_and_prompt_logprobs_read_back_once(host_reads):
+    logits = rand_logits(5, 30, seed=13)
+    with _DataDependentOps() as ops:
+        pending = Sampler(30, {EOS}).sample(logits, [inp(SamplingParams(temperature=0)) for _ in range(5)])
+        assert sum(host_reads.values()) == 0
+        assert pending.result().token_ids == logits.argmax(-1).tolist()
+        assert host_reads["tolist"] == 2            # the result's read, and this test's own argmax above
+        compute_prompt_logprobs(logits, [1, 2, 3, 4, 5], 3)
+        assert host_reads["tolist"] == 3 and host_reads["cpu"] == host_reads["item"] == 0
+        # a draft model's draw: one read too
+        tokens, probs = Sampler(30, {EOS}).draw(logits, [inp(SamplingParams(temperature=0.8, top_k=5, seed=s))
+                                                         for s in range(5)])
+        assert host_reads["tolist"] == 4 and len(tokens) == 5 and all(q.shape == (30,) for q in probs)
+    assert ops.seen == []
+
+
+def test_packed_result_equals_per_field_values():
+    """The one packed read gives what the tensors give field by field: tokens (a seeded row's draw from its own
+    generator: the Gumbel race on its temperature-scaled, top-k-filtered logits), chosen logprobs and ranks,
+    the top-N ids and logprobs."""
+    vocab = 50
+    logits = rand_logits(6, vocab, seed=21)
+    ps = [SamplingParams(temperature=0.7, seed=1, logprobs=3), SamplingParams(temperature=0, logprobs=5),
+          SamplingParams(temperature=1.2, top_k=6, seed=2, logprobs=0), SamplingParams(temperature=0.9, seed=3),
+          SamplingParams(temperature=0, logprobs=2), SamplingParams(temperature=1.0, seed=4, logprobs=vocab)]
+    pending = Sampler(vocab, {EOS}).sample(logits, [inp(p) for p in ps])
+    out = pending.result()
+    # tokens, computed here with torch
+    expected = []
+    for r, p in enumerate(ps):
+        if p.greedy:
+            expected.append(int(logits[r].argmax()))
+            continue
+        y = logits[r] / torch.tensor(p.temperature)
+        if p.top_k:
+            y = y.masked_fill(y < y.topk(p.top_k).values[-1], -math.inf)
+        u = torch.empty(vocab).uniform_(generator=torch.Generator().manual_seed(p.seed))
+        expected.append(int((y - u.log().neg().clamp_min(1e-30).log()).argmax()))
+    assert out.token_ids == expected
+    assert pending.token_ids_device.tolist() == expected
+    # logprobs, field by field: the batch's raw log_softmax, gathered at the chosen tokens, ranked, top-N
+    lp = torch.log_softmax(logits, dim=-1)
+    chosen = torch.tensor(expected)
+    chosen_lp = lp.gather(1, chosen[:, None])[:, 0]
+    ranks = (lp > chosen_lp[:, None]).sum(-1) + 1
+    top_lp, top_ids = lp.topk(vocab, dim=-1)
+    for r, p in enumerate(ps):
+        if p.logprobs is None:
+            assert out.logprobs[r] is None
+            continue
+        d = out.logprobs[r]
+        ref = {expected[r]: (chosen_lp[r].item(), ranks[r].item())}
+        for j in range(p.logprobs):
+            ref.setdefault(top_ids[r, j].item(), (top_lp[r, j].item(), j + 1))
+        assert list(d) == list(ref)                              # the chosen token first, then the top-N in order
+        assert {t: (v.logprob, v.rank) for t, v in d.items()} == ref
+        assert all(type(t) is int and type(v.rank) is int and type(v.logprob) is float for t, v in d.items())
+    assert all(type(t) is int for t in out.token_ids)
+
+
+def test_top_k_bound_from_the_host_equals_the_read_one():
+    logits = rand_logits(4, 64, seed=14)
+    top_k, top_p = torch.tensor([3, 10, 12, 7]), torch.tensor([0.9, 1.0, 0.8, 0.95])
+    torch.testing.assert_close(apply_top_k_top_p_min_p(logits, top_k, top_p, None, k_max=12),
+                               apply_top_k_top_p_min_p(logits, top_k, top_p, None))
 
 
 # ----------------------------------------------------------------------------------------- validation
