@@ -46,6 +46,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many ranks (processes on this machine, gloo), Megatron-style; "
                         "every family, from HF folders and GGUF files (quantised blocks split whole)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: every GPU step runs eagerly (by default decode steps replay graphs captured "
+                        "at start)")
+    p.add_argument("--compilation-config", "-O", type=_json_object, default=None,
+                   help='CUDA graphs as JSON, vLLM\'s fields: {"cudagraph_mode": "FULL_DECODE_ONLY" | "NONE", '
+                        '"cudagraph_capture_sizes": [1, 2, 4, 8], "max_cudagraph_capture_size": 256}')
     p.add_argument("--quantization", "-q", default=None,
                    help="quantise a float checkpoint's matrices at load: int8 (Q8_0) | int4 (Q4_1) | q4_0 | q5_0 | "
                         "q5_1 | q8_0")
@@ -59,7 +65,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 cpu_kernels=args.cpu_kernels, quantization=args.quantization, int8_activations=args.int8_activations,
                 pooling_type=args.pooling_type, num_threads=args.num_threads,
                 structured_outputs_config=args.structured_outputs_config,
-                speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size)
+                speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size,
+                enforce_eager=args.enforce_eager, compilation_config=args.compilation_config)
 
 
 def _json_object(text: str) -> dict:

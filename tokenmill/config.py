@@ -5,7 +5,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -330,6 +330,74 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
+CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY")
+MAX_CAPTURE_SIZE = 512
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    """vLLM's compilation_config, its CUDA-graph part. cudagraph_mode FULL_DECODE_ONLY captures the whole forward
+    (embedding to logits) of a decode-only step for each of cudagraph_capture_sizes (rows) at start, and a step
+    replays the smallest that holds it; NONE runs every step eagerly (enforce_eager). None: FULL_DECODE_ONLY on a
+    GPU, NONE on a CPU (where a graph is a traced stand-in that checks graph safety, not a speed-up). The sizes
+    default to vLLM's scheme up to max_cudagraph_capture_size (max_num_seqs, at most 512)."""
+    cudagraph_mode: Optional[str] = None
+    cudagraph_capture_sizes: Optional[tuple[int, ...]] = None
+    max_cudagraph_capture_size: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.cudagraph_mode is not None and self.cudagraph_mode not in CUDAGRAPH_MODES:
+            raise ValueError(f"compilation_config.cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}, got "
+                             f"{self.cudagraph_mode!r}")
+        sizes = self.cudagraph_capture_sizes
+        if sizes is not None:
+            if isinstance(sizes, (str, bytes)) or not all(isinstance(n, int) and not isinstance(n, bool)
+                                                          for n in sizes):
+                raise ValueError(f"compilation_config.cudagraph_capture_sizes must be a list of integers, got "
+                                 f"{sizes!r}")
+            bad = [n for n in sizes if n < 1]
+            if bad:
+                raise ValueError(f"compilation_config.cudagraph_capture_sizes must be positive; {bad} are not")
+            object.__setattr__(self, "cudagraph_capture_sizes", tuple(sorted(set(sizes))))
+        m = self.max_cudagraph_capture_size
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"compilation_config.max_cudagraph_capture_size must be a positive integer, got {m!r}")
+
+    @staticmethod
+    def of(value: Union["CompilationConfig", dict, None]) -> "CompilationConfig":
+        if value is None:
+            return CompilationConfig()
+        if isinstance(value, CompilationConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"compilation_config must be a dict or a CompilationConfig, got {type(value).__name__}")
+        known = {"cudagraph_mode", "cudagraph_capture_sizes", "max_cudagraph_capture_size"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"compilation_config has unknown keys {unknown}; tokenmill takes {sorted(known)}")
+        return CompilationConfig(**value)
+
+    def mode(self, device: torch.device, enforce_eager: bool) -> str:
+        if enforce_eager:
+            return "NONE"
+        if self.cudagraph_mode is not None:
+            return self.cudagraph_mode
+        return "FULL_DECODE_ONLY" if device.type == "cuda" else "NONE"
+
+    def capture_sizes(self, max_num_seqs: int) -> tuple[int, ...]:
+        """The batch sizes (rows) to capture: the configured ones, which must not exceed max_num_seqs, else vLLM's
+        1, 2, 4, then every 8 to 256 and every 16 past it, up to max_cudagraph_capture_size."""
+        if self.cudagraph_capture_sizes is not None:
+            over = [n for n in self.cudagraph_capture_sizes if n > max_num_seqs]
+            if over:
+                raise ValueError(f"compilation_config.cudagraph_capture_sizes {over} exceed max_num_seqs="
+                                 f"{max_num_seqs}; lower them or raise max_num_seqs")
+            return self.cudagraph_capture_sizes
+        cap = min(self.max_cudagraph_capture_size or MAX_CAPTURE_SIZE, max_num_seqs)
+        sizes = [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, MAX_CAPTURE_SIZE + 1, 16))
+        return tuple(n for n in sizes if n <= cap) or (cap,)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
@@ -349,6 +417,9 @@ class EngineConfig:
     # compute threads: None = the cores this process may use (affinity, cgroup quota), fewer while other
     # processes hold some of them (executor/cpus.py); N = exactly N
     num_threads: Optional[int] = None
+    # the graph captures ("NONE": every step eager) and their sizes (rows)
+    cudagraph_mode: str = "NONE"
+    cudagraph_capture_sizes: tuple[int, ...] = ()
 
     @property
     def kv_cache_dtype(self) -> str:

@@ -60,6 +60,8 @@ class EngineState:
     decode_tokens: int = 0
     step_prefill_tokens: int = 0        # of the last step: shows which phase the engine is in
     step_decode_tokens: int = 0
+    num_graph_steps: int = 0            # cumulative: steps replayed from a graph, decode steps no graph held
+    num_eager_decode_steps: int = 0
 
     @staticmethod
     def of(eng: LLMEngine, stepped: bool) -> "EngineState":
@@ -73,7 +75,8 @@ class EngineState:
             prefix_cache_queries=st.prefix_cache_queries, prefix_cache_hits=st.prefix_cache_hits,
             spec_num_drafts=st.spec_num_drafts, spec_num_draft_tokens=st.spec_num_draft_tokens,
             spec_num_accepted_tokens=st.spec_num_accepted_tokens, prefill_tokens=st.prefill_tokens,
-            decode_tokens=st.decode_tokens,
+            decode_tokens=st.decode_tokens, num_graph_steps=st.num_graph_steps,
+            num_eager_decode_steps=st.num_eager_decode_steps,
             step_prefill_tokens=st.last_step.num_prefill_tokens if stepped else 0,
             step_decode_tokens=st.last_step.num_decode_tokens if stepped else 0)
 

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Optional, Union
 
 import torch
 
-from tokenmill.config import CacheConfig, EngineConfig, SchedulerConfig, resolve_dtype
+from tokenmill.config import CacheConfig, CompilationConfig, EngineConfig, SchedulerConfig, resolve_dtype
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.draft_model import DraftModelProposer, check_draft_config, check_draft_tokenizer
 from tokenmill.engine.kv_cache_manager import blocks_for, make_kv_manager
@@ -40,6 +40,7 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler_output import SchedulerOutput
 
 PromptType = Union[str, list[int], dict]
+DEVICE_BATCH_BACKENDS = ("triton", "padded")     # attention prepared on the device: the GPU runner's
 log = logging.getLogger("tokenmill.engine")
 
 
@@ -60,6 +61,9 @@ class EngineStats:
     spec_num_accepted_tokens: int = 0
     kv_blocks_total: int = 0
     max_kv_blocks_used: int = 0
+    # a GPU runner's steps: replayed from a captured graph, and decode-only steps no captured size held (eager)
+    num_graph_steps: int = 0
+    num_eager_decode_steps: int = 0
     sum_batch_size: int = 0
     last_step: SchedulerStats = field(default_factory=SchedulerStats)
 
@@ -132,7 +136,8 @@ class LLMEngine:
                  structured_outputs_config: Union[StructuredOutputsConfig, dict, None] = None,
                  reasoning_parser: Optional[str] = None,
                  speculative_config: Union[SpeculativeConfig, dict, str, None] = None,
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, enforce_eager: bool = False,
+                 compilation_config: Union[CompilationConfig, dict, None] = None):
         # pooling_type: which prompt rows a PoolingParams request pools (vLLM's pooler config): LAST or MEAN
         self.pooling_type = check_pooling_type(pooling_type)
         spec_config = SpeculativeConfig.of(speculative_config)
@@ -166,8 +171,15 @@ class LLMEngine:
         part = mc if tensor_parallel_size == 1 else shard_config(mc, tensor_parallel_size)
         if tensor_parallel_size > 1:       # each rank computes on its share of the cores
             num_threads = local_threads(num_threads, tensor_parallel_size)
+        comp = CompilationConfig.of(compilation_config)
+        graph_mode = comp.mode(dev, enforce_eager)
+        if graph_mode != "NONE" and dev.type == "cpu" and attention_backend not in DEVICE_BATCH_BACKENDS:
+            raise ValueError("graphs on a CPU are the GPU runner's traced stand-in, for tests: use "
+                             "attention_backend='padded' or 'triton' (under TRITON_INTERPRET=1) with "
+                             "cpu_kernels='reference' or 'triton', or leave compilation_config's cudagraph_mode unset")
         self.config = EngineConfig(path, part, cache_cfg, sched_cfg, torch_dtype, dev, attention_backend,
-                                   quantized_kernels, cpu_kernels, seed, num_threads)
+                                   quantized_kernels, cpu_kernels, seed, num_threads, graph_mode,
+                                   comp.capture_sizes(max_num_seqs) if graph_mode != "NONE" else ())
         if tensor_parallel_size > 1:
             # rank 0's kernel variant, not "auto": ranks that compute alike route alike (a Mixture-of-Experts'
             # top-k flips on the last bits), and a node that cannot run it says so
@@ -263,9 +275,9 @@ class LLMEngine:
         parallelism); its KV cache is allocated once the cache is sized."""
         if tp is not None:
             return TensorParallelRunner(config, model, threads, group=tp, workers=list(workers))
-        if config.device.type == "cpu":
+        if config.device.type == "cpu" and config.attention_backend not in DEVICE_BATCH_BACKENDS:
             return CpuRunner(config, model, threads)
-        return GpuRunner(config, model)
+        return GpuRunner(config, model)        # the GPU's, and on a CPU the device-batch backends' (tests)
 
     def _size_kv_cache(self, reserved: int) -> int:
         """Blocks for the KV cache (and a draft model's beside it): at least one request of max_model_len."""
@@ -547,6 +559,7 @@ class LLMEngine:
         else:
             s.decode_time_s += seconds
         s.num_preemptions += len(sched.preempted_req_ids)
+        s.num_graph_steps, s.num_eager_decode_steps = self.runner.num_graph_steps, self.runner.num_eager_decode_steps
         s.prefix_cache_queries, s.prefix_cache_hits = self.kv.num_queries, self.kv.num_hits
         s.max_kv_blocks_used = max(s.max_kv_blocks_used, self.kv.num_used_blocks)
         s.sum_batch_size += len(sched.scheduled)

@@ -50,24 +50,38 @@ class RequestState:
 
 @dataclass
 class ForwardBatch:
-    """One forward pass's rows, flattened: token ids, positions, each KV group's slots; the attention's entries
-    (query start offsets, tokens cached before, lengths after, each group's tables)."""
+    """One forward pass's rows, flattened: token ids; the attention's entries (query start offsets, tokens cached
+    before, lengths after, each KV group's tables, and the index of the request each entry belongs to in the step's
+    order). A row's position and KV slot follow from its entry (positions(), slots())."""
     ids: list[int]
-    pos: list[int]
-    slots: list[list[int]]
     qsl: list[int]
     num_computed: list[int]
     seq_lens: list[int]
     tables: list[list[list[int]]]
+    block_size: int
+    entry_req: list[int] = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:
         return len(self.ids)
 
     @property
+    def num_entries(self) -> int:
+        return len(self.seq_lens)
+
+    @property
     def decode_only(self) -> bool:
         """Every entry has one query row (decodes, verification rows)."""
-        return len(self.qsl) - 1 == len(self.ids)
+        return self.num_entries == self.num_rows
+
+    def positions(self) -> list[int]:
+        return [p for start, end in zip(self.num_computed, self.seq_lens) for p in range(start, end)]
+
+    def slots(self, group: int) -> list[int]:
+        """Each row's KV slot in the group's blocks."""
+        bs = self.block_size
+        return [table[p // bs] * bs + p % bs for table, start, end in zip(self.tables[group], self.num_computed,
+                                                                         self.seq_lens) for p in range(start, end)]
 
 
 @dataclass
@@ -76,6 +90,7 @@ class StepPlan:
     request that reached its end, and each guessed row), which rows give prompt logprobs, which rows a pooling request
     reduces."""
     batch: ForwardBatch
+    states: list[RequestState] = field(default_factory=list)     # the step's requests, in batch order
     sample_rows: list[int] = field(default_factory=list)
     samplers: list[tuple[RequestState, tuple[int, ...], Optional[tuple]]] = field(default_factory=list)
     prompt_logprobs: list[tuple[RequestState, int, int]] = field(default_factory=list)    # (state, row, count)
@@ -128,28 +143,23 @@ class BatchBuilder:
 
     def build(self, sched: SchedulerOutput, states: list[RequestState]) -> StepPlan:
         ids: list[int] = []
-        pos: list[int] = []
-        slots: list[list[int]] = [[] for _ in range(self.num_groups)]
         qsl = [0]
-        num_computed, seq_lens = [], []
+        num_computed, seq_lens, entry_req = [], [], []
         tables: list[list[list[int]]] = [[] for _ in range(self.num_groups)]
-        plan = StepPlan(ForwardBatch(ids, pos, slots, qsl, num_computed, seq_lens, tables))
-        bs = self.block_size
-        for st, s in zip(states, sched.scheduled):
+        plan = StepPlan(ForwardBatch(ids, qsl, num_computed, seq_lens, tables, self.block_size, entry_req), states)
+        for i, (st, s) in enumerate(zip(states, sched.scheduled)):
             start = s.num_computed_tokens
             end = start + s.num_tokens
             guesses = s.spec_token_ids
             ids.extend(st.all_token_ids[start:end - len(guesses)])
             ids.extend(guesses)
-            pos.extend(range(start, end))
-            for g, table in enumerate(st.tables):
-                slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, end))
             # a verification's rows attend as that many decodes of one token, each seeing the guesses before it:
             # the decode kernels serve them (they write every row's K/V before reading), the cheaper path
             for first, count in ((start + j, 1) for j in range(s.num_tokens)) if guesses else ((start, s.num_tokens),):
                 qsl.append(qsl[-1] + count)
                 num_computed.append(first)
                 seq_lens.append(first + count)
+                entry_req.append(i)
                 for g, table in enumerate(st.tables):
                     tables[g].append(table)
             row = qsl[-1] - s.num_tokens          # the request's first row
@@ -169,17 +179,11 @@ class BatchBuilder:
         """A draft model's pass: each entry's tokens (token ids, position of the first, its table of each KV group).
         Returns the batch and each entry's last row."""
         ids: list[int] = []
-        pos: list[int] = []
-        slots: list[list[int]] = [[] for _ in range(self.num_groups)]
         qsl = [0]
         num_computed, seq_lens, last_rows = [], [], []
         tables: list[list[list[int]]] = [[] for _ in range(self.num_groups)]
-        bs = self.block_size
         for toks, start, req_tables in entries:
             ids.extend(toks)
-            pos.extend(range(start, start + len(toks)))
-            for g, table in enumerate(req_tables):
-                slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, start + len(toks)))
             # a catch-up of a few tokens attends as that many one-token decodes, as verification rows do
             for first, count in (((start + j, 1) for j in range(len(toks))) if len(toks) <= FEW_ROWS
                                  else ((start, len(toks)),)):
@@ -189,7 +193,7 @@ class BatchBuilder:
                 for g, table in enumerate(req_tables):
                     tables[g].append(table)
             last_rows.append(qsl[-1] - 1)
-        return ForwardBatch(ids, pos, slots, qsl, num_computed, seq_lens, tables), last_rows
+        return ForwardBatch(ids, qsl, num_computed, seq_lens, tables, self.block_size), last_rows
 
 
 def sampling_inputs(plan: StepPlan, masks: dict) -> list[SamplingInput]:

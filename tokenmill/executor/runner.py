@@ -43,6 +43,8 @@ class RunnerOutput:
 class ModelRunner:
     """The device-neutral runner: the KV cache, the attention backend, the request states and the step. A device's
     runner (CpuRunner, GpuRunner) decides how a step's batch reaches the model."""
+    num_graph_steps = 0             # steps replayed from a captured graph (a GPU runner's)
+    num_eager_decode_steps = 0      # decode-only steps that no captured graph held
 
     def __init__(self, config: EngineConfig, model: DecoderForCausalLM):
         self.config = config
@@ -53,7 +55,7 @@ class ModelRunner:
         self.backend = get_backend(config.attention_backend, self.device, mc.num_attention_heads,
                                    mc.cache_kv_heads, mc.cache_head_dim, model.ops.kernels, mc.attn_logit_softcapping,
                                    any(w is not None for w in mc.layer_windows), mc.cache_value_dim,
-                                   config.kv_cache_dtype)
+                                   config.kv_cache_dtype, mc.rotary_dim)
         why_not = self.backend.kv_cache_dtype_error(config.kv_cache_dtype, self.device)
         if why_not is not None:
             raise ValueError(f"kv_cache_dtype={config.cache_config.cache_dtype!r} cannot be served by the "
@@ -100,6 +102,10 @@ class ModelRunner:
     def warm_up(self) -> None:
         """Work done once before the first request (a GPU compiles its kernels and captures its graphs)."""
 
+    def startup_line(self) -> Optional[str]:
+        """What start-up did that an operator should see (a GPU's graphs: their sizes, capture time, memory)."""
+        return None
+
     def num_slots(self, num_blocks: int) -> int:
         """The KV cache's slots for num_blocks blocks (a runner may keep more, for padding rows)."""
         return num_blocks * self.block_size
@@ -130,8 +136,8 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput, token_bitmasks: Optional[concurrent.futures.Future] = None
                 ) -> RunnerOutput:
         """token_bitmasks: structured outputs' masks (request id -> packed row), being written while the model runs."""
-        plan = self.builder.build(sched, self.builder.update(sched))
-        hidden = self._forward(plan.batch)
+        plan = self._plan(sched)
+        hidden = self._run(plan)
         out = RunnerOutput({})
         dev = self.device
         for st, row, count in plan.pooling:
@@ -158,6 +164,14 @@ class ModelRunner:
                 row += len(guesses) + 1
         self.builder.record(out.sampled)
         return out
+
+    def _plan(self, sched: SchedulerOutput) -> StepPlan:
+        """The step's changes applied to the request states, and its batch built."""
+        return self.builder.build(sched, self.builder.update(sched))
+
+    def _run(self, plan: StepPlan) -> torch.Tensor:
+        """The step's forward pass: the final-norm hidden states of its rows."""
+        return self._forward(plan.batch)
 
     @torch.inference_mode()
     def last_logits(self, entries: list[tuple[list[int], int, list[list[int]]]]) -> torch.Tensor:
@@ -214,11 +228,19 @@ class CpuRunner(ModelRunner):
         return out
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
-        # token ids, positions and each group's KV slots in one tensor
-        rows = torch.tensor([batch.ids, batch.pos, *batch.slots], dtype=torch.long)
-        metas = [self.backend.prepare(AttentionMetadata(
-            slot_mapping=rows[2 + g], query_start_loc=batch.qsl, num_computed=batch.num_computed,
-            seq_lens=batch.seq_lens, block_tables=batch.tables[g], block_size=self.block_size, sliding_window=window,
-            device=self.device))
-            for g, window in enumerate(self.groups.windows)]
-        return self.model(rows[0], rows[1], self.backend, metas)
+        return forward_rows(self, batch)
+
+
+def forward_rows(runner: ModelRunner, batch: ForwardBatch) -> torch.Tensor:
+    """The batch's rows through the model from host lists: token ids, positions and each KV group's slots in one
+    tensor (one copy to the device, pinned off CPU), the attention's metadata prepared from the lists."""
+    rows = torch.tensor([batch.ids, batch.positions(), *(batch.slots(g) for g in range(len(runner.groups.windows)))],
+                        dtype=torch.long)
+    if runner.device.type == "cuda":
+        rows = rows.pin_memory().to(runner.device, non_blocking=True)
+    metas = [runner.backend.prepare(AttentionMetadata(
+        slot_mapping=rows[2 + g], query_start_loc=batch.qsl, num_computed=batch.num_computed,
+        seq_lens=batch.seq_lens, block_tables=batch.tables[g], block_size=runner.block_size, sliding_window=window,
+        device=runner.device))
+        for g, window in enumerate(runner.groups.windows)]
+    return runner.model(rows[0], rows[1], runner.backend, metas)

@@ -136,6 +136,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     each = f" in each of {args.data_parallel_size} replicas" if args.data_parallel_size > 1 else ""
     print(f"tokenmill: {engine.kv_cache_info().describe()}{each}; its memory becomes resident while the server "
           f"idles", flush=True)
+    if engine.runner.startup_line() is not None:
+        print(f"tokenmill: {engine.runner.startup_line()}", flush=True)
     print(f"tokenmill: serving {app.state.ctx.model_name} on {engine.config.device}\n"
           f"  OpenAI API:  {url}/v1{key}\n  playground:  {url}/\n  metrics:     {url}/metrics\n"
           f"  Ctrl-C stops.", flush=True)

@@ -53,6 +53,10 @@ class ServerMetrics:
         self.spec_drafts = counter("spec_decode_num_drafts", "Speculative verifications (one per request and step).")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Tokens guessed for verification.")
         self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Guessed tokens the model accepted.")
+        # a GPU's graphs: steps replayed from a captured graph, and decode-only steps that none held (eager)
+        self.graph_steps = counter("cudagraph_steps", "Steps replayed from a captured CUDA graph.")
+        self.eager_decode_steps = counter("eager_decode_steps", "Decode-only steps no captured graph held (run "
+                                                                "eagerly: more rows than the largest capture).")
         self._success = Counter("tokenmill:request_success", "Finished requests by reason.",
                                 ["model_name", "finished_reason"], registry=r)
         # what the KV cache reserves at start, so resident memory that grows towards it is not read as a leak
@@ -95,6 +99,8 @@ class ServerMetrics:
         self.spec_drafts.inc(max(state.spec_num_drafts - last.spec_num_drafts, 0))
         self.spec_draft_tokens.inc(max(state.spec_num_draft_tokens - last.spec_num_draft_tokens, 0))
         self.spec_accepted.inc(max(state.spec_num_accepted_tokens - last.spec_num_accepted_tokens, 0))
+        self.graph_steps.inc(max(state.num_graph_steps - last.num_graph_steps, 0))
+        self.eager_decode_steps.inc(max(state.num_eager_decode_steps - last.num_eager_decode_steps, 0))
         self._last = dataclasses.replace(state)
 
     def _observe_finished(self, out: RequestOutput) -> None:

@@ -12,6 +12,7 @@ from tokenmill.executor.attention.backend import (AttentionBackend, AttentionMet
                                                   TorchReferenceBackend)
 from tokenmill.executor.attention.cpu import CpuKernelBackend, kernel_fits
 from tokenmill.executor.attention.gpu import TritonBackend, triton_fits
+from tokenmill.executor.attention.padded import PaddedBackend
 from tokenmill.executor.kernels import KernelLibrary
 
 __all__ = ["AttentionMetadata", "AttentionBackend", "get_backend"]
@@ -21,13 +22,15 @@ log = logging.getLogger("tokenmill")
 def get_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int,
                 kernels: Optional[KernelLibrary], softcap: Optional[float] = None,
                 layer_windows: bool = False, value_dim: Optional[int] = None,
-                kv_cache_dtype: str = "auto") -> AttentionBackend:
+                kv_cache_dtype: str = "auto", rotary_dim: Optional[int] = None) -> AttentionBackend:
     """'auto': the CPU kernels on CPU where they take the model's shapes and attention (else torch, said once),
     the Triton kernels on a GPU where Triton is installed and they take the shapes (else torch, said once);
-    'cpu', 'triton', 'batched' or 'torch' by name ('triton' on CPU only under TRITON_INTERPRET=1, for tests). kernels: the CPU kernel library, None without one.
+    'cpu', 'triton', 'batched', 'padded' or 'torch' by name ('triton' on CPU only under TRITON_INTERPRET=1, for tests). kernels: the CPU kernel library, None without one.
     softcap: the model's attention logit soft cap; layer_windows: whether its layers have sliding windows of their
     own (Gemma); value_dim: values narrower than keys (latent attention's), which only torch attends;
-    kv_cache_dtype: the cache's dtype by name (the Triton kernels read float and fp8 caches)."""
+    kv_cache_dtype: the cache's dtype by name (the Triton kernels read float and fp8 caches); rotary_dim: the dims of
+    each head that rotary embeddings turn (all of them: the Triton backend turns q and k as it writes the cache)."""
+    fused_rotary = rotary_dim is None or rotary_dim == head_dim
     why_not = "the CPU kernels are off (reference)" if kernels is None else \
         kernel_fits(kernels, num_heads, num_kv_heads, head_dim, softcap, layer_windows, value_dim)
     if name == "auto":
@@ -38,7 +41,7 @@ def get_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: i
         if device.type == "cuda":
             why_not = triton_fits(num_heads, num_kv_heads, head_dim, value_dim)
             if why_not is None:      # the backend says which caches it reads
-                backend = TritonBackend(device)
+                backend = TritonBackend(device, fused_rotary=fused_rotary)
                 refused = backend.kv_cache_dtype_error(kv_cache_dtype, device) if kv_cache_dtype != "auto" else None
                 if refused is None:
                     return backend
@@ -51,7 +54,7 @@ def get_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: i
             why_not = "the device is not a GPU (Triton runs on CPU only under TRITON_INTERPRET=1, slowly)"
         if why_not is not None:
             raise ValueError(f"attention_backend='triton' cannot run here: {why_not}; use 'auto'")
-        return TritonBackend(device)
+        return TritonBackend(device, fused_rotary=fused_rotary)
     if name == "cpu":
         if why_not is not None or device.type != "cpu":
             raise ValueError(f"attention_backend='cpu' cannot run here: "
@@ -61,4 +64,6 @@ def get_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: i
         return BatchedBackend()
     if name == "torch":
         return TorchReferenceBackend()
-    raise ValueError(f"unknown attention_backend {name!r}; choose auto, cpu, triton, batched or torch")
+    if name == "padded":
+        return PaddedBackend()
+    raise ValueError(f"unknown attention_backend {name!r}; choose auto, cpu, triton, batched, padded or torch")

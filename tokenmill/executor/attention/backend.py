@@ -12,7 +12,7 @@ the CPU kernels' backend is in attention/cpu.py.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Optional, TypeVar
+from typing import Callable, Optional, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,24 @@ class AttentionMetadata:
         qsl = self.query_start_loc
         n = [qsl[i + 1] - qsl[i] for i in range(self.num_reqs)]
         return [i for i in range(self.num_reqs) if n[i] == 1], [i for i in range(self.num_reqs) if n[i] > 1]
+
+
+@dataclass
+class DeviceBatch:
+    """One KV group's attention inputs already on the device (the GPU runner's resident batch, or its captured
+    graphs' static buffers), for backends that prepare from the device (supports_device_batch)."""
+    slot_mapping: torch.Tensor               # [T] int64
+    qsl: torch.Tensor                        # [E + 1]
+    num_computed: torch.Tensor               # [E]
+    seq_lens: torch.Tensor                   # [E] (0: a padding entry, which attends nothing)
+    tables: torch.Tensor                     # [E, W] block ids
+    entry_rows: Optional[list[int]]          # each entry's query rows, known on the host (None: one each)
+    block_size: int
+    sliding_window: Optional[int]
+
+    @property
+    def num_entries(self) -> int:
+        return self.seq_lens.shape[0]
 
 
 M = TypeVar("M", bound=AttentionMetadata)
@@ -95,8 +113,14 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional
 
 
 class AttentionBackend:
-    """prepare() once a step, then forward() per layer. The layers' KV caches are bound once, at start."""
+    """prepare() once a step, then forward() per layer. The layers' KV caches are bound once, at start.
+
+    A backend that supports_device_batch also prepares from a DeviceBatch (prepare_device), with no host reads; one
+    that supports_graphs keeps its own static state for captured decode steps (init_graphs) and gives the metadata
+    of a captured size from the runner's static buffers (graph_metadata), so a replay needs no host work."""
     name = "base"
+    supports_device_batch = False
+    supports_graphs = False
 
     def __init__(self) -> None:
         self.kv_caches: list[LayerKV] = []
@@ -120,6 +144,17 @@ class AttentionBackend:
         """Per-step work shared by all layers (index tensors, masks): the metadata forward() takes."""
         return meta
 
+    def prepare_device(self, batch: DeviceBatch) -> AttentionMetadata:
+        raise NotImplementedError(f"the {self.name!r} attention backend prepares from host lists only")
+
+    def init_graphs(self, max_size: int, device: torch.device) -> None:
+        """Static state for steps prepared from the device (captured or not) of up to max_size entries."""
+        raise NotImplementedError(f"the {self.name!r} attention backend cannot be captured in a graph")
+
+    def graph_metadata(self, batch: DeviceBatch, size: int) -> AttentionMetadata:
+        """The metadata of a captured decode step of size rows (one query row an entry), from static buffers."""
+        raise NotImplementedError(f"the {self.name!r} attention backend cannot be captured in a graph")
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 scale: float, window: Optional[int] = None, softcap: Optional[float] = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KV, D] (v's D may be narrower: latent attention), written into the layer's cache
@@ -129,6 +164,16 @@ class AttentionBackend:
         cache = self.kv_caches[layer]
         cache.write(meta.slot_mapping, k, v)     # kv_cache_dtype may differ from the model's
         return self._attend(q, k, v, cache, meta, scale, window or meta.sliding_window, softcap)
+
+    def forward_rotary(self, layer: int, qk: torch.Tensor, v: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                       rotary: Callable, meta: AttentionMetadata, scale: float, window: Optional[int] = None,
+                       softcap: Optional[float] = None) -> torch.Tensor:
+        """forward() of q and k side by side as qk [T, H + KV, D] (a view of the fused qkv rows), turned first by
+        the plan's rotary with rope (cos, sin [T, 1, rotary dims]). A backend may turn them and write the cache in
+        one kernel."""
+        qk = rotary(qk, *rope)
+        H = qk.shape[1] - v.shape[1]
+        return self.forward(layer, qk[:, :H], qk[:, H:], v, meta, scale, window, softcap)
 
     def _attend(self, q, k, v, cache: LayerKV, meta, scale, window, softcap) -> torch.Tensor:
         raise NotImplementedError

@@ -55,9 +55,8 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])], dim=1)
-        qk = self.ops.rotary(qk, *rope)
-        o = backend.forward(self.layer_idx, qk[:, :H], qk[:, H:], v, meta, self.scale, self.window,
-                            self.softcap)                                                   # [T, H, D]
+        o = backend.forward_rotary(self.layer_idx, qk, v, rope, self.ops.rotary, meta, self.scale, self.window,
+                                   self.softcap)                                            # [T, H, D]
         return self.ops.all_reduce(self.o_proj(o.reshape(T, self.q_size)))      # rank's heads' share, summed
 
 
@@ -196,8 +195,8 @@ class DecoderForCausalLM(nn.Module):
         """input_ids, positions: [T]; metas: the step's attention metadata of each KV group (layout.py). Returns
         hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
-        if self.config.gemma:       # transformers multiplies by sqrt(hidden) rounded to the activations' dtype
-            x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
+        if self.config.gemma:
+            x = x * self.embed_scale
         rope = self.rotary.tables(positions, x.dtype)
         ropes = (rope, self.rotary_local.tables(positions, x.dtype) if self.rotary_local is not None else rope)
         residual = None
@@ -205,6 +204,14 @@ class DecoderForCausalLM(nn.Module):
             x, residual = self.ops.decoder_layer(layer, x, residual, ropes[layer.self_attn.local_rope], backend,
                                                  metas[group])
         return self.norm(x, residual)[0]
+
+    def graph_blocker(self) -> Optional[str]:
+        """Why a step of this model cannot be captured in a graph, or None."""
+        if not self.ops.graph_safe:
+            return f"the {self.ops.name!r} op plan calls kernels no graph records"
+        if self.config.moe_layers:
+            return "its Mixture-of-Experts layers run each expert on the tokens routed to it, counted on the host"
+        return None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [S, hidden] (only the rows that sample). Returns float32 logits [S, vocab]."""
@@ -217,6 +224,10 @@ class DecoderForCausalLM(nn.Module):
     def finalize(self) -> None:
         """After loading: lay weights out for the device's fast paths (see Linear.finalize); a tied head gets its
         own [hidden, vocab] copy on CPU beside the embeddings' [vocab, hidden] (lookup and GEMM each want theirs)."""
+        if self.config.gemma:       # transformers multiplies by sqrt(hidden) rounded to the activations' dtype
+            e = self.embed_tokens
+            dtype = e.dtype if e.quant is not None else e.weight.dtype
+            self.embed_scale = float(torch.tensor(self.config.hidden_size ** 0.5, dtype=dtype))
         if self.config.tie_word_embeddings:
             self.lm_head = Linear.tied(self.embed_tokens, self.ops)
         for m in self.modules():

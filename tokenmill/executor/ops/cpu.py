@@ -36,6 +36,8 @@ class _FusedLayer:
 
 
 class CpuKernelOps(ReferenceOps):
+    graph_safe = False      # the kernels are called through ctypes with host pointers: no trace sees them
+
     def __init__(self, kernels: KernelLibrary, dtype: torch.dtype, int8_activations: bool = True):
         self.kernels = kernels
         self.dtype = dtype

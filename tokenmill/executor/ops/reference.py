@@ -18,6 +18,9 @@ MIN_TILE_ROWS = 128
 
 class ReferenceOps:
     name = "reference"
+    # whether a step of this plan can be captured in a graph: its ops are torch's (or custom ops), reading no host
+    # values
+    graph_safe = True
     kernels = None          # the CPU kernel library an implementation calls, if any (the attention backend's too)
 
     def prepare(self, model) -> None:

@@ -1,0 +1,221 @@
+"""The GPU's runner on a CPU: its resident batch and its captured decode steps, as traced stand-ins of CUDA graphs
+(executor/graphs.py), against its own eager path and against transformers.
+
+The 'padded' attention backend (torch ops of fixed shapes, prepared on the device) serves the family sweep and the
+features; the Triton kernels, interpreted, serve the checks that the GPU's own step is graph-safe."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.tiny_models import ARCHS, build_tiny, hf_greedy, random_prompts
+from tokenmill import LLM, SamplingParams
+
+SIZES = [1, 2, 4]
+
+
+def runner_llm(path: str, graphs: bool, backend: str = "padded", plan: str = "reference", sizes=SIZES, **kw) -> LLM:
+    kw.setdefault("kv_cache_memory_gb", 0.02)
+    kw.setdefault("max_model_len", 256)
+    comp = {"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": sizes} if graphs else None
+    return LLM(path, dtype="float32", device="cpu", attention_backend=backend, cpu_kernels=plan,
+               compilation_config=comp, enforce_eager=not graphs, **kw)
+
+
+def outputs(llm: LLM, prompts: list, params) -> list[tuple[list[int], list]]:
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [{t: (lp.logprob, lp.rank) for t, lp in d.items()}
+                                      for d in (o.outputs[0].logprobs or [])]) for o in outs]
+
+
+def assert_same(got: list, want: list, tol: float = 1e-5) -> None:
+    """The same tokens, ranks and top tokens; logprobs equal up to the rounding of a batch's rows summed in
+    another order (a padded batch is a GEMM of more rows: BLAS may block it otherwise)."""
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, a), (_, b) in zip(got, want):
+        assert [{t: r for t, (_, r) in d.items()} for d in a] == [{t: r for t, (_, r) in d.items()} for d in b]
+        worst = max((abs(d[t][0] - e[t][0]) for d, e in zip(a, b) for t in d), default=0.0)
+        assert worst <= tol, worst
+
+
+@pytest.mark.parametrize("kind", ARCHS)
+def test_graphs_replay_the_eager_step(kind, tmp_path):
+    """Batches of 4, 3, 2 and 1 requests (padded to 4, 4, 2, 1): tokens and logprobs equal the eager path's, and
+    the eager path's tokens equal transformers'."""
+    path, hf = build_tiny(kind, tmp_path)
+    prompts = random_prompts([5, 17, 9, 3], seed=4)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2) for n in (3, 6, 9, 12)]
+    eager = outputs(runner_llm(path, graphs=False), [{"prompt_token_ids": p} for p in prompts], params)
+    llm = runner_llm(path, graphs=True)
+    graph = outputs(llm, [{"prompt_token_ids": p} for p in prompts], params)
+    assert_same(graph, eager)
+    for p, (toks, _) in zip(prompts, eager):
+        assert toks == hf_greedy(hf, p, len(toks))
+    runner = llm.llm_engine.runner
+    if llm.llm_engine.model_config.moe_layers:      # routing counts tokens on the host: no graphs (yet)
+        assert not runner.capture_sizes and not runner.graphs and runner.num_graph_steps == 0
+    else:
+        assert set(runner.replays) == set(SIZES), runner.replays
+        assert runner.replays[4] >= 2         # 4 and 3 requests
+        assert llm.get_stats()["num_graph_steps"] == runner.num_graph_steps
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return build_tiny("llama", tmp_path_factory.mktemp("runner_llama"))
+
+
+def test_chunked_prefill_prefix_hits_preemption_and_seeds(llama):
+    """Prompt chunks of 16 tokens, prompts sharing a 32-token prefix, a cache that preempts, more requests than
+    rows, greedy and seeded sampled requests side by side: the same outputs with graphs as without."""
+    path, _ = llama
+    shared = random_prompts([32], seed=9)[0]
+    prompts = [{"prompt_token_ids": shared + tail} for tail in random_prompts([3, 11, 6, 20, 8, 1], seed=10)]
+    params = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logprobs=1) if i % 2 else
+              SamplingParams(temperature=1.0, top_p=0.9, seed=100 + i, max_tokens=14, ignore_eos=True, logprobs=1)
+              for i in range(len(prompts))]
+    kw = dict(max_num_batched_tokens=16, kv_cache_memory_gb=0.00005, max_model_len=96, max_num_seqs=4,
+              sizes=[1, 2, 4])      # four resident rows for six requests: rows are given back and taken again
+    eager = outputs(runner_llm(path, graphs=False, **kw), prompts, params)
+    llm = runner_llm(path, graphs=True, **kw)
+    assert_same(outputs(llm, prompts, params), eager)
+    stats = llm.get_stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0 and stats["num_graph_steps"] > 0
+    llm.llm_engine.kv.check_integrity()
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_verification_replays_graphs(llama, method, tmp_path):
+    """A verification's rows are one-row entries: the step takes a graph of its rows' size."""
+    path, _ = llama
+    spec = {"method": "ngram", "num_speculative_tokens": 3} if method == "ngram" else \
+        {"method": "draft_model", "model": build_tiny("llama", tmp_path, seed=3)[0], "num_speculative_tokens": 2}
+    seg = random_prompts([5, 7], seed=12)
+    prompts = [{"prompt_token_ids": (s * 5)[:30]} for s in seg]
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=16, ignore_eos=True)]
+    kw = dict(speculative_config=spec, sizes=[1, 2, 4, 8])
+    eager = outputs(runner_llm(path, graphs=False, **kw), prompts, params)
+    llm = runner_llm(path, graphs=True, **kw)
+    assert_same(outputs(llm, prompts, params), eager)
+    stats = llm.get_stats()
+    assert stats["spec_num_drafts"] > 0 and stats["num_graph_steps"] > 0
+
+
+def test_structured_outputs_under_graphs(tiny_text_model):
+    from tokenmill import StructuredOutputsParams
+    path, _ = tiny_text_model
+    params = [SamplingParams(max_tokens=24, temperature=0,
+                             structured_outputs=StructuredOutputsParams(regex=r"[0-9]{2,4}-[a-z]{3}")),
+              SamplingParams(max_tokens=24, temperature=1.0, seed=3,
+                             structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe"])),
+              SamplingParams(max_tokens=8, temperature=0)]
+    prompts = ["Write a code:", "Answer:", "Hello"]
+
+    def texts(llm):
+        return [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    eager = texts(runner_llm(path, graphs=False))
+    llm = runner_llm(path, graphs=True)
+    assert texts(llm) == eager
+    assert eager[1] in ("yes", "no", "maybe") and llm.get_stats()["num_graph_steps"] > 0
+
+
+def test_capture_sizes_are_checked(llama):
+    path, _ = llama
+    with pytest.raises(ValueError, match="positive"):
+        runner_llm(path, graphs=True, sizes=[0, 2])
+    with pytest.raises(ValueError, match="exceed max_num_seqs"):
+        runner_llm(path, graphs=True, sizes=[2, 64], max_num_seqs=16)
+    with pytest.raises(ValueError, match="unknown keys"):
+        LLM(path, device="cpu", attention_backend="padded", compilation_config={"cudagraph_sizes": [1]})
+    with pytest.raises(ValueError, match="cudagraph_mode"):
+        LLM(path, device="cpu", attention_backend="padded", compilation_config={"cudagraph_mode": "PIECEWISE"})
+    with pytest.raises(ValueError, match="stand-in"):       # the CPU's own kernels: no graphs
+        LLM(path, device="cpu", compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY"})
+
+
+def test_more_rows_than_the_largest_capture_run_eagerly(llama):
+    """Five decoding requests over graphs of up to 4 rows: eager steps, the same tokens, counted."""
+    path, _ = llama
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([4, 6, 8, 3, 5], seed=2)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    eager = outputs(runner_llm(path, graphs=False), prompts, params)
+    llm = runner_llm(path, graphs=True)
+    assert_same(outputs(llm, prompts, params), eager)
+    assert llm.get_stats()["num_eager_decode_steps"] > 0
+
+
+# ---- the GPU's own step: the Triton plan and attention, interpreted -------------------------------------------
+
+@pytest.fixture(scope="module")
+def mqa(tmp_path_factory):
+    """Two layers, one kv head: the fewest interpreted programs a step launches."""
+    return build_tiny("llama_mqa_tied", tmp_path_factory.mktemp("runner_mqa"))
+
+
+@pytest.fixture(scope="module")
+def triton_llm(mqa):
+    return runner_llm(mqa[0], graphs=True, backend="triton", plan="triton", sizes=[1, 2], max_num_seqs=4)
+
+
+def test_triton_graphs_replay_the_eager_step(mqa, triton_llm):
+    """The GPU's kernels (the fused plan, the split decode whose splits are counted on the device) captured at 1
+    and 2 rows: a context long enough to split, a short one, then one alone."""
+    path, hf = mqa
+    prompts = random_prompts([150, 4], seed=6)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1) for n in (4, 2)]
+    runner = triton_llm.llm_engine.runner
+    assert runner.backend.name == "triton" and triton_llm.llm_engine.model.ops.name == "triton"
+    graph = outputs(triton_llm, [{"prompt_token_ids": p} for p in prompts], params)
+    eager = outputs(runner_llm(path, graphs=False, backend="triton", plan="triton", max_num_seqs=4),
+                    [{"prompt_token_ids": p} for p in prompts], params)
+    assert_same(graph, eager)
+    assert set(runner.replays) == {1, 2}
+    for p, (toks, _) in zip(prompts, graph):
+        assert toks == hf_greedy(hf, p, len(toks))
+
+
+def _graph_step(runner, n: int):
+    """The step a graph of n rows records, with the static tensors it may read and write."""
+    import functools
+    from tokenmill.executor.graph_check import static_tensors
+    runner._fill_dummy_header(n)
+    static = list(static_tensors(runner.model, runner.kv_tensors, runner.header, runner.tables, runner.arange,
+                                 runner.backend._graph_entries))
+    return functools.partial(runner._device_forward, n, n, None, n), static
+
+
+def test_captured_step_is_graph_safe(triton_llm):
+    """What a CUDA graph capture forbids (host syncs, tensors from Python values, tensors from outside the static
+    buffers) does not happen in the captured step; a planted .item() is caught."""
+    from tokenmill.executor.graph_check import GraphSafetyMode
+    runner = triton_llm.llm_engine.runner
+    step, static = _graph_step(runner, 2)
+    with torch.inference_mode(), GraphSafetyMode(static, runner.device) as mode:
+        step()
+    assert mode.violations == []
+
+    prepare = runner.backend.graph_metadata
+
+    def longest_on_the_host(batch, size):       # the classic bug: a split count from the longest length
+        batch.seq_lens.max().item()
+        return prepare(batch, size)
+    runner.backend.graph_metadata = longest_on_the_host
+    try:
+        with torch.inference_mode(), GraphSafetyMode(static, runner.device) as mode:
+            step()
+    finally:
+        runner.backend.graph_metadata = prepare
+    assert [v.kind for v in mode.violations] == ["host_sync"]      # once a step (a KV group)
+    assert "seq_lens.max().item()" in mode.violations[0].where
+
+
+def test_eager_decode_step_ops_per_layer(triton_llm):
+    """An eager decode step issues at most 10 ops a Llama layer: the fused norm+add, qkv, rotary+KV write,
+    attention, o, norm+add, gate_up, SiLU-mul, down."""
+    from tokenmill.executor.graph_check import OpCounter
+    runner = triton_llm.llm_engine.runner
+    runner._fill_dummy_header(2)
+    with torch.inference_mode(), OpCounter(runner.model.layers) as count:
+        runner._device_forward(2, 2, [1, 1], None)
+    assert max(count.per_layer()) <= 10, dict(count.layer_counts[0])
