@@ -5,7 +5,7 @@ STAMP := .venv/.tokenmill-installed
 KERNELS := .venv/.tokenmill-kernels
 KERNEL_SOURCES := $(shell find tokenmill/executor/csrc -name '*.[ch]') tokenmill/executor/kernels/build.py
 
-.PHONY: setup kernels run test test-fast generate clean
+.PHONY: setup kernels run test test-fast generate clean gpu-check gpu-wheels
 
 setup: $(STAMP) $(KERNELS)
 
@@ -43,3 +43,11 @@ clean:
 # the offline job: a few prompts through the bundled model, streamed, with a phase report
 generate: setup
 	.venv/bin/tokenmill generate --chat "What is the capital of France?" "Write a haiku about the sea." --max-tokens 48
+
+# on a GPU machine (no venv, the image's torch): the GPU tests and figures into one JSON (benchmarks/gpu_check.py)
+gpu-check:
+	bash benchmarks/gpu_check.sh
+
+# here, before a GPU session: the wheels the GPU machine lacks, into .whl/ for the device tool to carry
+gpu-wheels:
+	bash benchmarks/gpu_wheels.sh

@@ -4,20 +4,23 @@ downloaded):
 
   bandwidth   a device-to-device copy, bytes read and written over its time (the HBM ceiling)
   compute     a bf16 8192^3 matrix product (the compute ceiling)
-  8b          single-stream decode of a Llama-3.1-8B-shaped bf16 model: the weight bytes a step reads (all but
-              the embedding table) over the measured bandwidth, against the step's time (target: at least 70% of
-              that limit); and a 2,048-token prompt's time to the first token against its FLOPs (the matrices
-              but the embedding for every token, the LM head for the last, causal attention) over the measured
-              compute
-  offline-1b  1,000 requests (in and out U(100, 512), seeded) on a Llama-3.2-1B-shaped model: tokenmill, and
+  8b          a Llama-3.1-8B-shaped bf16 model: start-up (load, graph capture, graph memory); one stream's decode
+              (2,048-token prompt) against the HBM limit (the weight bytes a step reads, all but the embedding
+              table, over the measured bandwidth; target: at least 85%), and the GPU's busy time over that step's
+              wall time (target: 95%); the first request's TTFT after start and a warm one against the compute
+              limit (the matrices but the embedding for every token, the LM head for the last, causal attention);
+              decode at 256 concurrent requests (128-token prompts, 256 out) against its steps' HBM limit (weights
+              plus the KV each step reads; target: 18,000 tok/s)
+  offline-1b  requests with in and out U(100, 512), seeded, on a Llama-3.2-1B-shaped model: tokenmill, and
               transformers with its static cache and torch.compile in batches, useful tokens a second each
-              (target: tokenmill at least 5x)
+              (target: tokenmill at least 5x; 1,000 requests, 300 with --quick)
   smollm2     the bundled SmolLM2 (its GGUF dequantised to bf16): one stream's decode, and offline-64
 
-  python3 benchmarks/gpu.py [--tiny] [--skip 8b offline-1b smollm2] [--out results/NAME.json]
+  python3 benchmarks/gpu.py [--tiny | --quick] [--skip 8b offline-1b smollm2] [--eager] [--out results/NAME.json]
 
---tiny shrinks every model and count so that the script runs anywhere in a minute or two, CPU included: a check of
-the script, not a measurement.
+--quick is the GPU check's size (benchmarks/gpu_check.py: fewer requests, no SmolLM2, which is a wheel the GPU
+machine lacks); --eager runs every step eagerly (enforce_eager) for the graphs' A/B; --tiny shrinks every model and
+count so that the script runs anywhere in a minute or two, CPU included: a check of the script, not a measurement.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -137,26 +140,83 @@ def workload(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[tuple[
     return [([r.randrange(100, vocab) for _ in range(r.randint(lo, hi))], r.randint(lo, hi)) for _ in range(n)]
 
 
-def single_stream(path: str, dev: torch.device, prompt: int, out: int, **kw) -> dict[str, float]:
-    """Time to the first token and the inter-token latency of one request alone."""
-    from tokenmill import SamplingParams
+def engine(path: str, dev: torch.device, max_model_len: int, **kw) -> Any:
+    """An engine, and the seconds its start took (load, KV sizing, kernels compiled, graphs captured)."""
     from tokenmill.engine.engine import LLMEngine
-    # no prefix caching: the timed run repeats the warm-up's prompt
-    eng = LLMEngine(path, dtype="bfloat16", device=dev.type, max_model_len=prompt + out + 16,
-                    enable_prefix_caching=False, **kw)
+    t = time.perf_counter()
+    eng = LLMEngine(path, dtype="bfloat16", device=dev.type, max_model_len=max_model_len, **kw)
+    return eng, time.perf_counter() - t
 
-    def run() -> tuple[float, list[float]]:
-        eng.add_request(str(time.monotonic()), {"prompt_token_ids": list(range(100, 100 + prompt))},
-                        SamplingParams(temperature=0, max_tokens=out, ignore_eos=True))
-        stamps = [time.perf_counter()]
-        while eng.has_unfinished_requests():
+
+def start_up(eng: Any, seconds: float) -> dict[str, Any]:
+    r = eng.runner
+    return {"start_s": seconds, "capture_s": getattr(r, "capture_seconds", 0.0),
+            "graph_memory_gib": getattr(r, "graph_memory_bytes", 0) / 2 ** 30,
+            "graph_sizes": len(getattr(r, "graphs", {})), "kv_cache": eng.kv_cache_info().describe()}
+
+
+def run_one(eng: Any, prompt: list[int], out: int) -> tuple[float, list[float]]:
+    """One request alone through the engine's steps: its TTFT and the gaps between its tokens (seconds)."""
+    from tokenmill import SamplingParams
+    eng.add_request(str(time.monotonic()), {"prompt_token_ids": prompt},
+                    SamplingParams(temperature=0, max_tokens=out, ignore_eos=True))
+    stamps = [time.perf_counter()]
+    while eng.has_unfinished_requests():
+        eng.step()
+        stamps.append(time.perf_counter())
+    return stamps[1] - stamps[0], [b - a for a, b in zip(stamps[1:], stamps[2:])]
+
+
+def busy_fraction(eng: Any, dev: torch.device, prompt: list[int], steps: int) -> Optional[float]:
+    """The device's kernel time over the wall time of a single stream's decode steps (torch's profiler)."""
+    if dev.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    from tokenmill import SamplingParams
+    eng.add_request("busy", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=steps + 8,
+                                                                         ignore_eos=True))
+    for _ in range(4):                       # the prompt, then decode steps in their steady state
+        eng.step()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
             eng.step()
-            stamps.append(time.perf_counter())
-        return stamps[1] - stamps[0], [b - a for a, b in zip(stamps[1:], stamps[2:])]
-    run()                                    # warm-up: compiles the kernels
-    ttft, gaps = run()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    while eng.has_unfinished_requests():
+        eng.step()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    # kernels of one stream do not overlap: their durations add up to the busy time
+    return sum(e.device_time for e in kernels) / 1e6 / wall
+
+
+def single_stream(path: str, dev: torch.device, prompt: int, out: int, **kw) -> dict[str, Any]:
+    """Start-up, the first request's TTFT, then a warm TTFT and the inter-token latency of one request alone, and
+    the device's busy fraction of its decode steps."""
+    # no prefix caching: each request's prompt is computed whole
+    eng, seconds = engine(path, dev, prompt + out + 16, enable_prefix_caching=False, **kw)
+    res = start_up(eng, seconds)
+    res["first_ttft_s"], _ = run_one(eng, list(range(100, 100 + prompt)), 2)
+    ttft, gaps = run_one(eng, list(range(200, 200 + prompt)), out)
     gaps.sort()
-    return {"ttft_s": ttft, "itl_s": gaps[len(gaps) // 2]}
+    res.update(ttft_s=ttft, itl_s=gaps[len(gaps) // 2], graph_steps=eng.stats.num_graph_steps)
+    res["busy"] = busy_fraction(eng, dev, list(range(300, 300 + prompt)), 32)
+    return res
+
+
+def decode_batch(path: str, dev: torch.device, n: int, prompt: int, out: int, vocab: int, **kw) -> dict[str, Any]:
+    """n requests at once: tokens a second of the steps that only decode, and their mean context."""
+    from tokenmill import SamplingParams
+    eng, _ = engine(path, dev, prompt + out + 16, max_num_seqs=n, max_num_batched_tokens=max(2048, n), **kw)
+    r = random.Random(5)
+    for i in range(n):
+        eng.add_request(str(i), {"prompt_token_ids": [r.randrange(100, vocab) for _ in range(prompt)]},
+                        SamplingParams(temperature=0, max_tokens=out, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    st = eng.stats
+    return {"requests": n, "decode_tok_s": st.decode_tokens / st.decode_time_s, "graph_steps": st.num_graph_steps,
+            "eager_decode_steps": st.num_eager_decode_steps, "mean_context": prompt + out / 2}
 
 
 def offline(path: str, dev: torch.device, reqs: list[tuple[list[int], int]], **kw) -> float:
@@ -204,55 +264,88 @@ def transformers_offline(path: str, dev: torch.device, reqs: list[tuple[list[int
     return useful / (time.perf_counter() - t)
 
 
+def kv_bytes_per_token(shape: dict) -> int:
+    """bf16 K and V of every layer."""
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    return 2 * 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--eager", action="store_true", help="every step eager (enforce_eager): the graphs' A/B")
     ap.add_argument("--skip", nargs="*", default=[], choices=PARTS)
     ap.add_argument("--out")
     a = ap.parse_args()
+    if a.quick:
+        a.skip = sorted(set(a.skip) | {"smollm2"})
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    res: dict[str, Any] = {"machine": device_info(dev), "tiny": a.tiny}
+    res: dict[str, Any] = {"machine": device_info(dev), "tiny": a.tiny, "quick": a.quick, "eager": a.eager}
+    kw = {"enforce_eager": True} if a.eager else {}
     print(json.dumps(res["machine"]), flush=True)
     bw = bandwidth(dev, a.tiny)
     flops = compute(dev, a.tiny)
     res.update(bandwidth_gbs=bw / 1e9, compute_tflops=flops / 1e12)
     print(f"bandwidth {bw / 1e9:,.0f} GB/s; bf16 matmul {flops / 1e12:,.1f} TFLOP/s", flush=True)
+
+    def save() -> None:
+        if a.out:
+            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.out).write_text(json.dumps(res, indent=1))
     with tempfile.TemporaryDirectory() as tmp:
         if "8b" not in a.skip:
             shape = TINY if a.tiny else LLAMA_8B
+            t = time.perf_counter()
             path, params = random_checkpoint(shape, Path(tmp) / "8b", dev)
+            res["checkpoint_s"] = time.perf_counter() - t
             prompt = 128 if a.tiny else 2048
-            s = single_stream(path, dev, prompt, 32 if a.tiny else 256, kv_cache_memory_gb=1 if a.tiny else 8)
+            s = single_stream(path, dev, prompt, 32 if a.tiny else 128, kv_cache_memory_gb=1 if a.tiny else 8, **kw)
             table = shape["vocab_size"] * shape["hidden_size"]        # the embedding (decode reads one row)
             head = 0 if shape.get("tie_word_embeddings") else table    # the LM head: the last token only
-            limit = 2 * (params - table) / bw                           # bf16 weights read once a step
+            weights = 2 * (params - table)                              # bf16 weights read once a step
+            limit = weights / bw
             heads, layers = shape["num_attention_heads"], shape["num_hidden_layers"]
             head_dim = shape["hidden_size"] // heads
             attention = 2 * layers * heads * head_dim * prompt * prompt    # q.k and p.v, causal (half of 4)
             ttft_limit = (2 * (params - table - head) * prompt + 2 * table + attention) / flops
-            res["8b"] = {"params": params, "itl_ms": 1e3 * s["itl_s"], "hbm_limit_ms": 1e3 * limit,
+            res["8b"] = {"params": params, **s, "itl_ms": 1e3 * s["itl_s"], "hbm_limit_ms": 1e3 * limit,
                          "of_limit": limit / s["itl_s"], "prompt": prompt, "ttft_ms": 1e3 * s["ttft_s"],
+                         "first_ttft_ms": 1e3 * s["first_ttft_s"], "first_over_warm": s["first_ttft_s"] / s["ttft_s"],
                          "compute_limit_ms": 1e3 * ttft_limit, "ttft_of_limit": ttft_limit / s["ttft_s"]}
             print(f"8b: {res['8b']}", flush=True)
+            save()
+            n, p_len, out = (16, 32, 32) if a.tiny else (256, 128, 256)
+            d = decode_batch(path, dev, n, p_len, out, shape["vocab_size"], kv_cache_memory_gb=1 if a.tiny else 24,
+                             **kw)
+            step = n / d["decode_tok_s"]
+            step_limit = (weights + n * d["mean_context"] * kv_bytes_per_token(shape)) / bw
+            res["decode_256"] = {**d, "step_ms": 1e3 * step, "hbm_limit_ms": 1e3 * step_limit,
+                                 "of_limit": step_limit / step}
+            print(f"decode {n}: {res['decode_256']}", flush=True)
+            save()
         if "offline-1b" not in a.skip:
             path, _ = random_checkpoint(TINY if a.tiny else LLAMA_1B, Path(tmp) / "1b", dev)
-            reqs = workload(20 if a.tiny else 1000, 10 if a.tiny else 100, 40 if a.tiny else 512,
+            count = 20 if a.tiny else 300 if a.quick else 1000
+            reqs = workload(count, 10 if a.tiny else 100, 40 if a.tiny else 512,
                             TINY["vocab_size"] if a.tiny else LLAMA_1B["vocab_size"])
-            ours = offline(path, dev, reqs, max_model_len=1100, kv_cache_memory_gb=1 if a.tiny else 40)
+            ours = offline(path, dev, reqs, max_model_len=1100, kv_cache_memory_gb=1 if a.tiny else 40, **kw)
+            res["offline_1b"] = {"requests": count, "tokenmill_tok_s": ours}
+            save()
             peer = transformers_offline(path, dev, reqs, 8 if a.tiny else 64)
-            res["offline_1b"] = {"tokenmill_tok_s": ours, "transformers_tok_s": peer, "ratio": ours / peer}
+            res["offline_1b"].update(transformers_tok_s=peer, ratio=ours / peer)
             print(f"offline-1b: {res['offline_1b']}", flush=True)
+            save()
         if "smollm2" not in a.skip:
             from tokenmill.executor.loader import default_model_path
             path = default_model_path()
-            s = single_stream(path, dev, 64, 32 if a.tiny else 256, kv_cache_memory_gb=1)
+            s = single_stream(path, dev, 64, 32 if a.tiny else 256, kv_cache_memory_gb=1, **kw)
             reqs = workload(64, 16, 64 if a.tiny else 256, 40000, seed=1)
             res["smollm2"] = {"itl_ms": 1e3 * s["itl_s"], "decode_tok_s": 1 / s["itl_s"],
-                              "offline_64_tok_s": offline(path, dev, reqs, max_model_len=600, kv_cache_memory_gb=2)}
+                              "offline_64_tok_s": offline(path, dev, reqs, max_model_len=600, kv_cache_memory_gb=2,
+                                                          **kw)}
             print(f"smollm2: {res['smollm2']}", flush=True)
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(res, indent=1))
+    save()
     print(json.dumps(res, indent=1))
 
 

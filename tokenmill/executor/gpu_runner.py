@@ -30,6 +30,7 @@ from tokenmill.executor.batch import ForwardBatch, StepPlan
 from tokenmill.executor.graphs import frozen_gc, graph_class
 from tokenmill.executor.models.decoder import DecoderForCausalLM
 from tokenmill.executor.runner import ModelRunner, forward_rows
+from tokenmill.executor.transfer import to_device
 from tokenmill.scheduler_output import MAX_SPECULATIVE_TOKENS, SchedulerOutput
 
 log = logging.getLogger("tokenmill")
@@ -168,9 +169,7 @@ class GpuRunner(ModelRunner):
         self.header[:used].copy_(self.host[:used], non_blocking=True)
         idx, val = self._updates
         if idx:
-            upd = torch.tensor([idx, val], dtype=torch.long)
-            if self.device.type == "cuda":
-                upd = upd.pin_memory().to(self.device, non_blocking=True)
+            upd = to_device([idx, val], self.device)
             self.tables.view(-1).index_copy_(0, upd[0], upd[1].to(torch.int32))
             self._updates = ([], [])
 
@@ -203,7 +202,7 @@ class GpuRunner(ModelRunner):
         rows = plan.sample_rows
         if rows == list(range(len(rows))):          # every row samples (a plain decode step)
             return self._step_logits[:len(rows)]
-        return self._step_logits[torch.tensor(rows, device=self.device)]
+        return self._step_logits[to_device(rows, self.device)]
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         return forward_rows(self, batch)

@@ -17,6 +17,7 @@ from tokenmill.executor.kv_cache import LayerKV
 from tokenmill.executor.memory import PageToucher, advise_huge_pages, keep_freed_memory
 from tokenmill.executor.models.decoder import DecoderForCausalLM
 from tokenmill.executor.sampler import Sampler, compute_prompt_logprobs
+from tokenmill.executor.transfer import to_device
 from tokenmill.outputs import Logprob
 from tokenmill.scheduler_output import SchedulerOutput
 
@@ -179,11 +180,11 @@ class ModelRunner:
         are computed, their K/V written, and the logits of each entry's last token returned, [len(entries), V]."""
         batch, last_rows = self.builder.build_entries(entries)
         hidden = self._forward(batch)
-        return self._logits(hidden, torch.tensor(last_rows, device=self.device))
+        return self._logits(hidden, to_device(last_rows, self.device))
 
     def _sample_logits(self, hidden: torch.Tensor, plan: StepPlan) -> torch.Tensor:
         """float32 logits of the rows that sample."""
-        return self._logits(hidden, torch.tensor(plan.sample_rows, device=self.device))
+        return self._logits(hidden, to_device(plan.sample_rows, self.device))
 
     def _logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """float32 logits of these rows of the hidden states."""

@@ -124,3 +124,12 @@ class Download:
         elif self._host is None:
             self._host = self._src.cpu()
         return self._host
+
+
+def to_device(values: Sequence[int], device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Python values as a tensor on device, without the host waiting: pinned and copied asynchronously on CUDA (a
+    plain torch.tensor(..., device=) copies from pageable memory and waits)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)

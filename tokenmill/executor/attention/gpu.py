@@ -14,6 +14,7 @@ import torch
 
 from tokenmill.executor.attention.backend import AttentionBackend, AttentionMetadata, DeviceBatch, extend
 from tokenmill.executor.kv_cache import LayerKV
+from tokenmill.executor.transfer import to_device
 
 
 def triton_fits(num_heads: int, num_kv_heads: int, head_dim: int, value_dim: Optional[int] = None) -> Optional[str]:
@@ -87,9 +88,7 @@ class TritonBackend(AttentionBackend):
             bm = self.kernels.BLOCK_M
             dec = [i for i, n in enumerate(rows) if n == 1]
             tiles = [(i, m0) for i, n in enumerate(rows) if n > 1 for m0 in range(0, n, bm)]
-            flat = torch.tensor(dec + [i for i, _ in tiles] + [m0 for _, m0 in tiles], dtype=torch.int32)
-            if flat.device != batch.qsl.device:
-                flat = flat.pin_memory().to(batch.qsl.device, non_blocking=True)
+            flat = to_device(dec + [i for i, _ in tiles] + [m0 for _, m0 in tiles], batch.qsl.device, torch.int32)
             decode = flat[:len(dec)] if dec else None
             tile_req, tile_m0 = flat[len(dec):len(dec) + len(tiles)], flat[len(dec) + len(tiles):]
             num_decode = len(dec)
@@ -124,9 +123,7 @@ class TritonBackend(AttentionBackend):
         parts = [qsl, meta.num_computed, meta.seq_lens,
                  [max(b, 0) for t in meta.block_tables for b in t + [0] * (width - len(t))],
                  decode, [i for i, _ in tiles], [m0 for _, m0 in tiles]]
-        flat = torch.tensor([x for p in parts for x in p], dtype=torch.int32)
-        if meta.device.type == "cuda":
-            flat = flat.pin_memory().to(meta.device, non_blocking=True)
+        flat = to_device([x for p in parts for x in p], meta.device, torch.int32)
         views = list(torch.split(flat, [len(p) for p in parts]))
         views[3] = views[3].view(meta.num_reqs, width)
         return extend(meta, TritonMetadata, qsl=views[0], computed=views[1], lens=views[2], tables=views[3],

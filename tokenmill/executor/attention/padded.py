@@ -14,6 +14,7 @@ import torch
 
 from tokenmill.executor.attention.backend import (AttentionBackend, AttentionMetadata, DeviceBatch, _attention,
                                                   extend)
+from tokenmill.executor.transfer import to_device
 
 
 @dataclass
@@ -31,14 +32,14 @@ class PaddedBackend(AttentionBackend):
     supports_graphs = True
 
     def prepare(self, meta: AttentionMetadata) -> PaddedMetadata:
-        dev = meta.device
+        dev, E = meta.device, meta.num_reqs
         width = max(len(t) for t in meta.block_tables)
-        tables = torch.tensor([[max(b, 0) for b in t] + [0] * (width - len(t)) for t in meta.block_tables],
-                              device=dev)
-        counts = [meta.query_start_loc[i + 1] - meta.query_start_loc[i] for i in range(meta.num_reqs)]
-        batch = DeviceBatch(meta.slot_mapping, torch.tensor(meta.query_start_loc, device=dev),
-                            torch.tensor(meta.num_computed, device=dev), torch.tensor(meta.seq_lens, device=dev),
-                            tables, counts, meta.block_size, meta.sliding_window)
+        flat = to_device([max(b, 0) for t in meta.block_tables for b in t + [0] * (width - len(t))]
+                         + meta.query_start_loc + meta.num_computed + meta.seq_lens, dev)
+        tables, qsl, computed, lens = torch.split(flat, [E * width, E + 1, E, E])
+        counts = [meta.query_start_loc[i + 1] - meta.query_start_loc[i] for i in range(E)]
+        batch = DeviceBatch(meta.slot_mapping, qsl, computed, lens, tables.view(E, width), counts, meta.block_size,
+                            meta.sliding_window)
         return extend(meta, PaddedMetadata, **vars(self._device_fields(batch)))
 
     def prepare_device(self, batch: DeviceBatch) -> PaddedMetadata:
