@@ -25,6 +25,7 @@ count so that the script runs anywhere in a minute or two, CPU included: a check
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import random
@@ -201,6 +202,13 @@ def single_stream(path: str, dev: torch.device, prompt: int, out: int, **kw) -> 
     gaps.sort()
     res.update(ttft_s=ttft, itl_s=gaps[len(gaps) // 2], graph_steps=eng.stats.num_graph_steps)
     res["busy"] = busy_fraction(eng, dev, list(range(300, 300 + prompt)), 32)
+    if getattr(eng.runner, "supports_async", False):       # the same engine, each step launched ahead
+        sc = eng.config.scheduler_config
+        eng.config = dataclasses.replace(eng.config, scheduler_config=dataclasses.replace(sc, async_scheduling=True))
+        _, gaps = run_one(eng, list(range(400, 400 + prompt)), out)
+        gaps.sort()
+        res["async_itl_s"] = gaps[len(gaps) // 2]
+        res["async_busy"] = busy_fraction(eng, dev, list(range(500, 500 + prompt)), 32)
     return res
 
 

@@ -154,3 +154,22 @@ def test_gemma2_first_layer_on_cuda_and_cpu(tmp_path):
             h.remove()
     diffs = {k: (v[0] - v[1]).abs().max().item() for k, v in seen.items() if len(v) == 2}
     assert all(d < 1e-5 for d in diffs.values()), diffs
+
+
+def test_async_scheduling_equals_sync_on_cuda(tmp_path):
+    """Steps launched before the last one is back (their in-flight rows fed on the device, two pinned host headers
+    in turn): the same tokens as one step at a time, with no blocking host sync inside the steps."""
+    path, _ = build_tiny("llama", tmp_path)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([5, 33, 70, 12, 1, 48], seed=14)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, stop_token_ids=[3, 7])
+              for n in (4, 9, 14, 19, 24, 29)]
+
+    def run(async_scheduling: bool) -> list[list[int]]:
+        llm = LLM(path, dtype="float32", device="cuda", kv_cache_memory_gb=0.05, max_model_len=512,
+                  async_scheduling=async_scheduling, compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]})
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert run(True) == run(False)

@@ -159,10 +159,11 @@ def triton_llm(mqa):
 
 
 def test_triton_graphs_replay_the_eager_step(mqa, triton_llm):
-    """The GPU's kernels (the fused plan, the split decode whose splits are counted on the device) captured at 1
-    and 2 rows: a context long enough to split, a short one, then one alone."""
+    """The GPU's kernels (the fused plan and the paged attention) captured at 1 and 2 rows: two contexts, then one
+    alone. (The decode kernel's splits, counted on the device, are checked under replay in test_triton_attention:
+    an interpreted engine does not split, each launch costs too much.)"""
     path, hf = mqa
-    prompts = random_prompts([150, 4], seed=6)
+    prompts = random_prompts([40, 4], seed=6)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1) for n in (4, 2)]
     runner = triton_llm.llm_engine.runner
     assert runner.backend.name == "triton" and triton_llm.llm_engine.model.ops.name == "triton"
@@ -219,3 +220,64 @@ def test_eager_decode_step_ops_per_layer(triton_llm):
     with torch.inference_mode(), OpCounter(runner.model.layers) as count:
         runner._device_forward(2, 2, [1, 1], None)
     assert max(count.per_layer()) <= 10, dict(count.layer_counts[0])
+
+
+# ---- async scheduling --------------------------------------------------------------------------------------------
+
+def test_async_scheduling_gives_the_sync_tokens(llama):
+    """Each step scheduled and launched before the last one is back, its in-flight rows fed on the device: the same
+    outputs as one step at a time, through stop tokens, max_tokens, chunked prompts, preemption and seeds."""
+    path, _ = llama
+    shared = random_prompts([32], seed=9)[0]
+    prompts = [{"prompt_token_ids": shared + tail} for tail in random_prompts([3, 11, 6, 20, 8, 1], seed=10)]
+    params = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logprobs=1,
+                             stop_token_ids=[7, 99, 150, 250]) if i % 2 else
+              SamplingParams(temperature=1.0, top_p=0.9, seed=100 + i, max_tokens=5 + i, ignore_eos=True, logprobs=1)
+              for i in range(len(prompts))]
+    kw = dict(max_num_batched_tokens=16, kv_cache_memory_gb=0.00004, max_model_len=96, max_num_seqs=6,
+              sizes=[1, 2, 4])
+    sync = outputs(runner_llm(path, graphs=True, **kw), prompts, params)
+    llm = runner_llm(path, graphs=True, async_scheduling=True, **kw)
+    assert_same(outputs(llm, prompts, params), sync)
+    stats = llm.get_stats()
+    assert stats["num_preemptions"] > 0 and stats["num_graph_steps"] > 0
+    assert any(len(sync[i][0]) < 14 for i in (1, 3, 5))         # a stop token ended one early
+    llm.llm_engine.kv.check_integrity()
+
+
+def test_async_scheduling_waits_for_requests_that_read_their_past(llama):
+    """A request with penalties or min_tokens samples from its past tokens on the host: while one is in the engine,
+    steps wait for the last one's tokens (one arrives mid-run, another finishes); the same tokens as without."""
+    path, _ = llama
+    a, b, c = random_prompts([5, 9, 13], seed=21)
+    plain = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+    # c alone repeats one token forever: with penalties its next token must differ from the one just sampled
+    late = [(c, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, repetition_penalty=3.0,
+                               presence_penalty=2.0, logprobs=1)),
+            (b, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, min_tokens=6, stop_token_ids=[5],
+                               logprobs=1))]
+
+    def run(async_scheduling: bool) -> dict:
+        eng = runner_llm(path, graphs=True, async_scheduling=async_scheduling).llm_engine
+        eng.add_request("a", {"prompt_token_ids": a}, plain)
+        todo, done, steps = list(late), {}, 0
+        while eng.has_unfinished_requests() or todo:
+            if steps in (3, 6):                  # after some async steps, a request that reads its past
+                p, sp = todo.pop(0)
+                eng.add_request(f"r{steps}", {"prompt_token_ids": p}, sp)
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = o.outputs[0].token_ids
+            steps += 1
+        return done
+    sync = run(False)
+    assert len(sync) == 3 and len(set(sync["r3"])) == len(sync["r3"]) and run(True) == sync
+
+
+def test_async_scheduling_is_refused_where_it_cannot_run(llama):
+    path, _ = llama
+    with pytest.raises(ValueError, match="GPU runner"):
+        LLM(path, device="cpu", async_scheduling=True)
+    with pytest.raises(ValueError, match="speculative"):
+        runner_llm(path, graphs=False, async_scheduling=True,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 2})

@@ -52,6 +52,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compilation-config", "-O", type=_json_object, default=None,
                    help='CUDA graphs as JSON, vLLM\'s fields: {"cudagraph_mode": "FULL_DECODE_ONLY" | "NONE", '
                         '"cudagraph_capture_sizes": [1, 2, 4, 8], "max_cudagraph_capture_size": 256}')
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule and launch each GPU step before the last one's tokens are back (they feed it on "
+                        "the device); steps with requests that read their past tokens (penalties, bad words, "
+                        "min_tokens, grammars) still wait. Off by default until it is measured on a GPU")
     p.add_argument("--quantization", "-q", default=None,
                    help="quantise a float checkpoint's matrices at load: int8 (Q8_0) | int4 (Q4_1) | q4_0 | q5_0 | "
                         "q5_1 | q8_0")
@@ -66,7 +70,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 pooling_type=args.pooling_type, num_threads=args.num_threads,
                 structured_outputs_config=args.structured_outputs_config,
                 speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size,
-                enforce_eager=args.enforce_eager, compilation_config=args.compilation_config)
+                enforce_eager=args.enforce_eager, compilation_config=args.compilation_config,
+                async_scheduling=args.async_scheduling)
 
 
 def _json_object(text: str) -> dict:

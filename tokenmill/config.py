@@ -323,6 +323,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
     use_kv_cache: bool = True       # False: recompute the whole sequence every step (the seeds' O(n^2) baseline)
+    # vLLM's async_scheduling: a step is scheduled and launched before the last one's tokens are back (they feed it
+    # on the device); its tokens, stops and outputs are processed one step later
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

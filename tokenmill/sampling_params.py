@@ -161,3 +161,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5 or self.top_k == 1
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether sampling a token reads the tokens before it on the host (penalties, bad words, min_tokens, a
+        grammar): such a step cannot be scheduled before the last one's tokens are known (async scheduling)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.bad_words) or self.min_tokens > 0 or self.structured_outputs is not None)

@@ -137,7 +137,8 @@ class LLMEngine:
                  reasoning_parser: Optional[str] = None,
                  speculative_config: Union[SpeculativeConfig, dict, str, None] = None,
                  tensor_parallel_size: int = 1, enforce_eager: bool = False,
-                 compilation_config: Union[CompilationConfig, dict, None] = None):
+                 compilation_config: Union[CompilationConfig, dict, None] = None,
+                 async_scheduling: Optional[bool] = None):
         # pooling_type: which prompt rows a PoolingParams request pools (vLLM's pooler config): LAST or MEAN
         self.pooling_type = check_pooling_type(pooling_type)
         spec_config = SpeculativeConfig.of(speculative_config)
@@ -157,7 +158,9 @@ class LLMEngine:
                              f"({mc.max_position_embeddings}); lower it")
         if not use_kv_cache:
             enable_prefix_caching = False
-        sched_cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, use_kv_cache)
+        sched_cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, use_kv_cache,
+                                    self._async_scheduling(async_scheduling, dev, attention_backend, use_kv_cache,
+                                                           spec_config, tensor_parallel_size))
         cache_cfg = CacheConfig(block_size, kv_cache_memory_gb, enable_prefix_caching=enable_prefix_caching,
                                 cache_dtype=kv_cache_dtype)
         # tensor parallelism (executor/parallel.py): this process is rank 0 and holds its share of the model; the
@@ -204,7 +207,9 @@ class LLMEngine:
         if spec_config is not None and spec_config.method == "draft_model" and use_kv_cache:
             draft_path = resolve_model_path(spec_config.model)
             draft_ckpt, draft_mc = open_model(draft_path, quantization, dev)
-            self.draft_config = dataclasses.replace(self.config, model=draft_path, model_config=draft_mc)
+            # the draft's passes (last_logits) take host lists, eagerly: no graphs to capture for it
+            self.draft_config = dataclasses.replace(self.config, model=draft_path, model_config=draft_mc,
+                                                    cudagraph_mode="NONE", cudagraph_capture_sizes=())
             check_draft_config(mc, self.draft_config.model_config, max_model_len)
             draft_model = load_model(draft_path, self.draft_config.model_config, torch_dtype, dev, max_model_len,
                                      draft_ckpt, quantized_kernels, cpu_kernels, int8_activations)
@@ -244,6 +249,7 @@ class LLMEngine:
         self.parents: dict[str, list[str]] = {}        # n > 1: parent id -> child ids
         self.child_parent: dict[str, str] = {}
         self.stats = EngineStats(kv_blocks_total=num_blocks)
+        self._in_flight: Optional[tuple] = None     # async scheduling: the step launched and not yet back
         self.step_history: deque[tuple[float, SchedulerStats]] = deque(maxlen=4096)
 
     # ---- construction helpers ------------------------------------------------------------------------------
@@ -267,6 +273,23 @@ class LLMEngine:
         """The KV bytes a block of tokens takes: the target's, and the draft model's beside it."""
         extra = 0 if self.draft_config is None else ModelRunner.kv_bytes_per_block(self.draft_config)
         return ModelRunner.kv_bytes_per_block(self.config) + extra
+
+    @staticmethod
+    def _async_scheduling(asked: Optional[bool], dev: torch.device, attention_backend: str, use_kv_cache: bool,
+                          spec: Optional[SpeculativeConfig], tp_size: int) -> bool:
+        """vLLM's async_scheduling: off unless asked for (None); it needs the GPU runner (a GPU, or a device-batch
+        attention backend), the KV cache, no speculative decoding (guesses come from the tokens just sampled) and
+        one rank."""
+        if not asked:
+            return False
+        why = ("it needs the GPU runner: a GPU, or attention_backend 'triton' or 'padded'"
+               if dev.type == "cpu" and attention_backend not in DEVICE_BATCH_BACKENDS else
+               "it needs the KV cache (use_kv_cache=True)" if not use_kv_cache else
+               "speculative decoding guesses from the tokens just sampled" if spec is not None else
+               "it runs on one rank" if tp_size > 1 else None)
+        if why is not None:
+            raise ValueError(f"async_scheduling=True cannot run here: {why}; leave it off")
+        return True
 
     @staticmethod
     def _runner(config: EngineConfig, model: DecoderForCausalLM, threads, tp: Optional[TPGroup] = None,
@@ -399,13 +422,20 @@ class LLMEngine:
             self._stop_workers()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.scheduler.waiting) + len(self.scheduler.running)
 
     # ---- the step --------------------------------------------------------------------------------------------
     def step(self) -> list[Union[RequestOutput, PoolingRequestOutput]]:
+        """One step. With async scheduling (while no request reads its past tokens on the host to sample), the
+        next step is scheduled and launched before this one's tokens are back, and the outputs returned are the
+        last launched step's."""
+        if self.config.scheduler_config.async_scheduling and not self._reads_history():
+            return self._async_step()
+        if self._in_flight is not None:           # the step under way comes back first
+            return self._complete(*self._in_flight)
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
@@ -420,6 +450,35 @@ class LLMEngine:
             self.proposer.propose(self.scheduler.running)
         self._record(sched, out, time.perf_counter() - t0)
         return outputs
+
+    def _async_step(self) -> list[Union[RequestOutput, PoolingRequestOutput]]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule(in_flight=True)
+        launched = None
+        if sched.is_empty:
+            self.runner.forget(sched.finished_req_ids)
+        else:
+            reqs = [self.scheduler.requests[s.req_id] for s in sched.scheduled]
+            launched = (sched, reqs, self.runner.launch(sched), t0)
+        outputs = self._complete(*self._in_flight) if self._in_flight is not None else []
+        self._in_flight = launched
+        return outputs
+
+    def _complete(self, sched: SchedulerOutput, reqs: list[Request], handle, t0: float
+                  ) -> list[Union[RequestOutput, PoolingRequestOutput]]:
+        """A step launched asynchronously, back: its tokens appended, stops checked, outputs made."""
+        self._in_flight = None
+        out = self.runner.finish(handle)
+        self.scheduler.update(sched, out.sampled, in_flight=True)
+        outputs = self._process(reqs, out)
+        self._record(sched, out, time.perf_counter() - t0)
+        return outputs
+
+    def _reads_history(self) -> bool:
+        """Whether a request waiting or running samples from its past tokens on the host (penalties, bad words,
+        min_tokens, a grammar): those steps wait for the last one's tokens."""
+        s = self.scheduler
+        return any(r.params is not None and r.params.reads_history for r in (*s.running, *s.waiting))
 
     @staticmethod
     def _sampling_grammars(sched: SchedulerOutput, reqs: list[Request]) -> dict:

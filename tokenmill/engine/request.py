@@ -63,6 +63,9 @@ class Request:
         # table it has (a step sends the rest)
         self.runner_knows = False
         self.blocks_synced: list[int] = []
+        # async scheduling: tokens sampled by launched steps whose results are not back yet (at most two: the step
+        # on the device and the one just scheduled)
+        self.num_in_flight = 0
 
     @property
     def num_tokens(self) -> int:

@@ -52,7 +52,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, in_flight: bool = False) -> SchedulerOutput:
+        """in_flight (async scheduling): this step goes to the device before the last one is back; its computed
+        tokens count at once, and a request whose tokens are still to come is scheduled as if they were there."""
         budget = self.config.max_num_batched_tokens
         out = SchedulerOutput(finished_req_ids=self._finished)
         self._finished = []
@@ -60,7 +62,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._fit(req, min(req.num_tokens - req.num_computed_tokens + len(req.spec_token_ids), budget))
+            if self._done_in_flight(req):            # its last tokens are on their way: nothing left to compute
+                i += 1
+                continue
+            n = self._fit(req, min(self._target(req) - req.num_computed_tokens + len(req.spec_token_ids), budget))
             while not self.kv.allocate_slots(req, n):
                 if req.spec_token_ids:               # guesses give way before any request is preempted for them
                     n = min(n, req.num_tokens - req.num_computed_tokens)
@@ -73,7 +78,7 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 break
-            self._add_to_batch(out, req, n)
+            self._add_to_batch(out, req, n, in_flight)
             budget -= n
             i += 1
         # 2. waiting requests, in arrival order (preempted ones were put back at the front), groups taking turns
@@ -84,7 +89,7 @@ class Scheduler:
             hit_blocks, hit_tokens = ([], 0)
             if req.num_computed_tokens == 0:
                 hit_blocks, hit_tokens = self.kv.get_computed_blocks(req)
-            n = self._fit(req, min(req.num_tokens - req.num_computed_tokens - hit_tokens, budget), hit_blocks)
+            n = self._fit(req, min(self._target(req) - req.num_computed_tokens - hit_tokens, budget), hit_blocks)
             if not self.kv.allocate_slots(req, n, hit_blocks):
                 break                                  # wait for running requests to free blocks
             self.waiting.remove(req)
@@ -96,9 +101,20 @@ class Scheduler:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.monotonic()
             self.running.append(req)
-            self._add_to_batch(out, req, n)
+            self._add_to_batch(out, req, n, in_flight)
             budget -= n
         return out
+
+    @staticmethod
+    def _target(req: Request) -> int:
+        """The tokens req will have once the tokens in flight are back (async scheduling; else its tokens)."""
+        return req.num_tokens + req.num_in_flight
+
+    def _done_in_flight(self, req: Request) -> bool:
+        """Async scheduling: req's tokens in flight reach max_tokens or max_model_len (the step that brings them
+        back finishes it), so no step computes anything more of it."""
+        return req.num_in_flight > 0 and (len(req.output_token_ids) + req.num_in_flight >= req.max_tokens
+                                          or self._target(req) >= self.config.max_model_len)
 
     def _next_waiting(self, seats: Counter, scan: int = 512) -> Request:
         """The first waiting request whose group has the fewest sequences running (of the first `scan`: the
@@ -127,8 +143,9 @@ class Scheduler:
             n //= 2
         return n
 
-    def _add_to_batch(self, out: SchedulerOutput, req: Request, n: int) -> None:
-        guesses = max(n - (req.num_tokens - req.num_computed_tokens), 0)
+    def _add_to_batch(self, out: SchedulerOutput, req: Request, n: int, in_flight: bool) -> None:
+        target = self._target(req)
+        guesses = max(n - (target - req.num_computed_tokens), 0)
         tables = self.kv.tables_of(req.request_id)
         if len(req.blocks_synced) != len(tables):
             req.blocks_synced = [0] * len(tables)
@@ -143,10 +160,14 @@ class Scheduler:
         out.scheduled.append(ScheduledRequest(
             req.request_id, n, req.num_computed_tokens, deltas, tuple(req.spec_token_ids[:guesses]),
             tuple(req.spec_draft_probs[:guesses]) if guesses and req.spec_draft_probs is not None else None, new))
-        if n == 1 + guesses and req.output_token_ids and req.num_computed_tokens == req.num_tokens - 1:
+        if n == 1 + guesses and (req.output_token_ids or req.num_in_flight) and req.num_computed_tokens == target - 1:
             out.num_decode_tokens += n
         else:
             out.num_prefill_tokens += n
+        if in_flight:          # counted now: the next step is scheduled before this one is back
+            req.num_computed_tokens += n
+            if req.num_computed_tokens == target and not req.is_pooling:
+                req.num_in_flight += 1
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -158,10 +179,12 @@ class Scheduler:
         self.total_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]], in_flight: bool = False) -> None:
         """Advance computed counts; append the tokens sampled for requests that reached their end. A request that
         verified guesses got the accepted ones and one more: the KV of the rejected ones is dropped (its count rolled
         back, blocks that only they used returned)."""
+        if in_flight:           # a step schedule(in_flight=True) made
+            return self._update_async(out, sampled)
         for s in out.scheduled:
             req = self.requests.get(s.req_id)
             if req is None or req.status is not RequestStatus.RUNNING:
@@ -180,6 +203,18 @@ class Scheduler:
                 req.append_token(tok)
             if not self.config.use_kv_cache:
                 req.num_computed_tokens = 0        # forget the cache: recompute everything next step
+
+    def _update_async(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
+        """A step scheduled asynchronously is back: its computed tokens were counted when it was scheduled; its
+        sampled tokens are appended (a request preempted since keeps them: it recomputes them later)."""
+        for s in out.scheduled:
+            req = self.requests.get(s.req_id)
+            toks = sampled.get(s.req_id)
+            if req is None or toks is None:
+                continue
+            req.num_in_flight -= 1
+            for tok in toks:
+                req.append_token(tok)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Take a request out (finished or aborted) and return its blocks."""

@@ -95,6 +95,8 @@ class StepPlan:
     samplers: list[tuple[RequestState, tuple[int, ...], Optional[tuple]]] = field(default_factory=list)
     prompt_logprobs: list[tuple[RequestState, int, int]] = field(default_factory=list)    # (state, row, count)
     pooling: list[tuple[RequestState, int, int]] = field(default_factory=list)
+    # async scheduling: (row, request id) of the rows whose token the last launched step is still sampling
+    in_flight: list[tuple[int, str]] = field(default_factory=list)
 
 
 class BatchBuilder:
@@ -151,7 +153,11 @@ class BatchBuilder:
             start = s.num_computed_tokens
             end = start + s.num_tokens
             guesses = s.spec_token_ids
-            ids.extend(st.all_token_ids[start:end - len(guesses)])
+            known = st.all_token_ids[start:end - len(guesses)]
+            ids.extend(known)
+            if end - len(guesses) - start > len(known):         # the last launched step's token, not back yet
+                plan.in_flight.append((len(ids), st.req_id))
+                ids.append(0)
             ids.extend(guesses)
             # a verification's rows attend as that many decodes of one token, each seeing the guesses before it:
             # the decode kernels serve them (they write every row's K/V before reading), the cheaper path
@@ -169,7 +175,7 @@ class BatchBuilder:
             if st.params.prompt_logprobs is not None and start < st.num_prompt_tokens - 1 \
                     and not st.output_token_ids:
                 plan.prompt_logprobs.append((st, row, min(end, st.num_prompt_tokens - 1) - start))
-            if end - len(guesses) == st.num_tokens:    # reached the end of what is known: sample the next token
+            if end - len(guesses) >= st.num_tokens:    # reached the end of what is known: sample the next token
                 # and, verifying guesses, the token after each one
                 plan.sample_rows.extend(range(qsl[-1] - 1 - len(guesses), qsl[-1]))
                 plan.samplers.append((st, guesses, s.spec_draft_probs))

@@ -62,6 +62,10 @@ class GpuRunner(ModelRunner):
         self.sink_row = self.max_reqs
         self._updates: tuple[list[int], list[int]] = ([], [])
         self._step_logits: Optional[torch.Tensor] = None
+        # the last launched step's sampled tokens on the device, and each request's row in them: a step launched
+        # before that one is back takes its rows' tokens from there
+        self._last_tokens: Optional[torch.Tensor] = None
+        self._last_rows: dict[str, int] = {}
         # figures for the start line and /metrics
         self.num_graph_steps = 0
         self.num_eager_decode_steps = 0      # decode-only steps no captured size held
@@ -74,13 +78,16 @@ class GpuRunner(ModelRunner):
     # ---- the resident batch ----------------------------------------------------------------------------------
     def _static_buffers(self) -> None:
         R, dev = self.max_rows, self.device
-        # the header: fixed regions of max_rows (a graph reads them in place), copied whole each step
+        # the header: fixed regions of max_rows (a graph reads them in place), copied in one transfer a step
         self.o_ids, self.o_row, self.o_start, self.o_len, self.o_qsl = 0, R, 2 * R, 3 * R, 4 * R
         self.o_entry = 5 * R + 1                # each row's entry
         self.header_len = 6 * R + 1
         pin = dev.type == "cuda"
-        self.host = torch.zeros(self.header_len, dtype=torch.long, pin_memory=pin)
-        self.host_np = self.host.numpy()
+        # two host headers, taken in turn: a step written while the last one's copy may still be queued (async
+        # scheduling) writes the other; the one before was copied once its tokens came back
+        self.hosts = [torch.zeros(self.header_len, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._turn = 0
+        self.host, self.host_np = self.hosts[0], self.hosts[0].numpy()
         self.header = torch.zeros(self.header_len, dtype=torch.long, device=dev)
         self.arange = torch.arange(R, device=dev)
         self.backend.init_graphs(R, dev)
@@ -94,6 +101,21 @@ class GpuRunner(ModelRunner):
             G = len(self.groups.windows)
             self.tables = torch.zeros(G, self.max_reqs + 1, self.width, dtype=torch.int32, device=self.device)
             self.tables[:, self.sink_row] = num_blocks       # the sink block
+
+    @property
+    def supports_async(self) -> bool:
+        return self.resident
+
+    def _launched(self, plan: StepPlan, pending) -> None:
+        self._last_rows.clear()
+        if pending is None:
+            return
+        self._last_tokens = pending.token_ids_device
+        row = 0
+        for st, guesses, _ in plan.samplers:
+            if not guesses:                 # (a verification's tokens are known only once it is back)
+                self._last_rows[st.req_id] = row
+            row += len(guesses) + 1
 
     def forget(self, req_ids: list[str]) -> None:
         super().forget(req_ids)
@@ -136,6 +158,10 @@ class GpuRunner(ModelRunner):
             self.num_eager_decode_steps += 1
         rows = [self.rows[plan.states[i].req_id] for i in b.entry_req]
         self._upload(b, rows, size)
+        if plan.in_flight:              # their tokens: the last launched step's, on the device
+            at = to_device([[self.o_ids + r for r, _ in plan.in_flight],
+                            [self._last_rows[rid] for _, rid in plan.in_flight]], self.device)
+            self.header.index_copy_(0, at[0], self._last_tokens.index_select(0, at[1]))
         if size is not None:
             self.num_graph_steps += 1
             self.replays[size] += 1
@@ -148,7 +174,9 @@ class GpuRunner(ModelRunner):
     def _upload(self, b: ForwardBatch, rows: list[int], size: Optional[int]) -> None:
         """The step's header (padded to size with rows that write the sink and attend nothing) and its table
         updates, to the device."""
-        h = self.host_np
+        self._turn ^= 1
+        self.host = self.hosts[self._turn]
+        self.host_np = h = self.host.numpy()
         T, E = b.num_rows, b.num_entries
         n = size or T                               # rows (and entries) the forward sees
         h[self.o_ids:self.o_ids + T] = b.ids

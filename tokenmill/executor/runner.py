@@ -16,7 +16,7 @@ from tokenmill.executor.cpus import FixedThreads, ThreadGovernor
 from tokenmill.executor.kv_cache import LayerKV
 from tokenmill.executor.memory import PageToucher, advise_huge_pages, keep_freed_memory
 from tokenmill.executor.models.decoder import DecoderForCausalLM
-from tokenmill.executor.sampler import Sampler, compute_prompt_logprobs
+from tokenmill.executor.sampler import PendingSample, Sampler, compute_prompt_logprobs
 from tokenmill.executor.transfer import to_device
 from tokenmill.outputs import Logprob
 from tokenmill.scheduler_output import SchedulerOutput
@@ -28,6 +28,14 @@ def accepted_length(guesses: tuple[int, ...], drawn: list[int]) -> int:
     while n < len(guesses) and guesses[n] == drawn[n]:
         n += 1
     return n
+
+
+@dataclass
+class StepHandle:
+    """A launched step: its plan, what it gave already (pooling, prompt logprobs) and its sampling under way."""
+    plan: StepPlan
+    out: "RunnerOutput"
+    pending: Optional[PendingSample]
 
 
 @dataclass
@@ -56,7 +64,7 @@ class ModelRunner:
         self.backend = get_backend(config.attention_backend, self.device, mc.num_attention_heads,
                                    mc.cache_kv_heads, mc.cache_head_dim, model.ops.kernels, mc.attn_logit_softcapping,
                                    any(w is not None for w in mc.layer_windows), mc.cache_value_dim,
-                                   config.kv_cache_dtype, mc.rotary_dim)
+                                   config.kv_cache_dtype, mc.rotary_dim if model.ops.name == "triton" else None)
         why_not = self.backend.kv_cache_dtype_error(config.kv_cache_dtype, self.device)
         if why_not is not None:
             raise ValueError(f"kv_cache_dtype={config.cache_config.cache_dtype!r} cannot be served by the "
@@ -133,10 +141,19 @@ class ModelRunner:
         """Requests that finished: their state goes."""
         self.builder.forget(req_ids)
 
-    @torch.inference_mode()
+    supports_async = False          # whether launch() may run ahead of the last step's finish()
+
     def execute(self, sched: SchedulerOutput, token_bitmasks: Optional[concurrent.futures.Future] = None
                 ) -> RunnerOutput:
         """token_bitmasks: structured outputs' masks (request id -> packed row), being written while the model runs."""
+        return self.finish(self.launch(sched, token_bitmasks))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, token_bitmasks: Optional[concurrent.futures.Future] = None
+               ) -> StepHandle:
+        """The step's forward pass and sampling, enqueued: finish() waits for its tokens. A runner that
+        supports_async may launch the next step first; its rows whose tokens are this step's take them on the
+        device."""
         plan = self._plan(sched)
         hidden = self._run(plan)
         out = RunnerOutput({})
@@ -151,10 +168,22 @@ class ModelRunner:
             nxt = st.all_token_ids[start + 1:start + 1 + count]
             lp = compute_prompt_logprobs(logits, nxt, st.params.prompt_logprobs)
             out.prompt_logprobs[st.req_id] = ([None] if start == 0 else []) + lp
+        pending = None
         if plan.samplers:
             logits = self._sample_logits(hidden, plan)                       # [S, V]
             masks = token_bitmasks.result() if token_bitmasks is not None else {}
-            res = self.sampler(logits, sampling_inputs(plan, masks))
+            pending = self.sampler.sample(logits, sampling_inputs(plan, masks))
+        self._launched(plan, pending)
+        return StepHandle(plan, out, pending)
+
+    def _launched(self, plan: StepPlan, pending: Optional[PendingSample]) -> None:
+        """What a runner keeps of a step it launched (the GPU's: its tokens on the device, for the next step)."""
+
+    def finish(self, handle: StepHandle) -> RunnerOutput:
+        """The step's tokens (waiting for them), accepted guesses counted, recorded in the request states."""
+        out, plan = handle.out, handle.plan
+        if handle.pending is not None:
+            res = handle.pending.result()
             row = 0
             for st, guesses, _ in plan.samplers:
                 drawn = res.token_ids[row:row + len(guesses) + 1]

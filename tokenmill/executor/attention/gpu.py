@@ -52,9 +52,9 @@ class TritonBackend(AttentionBackend):
         super().__init__()
         from tokenmill.executor.attention import triton_kernels
         self.kernels = triton_kernels
-        if min_programs is None:     # off a GPU (the interpreter): few, but enough that small batches split
+        if min_programs is None:     # off a GPU (the interpreter, where each launch costs): no splits
             min_programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count \
-                if device.type == "cuda" else 4
+                if device.type == "cuda" else 1
         self.min_programs = min_programs
         self.fused_rotary = fused_rotary
         self.write_rotated = None           # the fused kernel, where it takes the bound cache
