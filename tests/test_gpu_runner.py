@@ -145,6 +145,28 @@ def test_more_rows_than_the_largest_capture_run_eagerly(llama):
     assert llm.get_stats()["num_eager_decode_steps"] > 0
 
 
+def test_warm_up_steps_write_only_the_sink(llama):
+    """The steps a GPU runs before the first request (compiling kernels, profiling memory: one row, a prompt tile
+    and more, many decodes, the most rows a step holds) write only the sink block: requests after them get the
+    tokens of an engine that never ran them."""
+    path, _ = llama
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([5, 20], seed=3)]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=1)
+    want = outputs(runner_llm(path, graphs=True, max_num_batched_tokens=64), prompts, params)
+    llm = runner_llm(path, graphs=True, max_num_batched_tokens=64)
+    runner = llm.llm_engine.runner
+    for kv in runner.kv_tensors:                     # every real slot poisoned: a warm-up write would show
+        kv.k.fill_(float("nan"))
+        kv.v.fill_(float("nan"))
+    with torch.inference_mode():
+        for rows in ([1], [16], [17], [1] * 16, [1] * runner.max_rows):
+            runner._dummy_step(rows)
+    sink = slice(runner.num_blocks * runner.block_size, None)
+    for kv in runner.kv_tensors:
+        assert kv.k[:sink.start].isnan().all() and not kv.k[sink].isnan().any()
+    assert_same(outputs(llm, prompts, params), want)
+
+
 # ---- the GPU's own step: the Triton plan and attention, interpreted -------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -281,3 +303,18 @@ def test_async_scheduling_is_refused_where_it_cannot_run(llama):
     with pytest.raises(ValueError, match="speculative"):
         runner_llm(path, graphs=False, async_scheduling=True,
                    speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_metrics_export_graph_and_eager_decode_steps():
+    """/metrics' counters of steps replayed from graphs and decode steps no graph held, read back with Prometheus'
+    own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from tokenmill.engine.async_engine import EngineState
+    from tokenmill.engine.engine import KVCacheInfo
+    from tokenmill.server.metrics import ServerMetrics
+    m = ServerMetrics("tiny", KVCacheInfo(8, 16, "float32", 1024, 128, True))
+    m.on_iteration([], [], EngineState(num_graph_steps=5, num_eager_decode_steps=2))
+    m.on_iteration([], [], EngineState(num_graph_steps=7, num_eager_decode_steps=2))
+    samples = {s.name: s.value for fam in text_string_to_metric_families(m.render().decode()) for s in fam.samples}
+    assert samples["tokenmill:cudagraph_steps_total"] == 7
+    assert samples["tokenmill:eager_decode_steps_total"] == 2

@@ -34,7 +34,9 @@ from tokenmill.executor.transfer import to_device
 from tokenmill.scheduler_output import MAX_SPECULATIVE_TOKENS, SchedulerOutput
 
 log = logging.getLogger("tokenmill")
-WARM_PROMPT_ROWS = 17       # a warm-up prompt: a whole prompt tile and part of the next
+# the warm-up steps' rows: Triton compiles a kernel again for integer arguments of 1 and of multiples of 16, so
+# a step of each kind compiles what a request will launch (a prompt of 17 rows: a whole tile and part of the next)
+WARM_ROWS = (1, 16, 17)
 
 
 class GpuRunner(ModelRunner):
@@ -282,8 +284,9 @@ class GpuRunner(ModelRunner):
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         with torch.inference_mode():
             if self.device.type == "cuda":        # (an interpreter compiles nothing)
-                for rows in ([1], [min(WARM_PROMPT_ROWS, self.max_rows)]):    # a decode's shapes and a prompt's
-                    self._dummy_step(rows)
+                for rows in WARM_ROWS:                # one entry of so many rows: a decode, prompts
+                    self._dummy_step([min(rows, self.max_rows)])
+                self._dummy_step([1] * min(16, self.max_rows))      # many decodes
             if not self.capture_sizes:
                 return
             sync()
