@@ -313,31 +313,24 @@ class GpuRunner(ModelRunner):
                 self.graph_memory_bytes = max(free_before - torch.cuda.mem_get_info(self.device)[0], 0)
             log.info(self.startup_line())
 
-    def _fill_dummy_header(self, n: int) -> None:
-        """n padding rows: the sink row, length 0, one row each (what a capture records)."""
-        h = self.host_np
-        h[self.o_ids:self.o_ids + n] = 0
-        h[self.o_row:self.o_row + n] = self.sink_row
-        h[self.o_start:self.o_start + n] = 0
-        h[self.o_len:self.o_len + n] = 0
-        h[self.o_qsl:self.o_qsl + n + 1] = np.arange(n + 1)
-        h[self.o_entry:self.o_entry + n] = np.arange(n)
-        self.header[:self.o_entry + n].copy_(self.host[:self.o_entry + n], non_blocking=True)
-
-    def _dummy_step(self, entry_rows: list[int]) -> None:
-        """An eager step of entries with these row counts, all in the sink block (their K/V land there, and a
-        length of 1 a row attends only what it wrote)."""
-        E, T = len(entry_rows), sum(entry_rows)
-        qsl = np.concatenate([[0], np.cumsum(entry_rows)])
+    def _fill_dummy_header(self, n: int, entry_rows: Optional[list[int]] = None) -> None:
+        """Entries in the sink row: n padding rows of length 0, one row each (what a capture records), or entries of
+        entry_rows rows each, which attend the rows they wrote (a warm-up step)."""
+        rows = entry_rows or [1] * n
+        E, T = len(rows), sum(rows)
         h = self.host_np
         h[self.o_ids:self.o_ids + T] = 0
         h[self.o_row:self.o_row + E] = self.sink_row
         h[self.o_start:self.o_start + E] = 0
-        h[self.o_len:self.o_len + E] = entry_rows
-        h[self.o_qsl:self.o_qsl + E + 1] = qsl
-        h[self.o_entry:self.o_entry + T] = np.repeat(np.arange(E), entry_rows)
+        h[self.o_len:self.o_len + E] = rows if entry_rows else 0
+        h[self.o_qsl:self.o_qsl + E + 1] = np.concatenate([[0], np.cumsum(rows)])
+        h[self.o_entry:self.o_entry + T] = np.repeat(np.arange(E), rows)
         self.header[:self.o_entry + T].copy_(self.host[:self.o_entry + T], non_blocking=True)
-        hidden, _ = self._device_forward(T, E, entry_rows, None)
+
+    def _dummy_step(self, entry_rows: list[int]) -> None:
+        """An eager step of entries with these row counts, all in the sink block (their K/V land there)."""
+        self._fill_dummy_header(0, entry_rows)
+        hidden, _ = self._device_forward(sum(entry_rows), len(entry_rows), entry_rows, None)
         self.model.compute_logits(hidden[-1:])
 
     def startup_line(self) -> Optional[str]:
