@@ -25,6 +25,7 @@ count so that the script runs anywhere in a minute or two, CPU included: a check
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import platform
@@ -34,7 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -191,40 +192,49 @@ def busy_fraction(eng: Any, dev: torch.device, prompt: list[int], steps: int) ->
     return sum(e.device_time for e in kernels) / 1e6 / wall
 
 
-def single_stream(path: str, dev: torch.device, prompt: int, out: int, **kw) -> dict[str, Any]:
-    """Start-up, the first request's TTFT, then a warm TTFT and the inter-token latency of one request alone, and
-    the device's busy fraction of its decode steps."""
-    # no prefix caching: each request's prompt is computed whole
-    eng, seconds = engine(path, dev, prompt + out + 16, enable_prefix_caching=False, **kw)
-    res = start_up(eng, seconds)
+def single_stream(eng: Any, dev: torch.device, prompt: int, out: int) -> dict[str, Any]:
+    """The first request's TTFT after start, then a warm TTFT and the inter-token latency of one request alone,
+    and the device's busy fraction of its decode steps; again with async scheduling where the runner has it."""
+    res: dict[str, Any] = {}
     res["first_ttft_s"], _ = run_one(eng, list(range(100, 100 + prompt)), 2)
     ttft, gaps = run_one(eng, list(range(200, 200 + prompt)), out)
     gaps.sort()
     res.update(ttft_s=ttft, itl_s=gaps[len(gaps) // 2], graph_steps=eng.stats.num_graph_steps)
     res["busy"] = busy_fraction(eng, dev, list(range(300, 300 + prompt)), 32)
     if getattr(eng.runner, "supports_async", False):       # the same engine, each step launched ahead
-        sc = eng.config.scheduler_config
-        eng.config = dataclasses.replace(eng.config, scheduler_config=dataclasses.replace(sc, async_scheduling=True))
-        _, gaps = run_one(eng, list(range(400, 400 + prompt)), out)
-        gaps.sort()
-        res["async_itl_s"] = gaps[len(gaps) // 2]
-        res["async_busy"] = busy_fraction(eng, dev, list(range(500, 500 + prompt)), 32)
+        with async_scheduling(eng):
+            _, gaps = run_one(eng, list(range(400, 400 + prompt)), out)
+            gaps.sort()
+            res["async_itl_s"] = gaps[len(gaps) // 2]
+            res["async_busy"] = busy_fraction(eng, dev, list(range(500, 500 + prompt)), 32)
     return res
 
 
-def decode_batch(path: str, dev: torch.device, n: int, prompt: int, out: int, vocab: int, **kw) -> dict[str, Any]:
-    """n requests at once: tokens a second of the steps that only decode, and their mean context."""
+@contextlib.contextmanager
+def async_scheduling(eng: Any) -> Iterator[None]:
+    sc = eng.config.scheduler_config
+    eng.config = dataclasses.replace(eng.config, scheduler_config=dataclasses.replace(sc, async_scheduling=True))
+    try:
+        yield
+    finally:
+        eng.config = dataclasses.replace(eng.config, scheduler_config=sc)
+
+
+def decode_batch(eng: Any, n: int, prompt: int, out: int, vocab: int) -> dict[str, Any]:
+    """n requests at once: tokens a second of the steps that only decode (the engine's counters over this run)."""
     from tokenmill import SamplingParams
-    eng, _ = engine(path, dev, prompt + out + 16, max_num_seqs=n, max_num_batched_tokens=max(2048, n), **kw)
     r = random.Random(5)
+    before = dataclasses.replace(eng.stats)
     for i in range(n):
-        eng.add_request(str(i), {"prompt_token_ids": [r.randrange(100, vocab) for _ in range(prompt)]},
+        eng.add_request(f"batch{i}", {"prompt_token_ids": [r.randrange(100, vocab) for _ in range(prompt)]},
                         SamplingParams(temperature=0, max_tokens=out, ignore_eos=True))
     while eng.has_unfinished_requests():
         eng.step()
     st = eng.stats
-    return {"requests": n, "decode_tok_s": st.decode_tokens / st.decode_time_s, "graph_steps": st.num_graph_steps,
-            "eager_decode_steps": st.num_eager_decode_steps, "mean_context": prompt + out / 2}
+    return {"requests": n, "decode_tok_s": (st.decode_tokens - before.decode_tokens)
+            / (st.decode_time_s - before.decode_time_s), "graph_steps": st.num_graph_steps - before.num_graph_steps,
+            "eager_decode_steps": st.num_eager_decode_steps - before.num_eager_decode_steps,
+            "preemptions": st.num_preemptions - before.num_preemptions, "mean_context": prompt + out / 2}
 
 
 def offline(path: str, dev: torch.device, reqs: list[tuple[list[int], int]], **kw) -> float:
@@ -307,8 +317,12 @@ def main() -> None:
             t = time.perf_counter()
             path, params = random_checkpoint(shape, Path(tmp) / "8b", dev)
             res["checkpoint_s"] = time.perf_counter() - t
-            prompt = 128 if a.tiny else 2048
-            s = single_stream(path, dev, prompt, 32 if a.tiny else 128, kv_cache_memory_gb=1 if a.tiny else 8, **kw)
+            prompt, out = (128, 32) if a.tiny else (2048, 128)
+            n, p_len, n_out = (16, 32, 32) if a.tiny else (256, 128, 256)
+            # one engine for both: no prefix caching (each prompt computed whole), room for the 256 requests
+            eng, seconds = engine(path, dev, max(prompt + out, p_len + n_out) + 16, enable_prefix_caching=False,
+                                  max_num_seqs=n, kv_cache_memory_gb=1 if a.tiny else 16, **kw)
+            s = {**start_up(eng, seconds), **single_stream(eng, dev, prompt, out)}
             table = shape["vocab_size"] * shape["hidden_size"]        # the embedding (decode reads one row)
             head = 0 if shape.get("tie_word_embeddings") else table    # the LM head: the last token only
             weights = 2 * (params - table)                              # bf16 weights read once a step
@@ -321,17 +335,20 @@ def main() -> None:
                          "of_limit": limit / s["itl_s"], "prompt": prompt, "ttft_ms": 1e3 * s["ttft_s"],
                          "first_ttft_ms": 1e3 * s["first_ttft_s"], "first_over_warm": s["first_ttft_s"] / s["ttft_s"],
                          "compute_limit_ms": 1e3 * ttft_limit, "ttft_of_limit": ttft_limit / s["ttft_s"]}
+            if "async_itl_s" in s:
+                res["8b"]["async_of_limit"] = limit / s["async_itl_s"]
             print(f"8b: {res['8b']}", flush=True)
             save()
-            n, p_len, out = (16, 32, 32) if a.tiny else (256, 128, 256)
-            d = decode_batch(path, dev, n, p_len, out, shape["vocab_size"], kv_cache_memory_gb=1 if a.tiny else 24,
-                             **kw)
+            d = decode_batch(eng, n, p_len, n_out, shape["vocab_size"])
             step = n / d["decode_tok_s"]
             step_limit = (weights + n * d["mean_context"] * kv_bytes_per_token(shape)) / bw
             res["decode_256"] = {**d, "step_ms": 1e3 * step, "hbm_limit_ms": 1e3 * step_limit,
                                  "of_limit": step_limit / step}
             print(f"decode {n}: {res['decode_256']}", flush=True)
             save()
+            del eng
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
         if "offline-1b" not in a.skip:
             path, _ = random_checkpoint(TINY if a.tiny else LLAMA_1B, Path(tmp) / "1b", dev)
             count = 20 if a.tiny else 300 if a.quick else 1000
@@ -347,7 +364,8 @@ def main() -> None:
         if "smollm2" not in a.skip:
             from tokenmill.executor.loader import default_model_path
             path = default_model_path()
-            s = single_stream(path, dev, 64, 32 if a.tiny else 256, kv_cache_memory_gb=1, **kw)
+            eng, _ = engine(path, dev, 64 + 256 + 16, enable_prefix_caching=False, kv_cache_memory_gb=1, **kw)
+            s = single_stream(eng, dev, 64, 32 if a.tiny else 256)
             reqs = workload(64, 16, 64 if a.tiny else 256, 40000, seed=1)
             res["smollm2"] = {"itl_ms": 1e3 * s["itl_s"], "decode_tok_s": 1 / s["itl_s"],
                               "offline_64_tok_s": offline(path, dev, reqs, max_model_len=600, kv_cache_memory_gb=2,
