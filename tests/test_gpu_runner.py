@@ -38,7 +38,11 @@ def assert_same(got: list, want: list, tol: float = 1e-5) -> None:
         assert worst <= tol, worst
 
 
-@pytest.mark.parametrize("kind", ARCHS)
+# make test-fast keeps two families (GQA; soft caps and per-layer windows in three KV groups)
+FAMILIES = [k if k in ("llama", "gemma2") else pytest.param(k, marks=pytest.mark.slow) for k in ARCHS]
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
 def test_graphs_replay_the_eager_step(kind, tmp_path):
     """Batches of 4, 3, 2 and 1 requests (padded to 4, 4, 2, 1): tokens and logprobs equal the eager path's, and
     the eager path's tokens equal transformers'."""
@@ -84,7 +88,7 @@ def test_chunked_prefill_prefix_hits_preemption_and_seeds(llama):
     llm.llm_engine.kv.check_integrity()
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", pytest.param("draft", marks=pytest.mark.slow)])
 def test_speculative_verification_replays_graphs(llama, method, tmp_path):
     """A verification's rows are one-row entries: the step takes a graph of its rows' size."""
     path, _ = llama
@@ -102,6 +106,7 @@ def test_speculative_verification_replays_graphs(llama, method, tmp_path):
     assert stats["spec_num_drafts"] > 0 and stats["num_graph_steps"] > 0
 
 
+@pytest.mark.slow
 def test_structured_outputs_under_graphs(tiny_text_model):
     from tokenmill import StructuredOutputsParams
     path, _ = tiny_text_model
