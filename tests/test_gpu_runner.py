@@ -323,3 +323,40 @@ def test_metrics_export_graph_and_eager_decode_steps():
     samples = {s.name: s.value for fam in text_string_to_metric_families(m.render().decode()) for s in fam.samples}
     assert samples["tokenmill:cudagraph_steps_total"] == 7
     assert samples["tokenmill:eager_decode_steps_total"] == 2
+
+
+def test_async_scheduling_pools_chunked_prompts_whole(llama):
+    """An embedding request's prompt in chunks under async scheduling: its chunks are counted when scheduled, and
+    it still pools every chunk (MEAN) or its last row (LAST) before it finishes."""
+    from tokenmill import PoolingParams
+    path, _ = llama
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([20, 7], seed=8)]
+
+    def embed(pooling_type: str, async_scheduling: bool) -> list:
+        llm = runner_llm(path, graphs=True, pooling_type=pooling_type, max_num_batched_tokens=16,
+                         async_scheduling=async_scheduling)
+        return [o.outputs.embedding for o in llm.embed(prompts, PoolingParams(), use_tqdm=False)]
+    for kind in ("MEAN", "LAST"):
+        for got, want in zip(embed(kind, True), embed(kind, False)):
+            torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(want), rtol=1e-5, atol=1e-6)
+
+
+def test_async_scheduling_keeps_a_reused_id_apart(llama):
+    """A request aborted while its step is on the device, and a new one of the same id added at once: the new one
+    gets its own tokens, not the old one's last."""
+    path, _ = llama
+    a, b = random_prompts([6, 9], seed=30)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = runner_llm(path, graphs=True).generate([{"prompt_token_ids": b}], params, use_tqdm=False)
+    eng = runner_llm(path, graphs=True, async_scheduling=True).llm_engine
+    eng.add_request("x", {"prompt_token_ids": a}, params)
+    eng.step()
+    eng.step()                                   # x's second step is on the device
+    eng.abort_request("x")
+    eng.add_request("x", {"prompt_token_ids": b}, params)
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o.outputs[0].token_ids
+    assert done["x"] == alone[0].outputs[0].token_ids

@@ -52,10 +52,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compilation-config", "-O", type=_json_object, default=None,
                    help='CUDA graphs as JSON, vLLM\'s fields: {"cudagraph_mode": "FULL_DECODE_ONLY" | "NONE", '
                         '"cudagraph_capture_sizes": [1, 2, 4, 8], "max_cudagraph_capture_size": 256}')
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
                    help="schedule and launch each GPU step before the last one's tokens are back (they feed it on "
                         "the device); steps with requests that read their past tokens (penalties, bad words, "
-                        "min_tokens, grammars) still wait. Off by default until it is measured on a GPU")
+                        "min_tokens, grammars) still wait (default: off)")
     p.add_argument("--quantization", "-q", default=None,
                    help="quantise a float checkpoint's matrices at load: int8 (Q8_0) | int4 (Q4_1) | q4_0 | q5_0 | "
                         "q5_1 | q8_0")

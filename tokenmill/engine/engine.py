@@ -138,7 +138,7 @@ class LLMEngine:
                  speculative_config: Union[SpeculativeConfig, dict, str, None] = None,
                  tensor_parallel_size: int = 1, enforce_eager: bool = False,
                  compilation_config: Union[CompilationConfig, dict, None] = None,
-                 async_scheduling: Optional[bool] = None):
+                 async_scheduling: bool = False):
         # pooling_type: which prompt rows a PoolingParams request pools (vLLM's pooler config): LAST or MEAN
         self.pooling_type = check_pooling_type(pooling_type)
         spec_config = SpeculativeConfig.of(speculative_config)
@@ -215,9 +215,12 @@ class LLMEngine:
                                      draft_ckpt, quantized_kernels, cpu_kernels, int8_activations)
         try:
             self.runner = self._runner(self.config, self.model, threads, tp, workers)
+            if sched_cfg.async_scheduling and not self.runner.supports_async:
+                raise ValueError(f"async_scheduling=True needs the GPU runner's resident batch, which the "
+                                 f"{self.runner.backend.name!r} attention backend does not take; leave it off")
             runners = [self.runner]
             if self.draft_config is not None:
-                runners.append(self._runner(self.draft_config, draft_model, threads))
+                runners.append(self._runner(self.draft_config, draft_model, threads, resident=False))
             num_blocks = self._size_kv_cache(sum(r.memory_reserved() for r in runners))
             if tp is not None:
                 tp.send(num_blocks)
@@ -250,6 +253,7 @@ class LLMEngine:
         self.child_parent: dict[str, str] = {}
         self.stats = EngineStats(kv_blocks_total=num_blocks)
         self._in_flight: Optional[tuple] = None     # async scheduling: the step launched and not yet back
+        self._last_return = 0.0
         self.step_history: deque[tuple[float, SchedulerStats]] = deque(maxlen=4096)
 
     # ---- construction helpers ------------------------------------------------------------------------------
@@ -275,11 +279,11 @@ class LLMEngine:
         return ModelRunner.kv_bytes_per_block(self.config) + extra
 
     @staticmethod
-    def _async_scheduling(asked: Optional[bool], dev: torch.device, attention_backend: str, use_kv_cache: bool,
+    def _async_scheduling(asked: bool, dev: torch.device, attention_backend: str, use_kv_cache: bool,
                           spec: Optional[SpeculativeConfig], tp_size: int) -> bool:
-        """vLLM's async_scheduling: off unless asked for (None); it needs the GPU runner (a GPU, or a device-batch
-        attention backend), the KV cache, no speculative decoding (guesses come from the tokens just sampled) and
-        one rank."""
+        """vLLM's async_scheduling: off unless asked for; it needs the GPU runner's resident batch (a GPU, or a
+        device-batch attention backend on a CPU; the runner says, once built), the KV cache, no speculative decoding
+        (guesses come from the tokens just sampled) and one rank."""
         if not asked:
             return False
         why = ("it needs the GPU runner: a GPU, or attention_backend 'triton' or 'padded'"
@@ -293,14 +297,15 @@ class LLMEngine:
 
     @staticmethod
     def _runner(config: EngineConfig, model: DecoderForCausalLM, threads, tp: Optional[TPGroup] = None,
-                workers: list = ()) -> ModelRunner:
+                workers: list = (), resident: bool = True) -> ModelRunner:
         """The model's runner for its device (rank 0's, which sends the workers each step, under tensor
-        parallelism); its KV cache is allocated once the cache is sized."""
+        parallelism); its KV cache is allocated once the cache is sized. resident=False: a draft model's, whose
+        passes bring their own tables."""
         if tp is not None:
             return TensorParallelRunner(config, model, threads, group=tp, workers=list(workers))
         if config.device.type == "cpu" and config.attention_backend not in DEVICE_BATCH_BACKENDS:
             return CpuRunner(config, model, threads)
-        return GpuRunner(config, model)        # the GPU's, and on a CPU the device-batch backends' (tests)
+        return GpuRunner(config, model, resident)   # the GPU's, and on a CPU the device-batch backends' (tests)
 
     def _size_kv_cache(self, reserved: int) -> int:
         """Blocks for the KV cache (and a draft model's beside it): at least one request of max_model_len."""
@@ -452,7 +457,8 @@ class LLMEngine:
         return outputs
 
     def _async_step(self) -> list[Union[RequestOutput, PoolingRequestOutput]]:
-        t0 = time.perf_counter()
+        # steps overlap: each one's time runs from the last one's return (or its own launch) to its own return
+        t0 = max(time.perf_counter(), self._last_return)
         sched = self.scheduler.schedule(in_flight=True)
         launched = None
         if sched.is_empty:
@@ -469,7 +475,8 @@ class LLMEngine:
         """A step launched asynchronously, back: its tokens appended, stops checked, outputs made."""
         self._in_flight = None
         out = self.runner.finish(handle)
-        self.scheduler.update(sched, out.sampled, in_flight=True)
+        self._last_return = time.perf_counter()
+        self.scheduler.update(sched, out.sampled, in_flight=True, reqs=reqs)
         outputs = self._process(reqs, out)
         self._record(sched, out, time.perf_counter() - t0)
         return outputs
@@ -477,8 +484,7 @@ class LLMEngine:
     def _reads_history(self) -> bool:
         """Whether a request waiting or running samples from its past tokens on the host (penalties, bad words,
         min_tokens, a grammar): those steps wait for the last one's tokens."""
-        s = self.scheduler
-        return any(r.params is not None and r.params.reads_history for r in (*s.running, *s.waiting))
+        return self.scheduler.num_history_readers > 0
 
     @staticmethod
     def _sampling_grammars(sched: SchedulerOutput, reqs: list[Request]) -> dict:
@@ -525,11 +531,12 @@ class LLMEngine:
             m.num_generation_tokens = len(req.output_token_ids)
         return [self._request_output(rid) for rid in touched]
 
-    def _pool(self, req: Request, start: int, part: torch.Tensor, now: float) -> bool:
-        """Add this step's chunk to req's pooled vector; once the whole prompt is computed, finish req (its blocks go
-        back) with the final vector. A chunk at position 0 starts over (a preempted request is recomputed)."""
+    def _pool(self, req: Request, start: int, count: int, part: torch.Tensor, now: float) -> bool:
+        """Add this step's chunk (count prompt rows from position start) to req's pooled vector; once the chunk
+        reaches the prompt's end, finish req (its blocks go back) with the final vector. A chunk at position 0
+        starts over (a preempted request is recomputed)."""
         req.pooled = part if req.pooling_type == "LAST" or start == 0 else req.pooled + part
-        if req.num_computed_tokens < req.num_prompt_tokens:
+        if start + count < req.num_prompt_tokens:
             return False
         v = req.pooled / req.num_prompt_tokens if req.pooling_type == "MEAN" else req.pooled
         if req.pooling_params.normalize:

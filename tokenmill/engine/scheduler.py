@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass
 import time
+from typing import Optional
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.kv_cache_manager import KVCacheManager
@@ -44,10 +45,17 @@ class Scheduler:
         self.requests: dict[str, Request] = {}      # every unfinished request, by id
         self.total_preemptions = 0
         self._finished: list[str] = []              # finished since the last step, for the runner to forget
+        # unfinished requests that sample from their past tokens on the host (async scheduling waits for them)
+        self.num_history_readers = 0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
         self.requests[req.request_id] = req
+        self.num_history_readers += self._reads_history(req)
+
+    @staticmethod
+    def _reads_history(req: Request) -> bool:
+        return req.params is not None and req.params.reads_history
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -62,7 +70,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if self._done_in_flight(req):            # its last tokens are on their way: nothing left to compute
+            if self._nothing_to_compute(req):        # (async scheduling) its last tokens are on their way
                 i += 1
                 continue
             n = self._fit(req, min(self._target(req) - req.num_computed_tokens + len(req.spec_token_ids), budget))
@@ -110,9 +118,11 @@ class Scheduler:
         """The tokens req will have once the tokens in flight are back (async scheduling; else its tokens)."""
         return req.num_tokens + req.num_in_flight
 
-    def _done_in_flight(self, req: Request) -> bool:
-        """Async scheduling: req's tokens in flight reach max_tokens or max_model_len (the step that brings them
-        back finishes it), so no step computes anything more of it."""
+    def _nothing_to_compute(self, req: Request) -> bool:
+        """Async scheduling: every token of req is scheduled (a pooling request's whole prompt), or its tokens in
+        flight reach max_tokens or max_model_len (the step that brings them back finishes it)."""
+        if self._target(req) <= req.num_computed_tokens:
+            return True
         return req.num_in_flight > 0 and (len(req.output_token_ids) + req.num_in_flight >= req.max_tokens
                                           or self._target(req) >= self.config.max_model_len)
 
@@ -179,12 +189,13 @@ class Scheduler:
         self.total_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]], in_flight: bool = False) -> None:
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]], in_flight: bool = False,
+               reqs: Optional[list[Request]] = None) -> None:
         """Advance computed counts; append the tokens sampled for requests that reached their end. A request that
         verified guesses got the accepted ones and one more: the KV of the rejected ones is dropped (its count rolled
         back, blocks that only they used returned)."""
         if in_flight:           # a step schedule(in_flight=True) made
-            return self._update_async(out, sampled)
+            return self._update_async(reqs, sampled)
         for s in out.scheduled:
             req = self.requests.get(s.req_id)
             if req is None or req.status is not RequestStatus.RUNNING:
@@ -204,13 +215,14 @@ class Scheduler:
             if not self.config.use_kv_cache:
                 req.num_computed_tokens = 0        # forget the cache: recompute everything next step
 
-    def _update_async(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
-        """A step scheduled asynchronously is back: its computed tokens were counted when it was scheduled; its
-        sampled tokens are appended (a request preempted since keeps them: it recomputes them later)."""
-        for s in out.scheduled:
-            req = self.requests.get(s.req_id)
-            toks = sampled.get(s.req_id)
-            if req is None or toks is None:
+    @staticmethod
+    def _update_async(reqs: list[Request], sampled: dict[str, list[int]]) -> None:
+        """A step scheduled asynchronously is back (reqs: its requests, in batch order): its computed tokens were
+        counted when it was scheduled; its sampled tokens are appended (a request preempted since keeps them: it
+        recomputes them later; one finished since, or a new one of its id, is left alone)."""
+        for req in reqs:
+            toks = sampled.get(req.request_id)
+            if req.is_finished or toks is None:
                 continue
             req.num_in_flight -= 1
             for tok in toks:
@@ -219,8 +231,10 @@ class Scheduler:
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Take a request out (finished or aborted) and return its blocks."""
         req.status = status
-        if self.requests.pop(req.request_id, None) is not None and req.runner_knows:
-            self._finished.append(req.request_id)
+        if self.requests.pop(req.request_id, None) is not None:
+            self.num_history_readers -= self._reads_history(req)
+            if req.runner_knows:
+                self._finished.append(req.request_id)
         if req in self.running:
             self.running.remove(req)
         else:

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from tokenmill.executor.sampler import SamplingInput
+from tokenmill.executor.sampler import SamplingInput, make_generator
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler_output import MAX_SPECULATIVE_TOKENS, ScheduledRequest, SchedulerOutput
 
@@ -125,21 +125,19 @@ class BatchBuilder:
 
     def _add(self, s: ScheduledRequest) -> RequestState:
         n = s.new
-        generator = None
-        if n.params is not None and n.params.seed is not None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(n.params.seed)
+        generator = make_generator(n.params.seed, self.device) if n.params is not None else None
         st = RequestState(n.req_id, list(n.prompt_token_ids), n.params, n.pooling_type,
                           [list(w) for w in n.bad_words_token_ids], generator, [], list(n.prompt_token_ids),
                           [[] for _ in range(self.num_groups)])
         self.states[n.req_id] = st
         return st
 
-    def record(self, sampled: dict[str, list[int]]) -> None:
-        """The tokens a step gave each request (as the engine appends them)."""
-        for rid, toks in sampled.items():
-            st = self.states.get(rid)
-            if st is not None:
+    @staticmethod
+    def record(sampled: dict[str, list[int]], states: list[RequestState]) -> None:
+        """The tokens a step gave each of its requests' states (as the engine appends them)."""
+        for st in states:
+            toks = sampled.get(st.req_id)
+            if toks is not None:
                 st.output_token_ids.extend(toks)
                 st.all_token_ids.extend(toks)
 

@@ -40,10 +40,11 @@ WARM_ROWS = (1, 16, 17)
 
 
 class GpuRunner(ModelRunner):
-    def __init__(self, config: EngineConfig, model: DecoderForCausalLM):
+    def __init__(self, config: EngineConfig, model: DecoderForCausalLM, resident: bool = True):
+        """resident=False: every step from host lists (a draft model's runner, whose passes bring their tables)."""
         super().__init__(config, model)
         sc = config.scheduler_config
-        self.resident = self.backend.supports_device_batch
+        self.resident = resident and self.backend.supports_device_batch
         why_eager = None
         if config.cudagraph_mode != "NONE":
             if not self.resident or not self.backend.supports_graphs:
@@ -85,11 +86,12 @@ class GpuRunner(ModelRunner):
         self.o_entry = 5 * R + 1                # each row's entry
         self.header_len = 6 * R + 1
         pin = dev.type == "cuda"
-        # two host headers, taken in turn: a step written while the last one's copy may still be queued (async
-        # scheduling) writes the other; the one before was copied once its tokens came back
+        # two host headers, taken in turn, each with the event of its last copy to the device: a step may be written
+        # while the last one's copy is still queued behind the device's work (nothing waits on a step that samples
+        # nothing, and async scheduling writes ahead), and a buffer is written again only once its copy ran
         self.hosts = [torch.zeros(self.header_len, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._copied: list[Optional[torch.cuda.Event]] = [None, None]
         self._turn = 0
-        self.host, self.host_np = self.hosts[0], self.hosts[0].numpy()
         self.header = torch.zeros(self.header_len, dtype=torch.long, device=dev)
         self.arange = torch.arange(R, device=dev)
         self.backend.init_graphs(R, dev)
@@ -110,7 +112,7 @@ class GpuRunner(ModelRunner):
 
     def _launched(self, plan: StepPlan, pending) -> None:
         self._last_rows.clear()
-        if pending is None:
+        if pending is None or not self.config.scheduler_config.async_scheduling:
             return
         self._last_tokens = pending.token_ids_device
         row = 0
@@ -158,8 +160,8 @@ class GpuRunner(ModelRunner):
         size = next((n for n in self.capture_sizes if n >= T), None) if b.decode_only else None
         if b.decode_only and size is None and self.capture_sizes:
             self.num_eager_decode_steps += 1
-        rows = [self.rows[plan.states[i].req_id] for i in b.entry_req]
-        self._upload(b, rows, size)
+        row_of = [self.rows[st.req_id] for st in plan.states]
+        self._upload(b, [row_of[i] for i in b.entry_req], size)
         if plan.in_flight:              # their tokens: the last launched step's, on the device
             at = to_device([[self.o_ids + r for r, _ in plan.in_flight],
                             [self._last_rows[rid] for _, rid in plan.in_flight]], self.device)
@@ -176,32 +178,48 @@ class GpuRunner(ModelRunner):
     def _upload(self, b: ForwardBatch, rows: list[int], size: Optional[int]) -> None:
         """The step's header (padded to size with rows that write the sink and attend nothing) and its table
         updates, to the device."""
-        self._turn ^= 1
-        self.host = self.hosts[self._turn]
-        self.host_np = h = self.host.numpy()
+        h = self._next_host()
         T, E = b.num_rows, b.num_entries
-        n = size or T                               # rows (and entries) the forward sees
         h[self.o_ids:self.o_ids + T] = b.ids
         h[self.o_row:self.o_row + E] = rows
         h[self.o_start:self.o_start + E] = b.num_computed
         h[self.o_len:self.o_len + E] = b.seq_lens
         h[self.o_qsl:self.o_qsl + E + 1] = b.qsl
         h[self.o_entry:self.o_entry + T] = np.repeat(np.arange(E), np.diff(b.qsl))
-        if n > T:                                   # padding: decode-only, so entries and rows pad alike
-            pad = slice(T, n)
-            h[self.o_ids:][pad] = 0
-            h[self.o_row:][pad] = self.sink_row
-            h[self.o_start:][pad] = 0
-            h[self.o_len:][pad] = 0
-            h[self.o_qsl + T + 1:self.o_qsl + n + 1] = np.arange(T + 1, n + 1)
-            h[self.o_entry:][pad] = np.arange(T, n)
-        used = self.o_entry + n
-        self.header[:used].copy_(self.host[:used], non_blocking=True)
+        n = size or T                               # rows (and entries) the forward sees
+        self._pad(h, T, n)                          # a padded step is decode-only: entries and rows pad alike
+        self._send_host(self.o_entry + n)
         idx, val = self._updates
         if idx:
             upd = to_device([idx, val], self.device)
             self.tables.view(-1).index_copy_(0, upd[0], upd[1].to(torch.int32))
             self._updates = ([], [])
+
+    def _next_host(self) -> np.ndarray:
+        """The host header to write next, once its last copy to the device ran."""
+        self._turn ^= 1
+        if self._copied[self._turn] is not None:
+            self._copied[self._turn].synchronize()
+        return self.hosts[self._turn].numpy()
+
+    def _send_host(self, used: int) -> None:
+        self.header[:used].copy_(self.hosts[self._turn][:used], non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied[self._turn] = torch.cuda.Event()
+            self._copied[self._turn].record()
+
+    def _pad(self, h: np.ndarray, first: int, n: int) -> None:
+        """Rows (and entries) first..n-1 padding: token 0 in the sink row, length 0 (they write the sink block and
+        attend nothing), one row each."""
+        if n <= first:
+            return
+        pad = slice(first, n)
+        h[self.o_ids:][pad] = 0
+        h[self.o_row:][pad] = self.sink_row
+        h[self.o_start:][pad] = 0
+        h[self.o_len:][pad] = 0
+        h[self.o_qsl + first + 1:self.o_qsl + n + 1] = np.arange(first + 1, n + 1)
+        h[self.o_entry:][pad] = np.arange(first, n)
 
     def _device_forward(self, T: int, E: int, entry_rows: Optional[list[int]],
                         graph_size: Optional[int]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -230,7 +248,7 @@ class GpuRunner(ModelRunner):
         if self._step_logits is None:
             return super()._sample_logits(hidden, plan)
         rows = plan.sample_rows
-        if rows == list(range(len(rows))):          # every row samples (a plain decode step)
+        if rows[-1] == len(rows) - 1:               # (ascending, so every row up to it): a plain decode step
             return self._step_logits[:len(rows)]
         return self._step_logits[to_device(rows, self.device)]
 
@@ -314,18 +332,22 @@ class GpuRunner(ModelRunner):
             log.info(self.startup_line())
 
     def _fill_dummy_header(self, n: int, entry_rows: Optional[list[int]] = None) -> None:
-        """Entries in the sink row: n padding rows of length 0, one row each (what a capture records), or entries of
-        entry_rows rows each, which attend the rows they wrote (a warm-up step)."""
-        rows = entry_rows or [1] * n
-        E, T = len(rows), sum(rows)
-        h = self.host_np
+        """Entries in the sink row: n padding rows (what a capture records), or entries of entry_rows rows each,
+        which attend the rows they wrote (a warm-up step)."""
+        h = self._next_host()
+        h[self.o_qsl] = 0
+        if entry_rows is None:
+            self._pad(h, 0, n)
+            self._send_host(self.o_entry + n)
+            return
+        E, T = len(entry_rows), sum(entry_rows)
         h[self.o_ids:self.o_ids + T] = 0
         h[self.o_row:self.o_row + E] = self.sink_row
         h[self.o_start:self.o_start + E] = 0
-        h[self.o_len:self.o_len + E] = rows if entry_rows else 0
-        h[self.o_qsl:self.o_qsl + E + 1] = np.concatenate([[0], np.cumsum(rows)])
-        h[self.o_entry:self.o_entry + T] = np.repeat(np.arange(E), rows)
-        self.header[:self.o_entry + T].copy_(self.host[:self.o_entry + T], non_blocking=True)
+        h[self.o_len:self.o_len + E] = entry_rows
+        h[self.o_qsl:self.o_qsl + E + 1] = np.concatenate([[0], np.cumsum(entry_rows)])
+        h[self.o_entry:self.o_entry + T] = np.repeat(np.arange(E), entry_rows)
+        self._send_host(self.o_entry + T)
 
     def _dummy_step(self, entry_rows: list[int]) -> None:
         """An eager step of entries with these row counts, all in the sink block (their K/V land there)."""

@@ -18,7 +18,7 @@ Outputs = Any      # a tensor or a tuple of tensors
 
 @contextmanager
 def frozen_gc() -> Iterator[None]:
-    """Python's collector frozen for the captures (each capture runs it otherwise, several times slower)."""
+    """Python's collector frozen for the captures (each capture would otherwise run it over every object, slowly)."""
     gc.collect()
     gc.freeze()
     try:

@@ -44,9 +44,9 @@ class RunnerOutput:
     sampled: dict[str, list[int]]
     logprobs: dict[str, list[dict[int, Logprob]]] = field(default_factory=dict)    # one per new token
     prompt_logprobs: dict[str, list[Optional[dict[int, Logprob]]]] = field(default_factory=dict)
-    # pooling request id -> (first position of this chunk, float32 [hidden]: MEAN the chunk's row sum, LAST its
-    # last row); the engine accumulates the chunks
-    pooled: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    # pooling request id -> (first position of this chunk, its rows, float32 [hidden]: MEAN the chunk's row sum,
+    # LAST its last row); the engine accumulates the chunks
+    pooled: dict[str, tuple[int, int, torch.Tensor]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -160,8 +160,9 @@ class ModelRunner:
         dev = self.device
         for st, row, count in plan.pooling:
             rows = hidden[row:row + count]
-            part = rows.float().sum(0) if st.pooling_type == "MEAN" else rows[-1].float()
-            out.pooled[st.req_id] = (st.num_computed_tokens, part)
+            # a copy: the rows may be a captured graph's output, which the next replay overwrites
+            part = rows.float().sum(0) if st.pooling_type == "MEAN" else rows[-1].to(torch.float32, copy=True)
+            out.pooled[st.req_id] = (st.num_computed_tokens, count, part)
         for st, row, count in plan.prompt_logprobs:
             logits = self._logits(hidden, torch.arange(row, row + count, device=dev))
             start = st.num_computed_tokens
@@ -192,7 +193,8 @@ class ModelRunner:
                 if st.params.logprobs is not None:
                     out.logprobs[st.req_id] = res.logprobs[row:row + n]
                 row += len(guesses) + 1
-        self.builder.record(out.sampled)
+        # into the states the step was planned with: a request gone meanwhile (and a new one of its id) is untouched
+        self.builder.record(out.sampled, [st for st, _, _ in plan.samplers])
         return out
 
     def _plan(self, sched: SchedulerOutput) -> StepPlan:

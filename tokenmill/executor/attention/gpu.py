@@ -82,7 +82,7 @@ class TritonBackend(AttentionBackend):
         rows = batch.entry_rows
         tile_req = tile_m0 = None
         if rows is None or all(n == 1 for n in rows):
-            decode = self._entries(E, batch.qsl.device)
+            decode = self._graph_entries[:E]
             num_decode = E
         else:
             bm = self.kernels.BLOCK_M
@@ -98,11 +98,8 @@ class TritonBackend(AttentionBackend):
             qsl=batch.qsl, computed=batch.num_computed, lens=batch.seq_lens, tables=batch.tables,
             decode_reqs=decode, tile_req=tile_req, tile_m0=tile_m0, num_splits=self._splits(num_decode))
 
-    def _entries(self, n: int, device: torch.device) -> torch.Tensor:
-        """0..n-1 on the device, a view of one static buffer (a captured graph's decode entries)."""
-        return self._graph_entries[:n]
-
     def init_graphs(self, max_size: int, device: torch.device) -> None:
+        # 0..max_size-1 once: the decode entries of any step whose entries all decode (a captured one's too)
         self._graph_entries = torch.arange(max_size, device=device)
 
     def graph_metadata(self, batch: DeviceBatch, size: int) -> TritonMetadata:

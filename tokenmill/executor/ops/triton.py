@@ -52,5 +52,6 @@ class TritonOps(ReferenceOps):
             d["rms_norm"] = "triton (fused residual add)"
         if self.act_kernel:
             d["silu_mul"] = d["gelu_tanh_mul"] = "triton"
-        d["rotary"] = "the attention backend's (triton: fused with the KV-cache write)"
+        d["rotary"] = "triton, fused with the KV-cache write where the attention backend is Triton's and the cache " \
+                      "a float one (else torch)"
         return d
