@@ -74,6 +74,20 @@ class ForwardBatch:
         """Every entry has one query row (decodes, verification rows)."""
         return self.num_entries == self.num_rows
 
+    def add_rows(self, start: int, count: int, tables: list[list[int]], one_row_each: bool,
+                 req: Optional[int] = None) -> None:
+        """The attention's entries of count rows of a request from position start (their token ids are added
+        apart): one entry, or one a row, each seeing the rows before it (a verification's, a draft's catch-up: the
+        decode kernels serve those, the cheaper path)."""
+        for first, n in ((start + j, 1) for j in range(count)) if one_row_each else ((start, count),):
+            self.qsl.append(self.qsl[-1] + n)
+            self.num_computed.append(first)
+            self.seq_lens.append(first + n)
+            if req is not None:
+                self.entry_req.append(req)
+            for g, table in enumerate(tables):
+                self.tables[g].append(table)
+
     def positions(self) -> list[int]:
         return [p for start, end in zip(self.num_computed, self.seq_lens) for p in range(start, end)]
 
@@ -141,12 +155,12 @@ class BatchBuilder:
                 st.output_token_ids.extend(toks)
                 st.all_token_ids.extend(toks)
 
+    def _empty(self) -> ForwardBatch:
+        return ForwardBatch([], [0], [], [], [[] for _ in range(self.num_groups)], self.block_size)
+
     def build(self, sched: SchedulerOutput, states: list[RequestState]) -> StepPlan:
-        ids: list[int] = []
-        qsl = [0]
-        num_computed, seq_lens, entry_req = [], [], []
-        tables: list[list[list[int]]] = [[] for _ in range(self.num_groups)]
-        plan = StepPlan(ForwardBatch(ids, qsl, num_computed, seq_lens, tables, self.block_size, entry_req), states)
+        plan = StepPlan(self._empty(), states)
+        ids, qsl = plan.batch.ids, plan.batch.qsl
         for i, (st, s) in enumerate(zip(states, sched.scheduled)):
             start = s.num_computed_tokens
             end = start + s.num_tokens
@@ -157,15 +171,8 @@ class BatchBuilder:
                 plan.in_flight.append((len(ids), st.req_id))
                 ids.append(0)
             ids.extend(guesses)
-            # a verification's rows attend as that many decodes of one token, each seeing the guesses before it:
-            # the decode kernels serve them (they write every row's K/V before reading), the cheaper path
-            for first, count in ((start + j, 1) for j in range(s.num_tokens)) if guesses else ((start, s.num_tokens),):
-                qsl.append(qsl[-1] + count)
-                num_computed.append(first)
-                seq_lens.append(first + count)
-                entry_req.append(i)
-                for g, table in enumerate(st.tables):
-                    tables[g].append(table)
+            # a verification's rows attend each as a decode that sees the guesses before it
+            plan.batch.add_rows(start, s.num_tokens, st.tables, bool(guesses), i)
             row = qsl[-1] - s.num_tokens          # the request's first row
             if st.is_pooling:                  # no logits: its rows of the hidden states are the output
                 plan.pooling.append((st, row, s.num_tokens))
@@ -182,22 +189,13 @@ class BatchBuilder:
     def build_entries(self, entries: list[tuple[list[int], int, list[list[int]]]]) -> tuple[ForwardBatch, list[int]]:
         """A draft model's pass: each entry's tokens (token ids, position of the first, its table of each KV group).
         Returns the batch and each entry's last row."""
-        ids: list[int] = []
-        qsl = [0]
-        num_computed, seq_lens, last_rows = [], [], []
-        tables: list[list[list[int]]] = [[] for _ in range(self.num_groups)]
+        batch, last_rows = self._empty(), []
         for toks, start, req_tables in entries:
-            ids.extend(toks)
+            batch.ids.extend(toks)
             # a catch-up of a few tokens attends as that many one-token decodes, as verification rows do
-            for first, count in (((start + j, 1) for j in range(len(toks))) if len(toks) <= FEW_ROWS
-                                 else ((start, len(toks)),)):
-                qsl.append(qsl[-1] + count)
-                num_computed.append(first)
-                seq_lens.append(first + count)
-                for g, table in enumerate(req_tables):
-                    tables[g].append(table)
-            last_rows.append(qsl[-1] - 1)
-        return ForwardBatch(ids, qsl, num_computed, seq_lens, tables, self.block_size), last_rows
+            batch.add_rows(start, len(toks), req_tables, len(toks) <= FEW_ROWS)
+            last_rows.append(batch.qsl[-1] - 1)
+        return batch, last_rows
 
 
 def sampling_inputs(plan: StepPlan, masks: dict) -> list[SamplingInput]:

@@ -70,6 +70,13 @@ def extend(meta: AttentionMetadata, cls: type[M], **extra) -> M:
     return cls(**{f.name: getattr(meta, f.name) for f in fields(AttentionMetadata)}, **extra)
 
 
+def flat_tables(block_tables: list[list[int]]) -> tuple[list[int], int]:
+    """The entries' tables as one row-major list, padded to the widest: (values, width). Freed (-1) and padding
+    entries are block 0, which no kernel reads (they attend only positions a table covers)."""
+    width = max(len(t) for t in block_tables)
+    return [max(b, 0) for t in block_tables for b in t + [0] * (width - len(t))], width
+
+
 def _context_slots(meta: AttentionMetadata, i: int, start: int) -> torch.Tensor:
     """Slots of positions [start, seq_len) of request i, from its block table."""
     bs = meta.block_size

@@ -13,7 +13,8 @@ from typing import Optional
 
 import torch
 
-from tokenmill.executor.attention.backend import AttentionBackend, AttentionMetadata, _window_start, extend
+from tokenmill.executor.attention.backend import (AttentionBackend, AttentionMetadata, _window_start, extend,
+                                                  flat_tables)
 from tokenmill.executor.kernels import KernelLibrary
 from tokenmill.executor.kv_cache import FORMATS, LayerKV
 
@@ -47,10 +48,9 @@ def kernel_fits(kernels: KernelLibrary, num_heads: int, num_kv_heads: int, head_
 
 
 def _int32_tables(tables: list[list[int]]) -> torch.Tensor:
-    """[R, max blocks] int32 block tables for the kernels: freed (-1) and padding entries as block 0, which they
-    never read (they attend only positions a table covers)."""
-    width = max(len(t) for t in tables)
-    return torch.tensor([[max(b, 0) for b in t] + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    """[R, max blocks] int32 block tables for the kernels."""
+    values, width = flat_tables(tables)
+    return torch.tensor(values, dtype=torch.int32).view(len(tables), width)
 
 
 @dataclass

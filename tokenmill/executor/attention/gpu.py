@@ -12,7 +12,8 @@ from typing import Optional
 
 import torch
 
-from tokenmill.executor.attention.backend import AttentionBackend, AttentionMetadata, DeviceBatch, extend
+from tokenmill.executor.attention.backend import (AttentionBackend, AttentionMetadata, DeviceBatch, extend,
+                                                  flat_tables)
 from tokenmill.executor.kv_cache import LayerKV
 from tokenmill.executor.transfer import to_device
 
@@ -116,10 +117,8 @@ class TritonBackend(AttentionBackend):
         qsl = meta.query_start_loc
         bm = self.kernels.BLOCK_M
         tiles = [(i, m0) for i in prompt for m0 in range(0, qsl[i + 1] - qsl[i], bm)]
-        width = max(len(t) for t in meta.block_tables)
-        parts = [qsl, meta.num_computed, meta.seq_lens,
-                 [max(b, 0) for t in meta.block_tables for b in t + [0] * (width - len(t))],
-                 decode, [i for i, _ in tiles], [m0 for _, m0 in tiles]]
+        table_values, width = flat_tables(meta.block_tables)
+        parts = [qsl, meta.num_computed, meta.seq_lens, table_values, decode, [i for i, _ in tiles], [m0 for _, m0 in tiles]]
         flat = to_device([x for p in parts for x in p], meta.device, torch.int32)
         views = list(torch.split(flat, [len(p) for p in parts]))
         views[3] = views[3].view(meta.num_reqs, width)

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from tokenmill.executor.attention.backend import (AttentionBackend, AttentionMetadata, DeviceBatch, _attention,
-                                                  extend)
+                                                  extend, flat_tables)
 from tokenmill.executor.transfer import to_device
 
 
@@ -33,9 +33,8 @@ class PaddedBackend(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata) -> PaddedMetadata:
         dev, E = meta.device, meta.num_reqs
-        width = max(len(t) for t in meta.block_tables)
-        flat = to_device([max(b, 0) for t in meta.block_tables for b in t + [0] * (width - len(t))]
-                         + meta.query_start_loc + meta.num_computed + meta.seq_lens, dev)
+        values, width = flat_tables(meta.block_tables)
+        flat = to_device(values + meta.query_start_loc + meta.num_computed + meta.seq_lens, dev)
         tables, qsl, computed, lens = torch.split(flat, [E * width, E + 1, E, E])
         counts = [meta.query_start_loc[i + 1] - meta.query_start_loc[i] for i in range(E)]
         batch = DeviceBatch(meta.slot_mapping, qsl, computed, lens, tables.view(E, width), counts, meta.block_size,
