@@ -212,7 +212,12 @@ WEIGHT_TYPES = {
     "fp32": "F32", "bf16": "BF16", "fp16": "F16", "Q8_0": "Q8_0", "int8": "Q8_0", "Q6_K": "Q6_K",
     "Q5_K": "Q5_K", "Q4_1": "Q4_1", "int4": "Q4_1", "Q4_K": "Q4_K", "Q4_0": "Q4_0", "Q3_K": "Q3_K", "Q2_K": "Q2_K",
 }
-WEIGHT_TABLE = tuple(p for p in WEIGHT_TYPES if p != "fp16")  # fp16 costs what bf16 does
+# GPTQ, AWQ and compressed-tensors folders: integer codes with an fp16 scale and an integer zero point per group
+# (GPTQ stores zero points even when symmetric), as (weights, bytes) of a whole number of groups; fp8: one byte a
+# weight (its scale per row not counted)
+GROUP_SIZES = {"w4a16-g32": (64, 37), "w4a16-g64": (128, 69), "w4a16-g128": (256, 133),
+               "w8a16-g128": (128, 131), "fp8": (1, 1)}
+WEIGHT_TABLE = tuple(p for p in WEIGHT_TYPES if p != "fp16") + tuple(GROUP_SIZES)  # fp16 costs what bf16 does
 GGUF_WEIGHTS = "gguf"  # the precision name of a GGUF file's own bytes
 _WEIGHT_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "f32": "fp32",
                    "f16": "fp16"}
@@ -224,10 +229,10 @@ def weight_precision(name: str, gguf_ok: bool = False) -> str:
     if lower == GGUF_WEIGHTS and gguf_ok:
         return GGUF_WEIGHTS
     lower = _WEIGHT_ALIASES.get(lower, lower)
-    for p in WEIGHT_TYPES:
+    for p in (*WEIGHT_TYPES, *GROUP_SIZES):
         if p.lower() == lower:
             return p
-    choices = list(WEIGHT_TYPES) + ([GGUF_WEIGHTS] if gguf_ok else [])
+    choices = list(WEIGHT_TYPES) + list(GROUP_SIZES) + ([GGUF_WEIGHTS] if gguf_ok else [])
     why = " (only for a .gguf model)" if lower == GGUF_WEIGHTS else ""
     raise ValueError(f"unknown weight precision {name!r}{why}; choose one of {', '.join(choices)}")
 
@@ -235,6 +240,9 @@ def weight_precision(name: str, gguf_ok: bool = False) -> str:
 def quant_size(precision: str) -> tuple[int, int]:
     """(weights per block, bytes per block) from gguf's table, so new block formats need no edit here."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    name = weight_precision(precision)
+    if name in GROUP_SIZES:
+        return GROUP_SIZES[name]
     return GGML_QUANT_SIZES[GGMLQuantizationType[WEIGHT_TYPES[weight_precision(precision)]]]
 
 
@@ -328,6 +336,23 @@ def _layer_extras(cfg: Any, s: KVShape, hidden: int, ffn: int) -> int:
     if kind in ("gemma2", "gemma3_text"):         # the norms before and after the MLP
         n += 2 * hidden
     return n
+
+
+def config_precision(cfg: Any) -> Optional[str]:
+    """The planner's precision for a GPTQ/AWQ/compressed-tensors folder's own format; None for a float one."""
+    qc = _get(cfg, "quantization_config")
+    if not qc:
+        return None
+    if not isinstance(qc, dict):
+        qc = qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
+    groups = qc.get("config_groups") or {}
+    w = next(iter(groups.values()), {}).get("weights") or {} if groups else qc
+    if w.get("type") == "float":
+        return "fp8"
+    bits = w.get("num_bits", w.get("bits", w.get("w_bit")))
+    group = w.get("group_size", w.get("q_group_size"))
+    name = f"w{bits}a16-g{group}"
+    return name if name in GROUP_SIZES else "w8a16-g128" if bits == 8 else None
 
 
 def weight_bytes(params: ParamCount, precision: str) -> int:
@@ -438,7 +463,8 @@ def memory_plan(cfg: Any, context: int = 4096, memory_gb: Optional[float] = None
     s = kv_shape(cfg)
     kv = tuple(KVOption(d, s.bytes_per_token(d), s.bytes_per_seq(context, d))
                for d in dict.fromkeys((*KV_TABLE, kv_dtype)))
-    highlight = weight_precision(weights, gguf is not None) if weights else GGUF_WEIGHTS if gguf else "bf16"
+    highlight = weight_precision(weights, gguf is not None) if weights else GGUF_WEIGHTS if gguf else \
+        config_precision(cfg) or "bf16"
     highlight = "bf16" if highlight == "fp16" else highlight  # same bytes; the table's row is "bf16/fp16"
     try:
         params: Optional[ParamCount] = param_count(cfg)

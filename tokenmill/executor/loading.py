@@ -21,8 +21,9 @@ def load_model(path: str, mc: ModelConfig, dtype: torch.dtype, device: torch.dev
     with torch.device("meta"):
         model = DecoderForCausalLM(mc, max_len, ops)
     model.make_rotary(max_len, device)
-    # quantised matrices stay in their blocks on CPU; quantized_kernels=False (or a GPU) dequantises them
-    keep_blocks = quantized_kernels and device.type == "cpu"
+    # quantised matrices stay quantised, in the form the plan adopts (ops.adopt); quantized_kernels=False
+    # dequantises them
+    keep_blocks = quantized_kernels
     model.load_weights(ckpt.tensors(keep_blocks=keep_blocks), dtype, device)
     model.finalize()
     ops.prepare(model)
@@ -33,10 +34,12 @@ def load_model(path: str, mc: ModelConfig, dtype: torch.dtype, device: torch.dev
 def open_model(path: str, quantization: Optional[str], device: torch.device) -> tuple[Checkpoint, ModelConfig]:
     """A checkpoint (quantised at load when asked) and its config."""
     ckpt = open_checkpoint(path)
+    if quantization == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(f"quantization='fp8' multiplies in FP8, which needs compute capability 8.9 or later (Ada, "
+                         f"Hopper); this GPU has {major}.{minor}: use 'int8' or 'int4'")
     if quantization is not None:
-        if device.type != "cpu":
-            raise ValueError("quantization= quantises for the CPU kernels; on a GPU load the float checkpoint")
-        ckpt = quantized_at_load(ckpt, quantization)
+        ckpt = quantized_at_load(ckpt, quantization, device)
     return ckpt, ModelConfig.from_hf_dict(ckpt.config)
 
 

@@ -87,6 +87,12 @@ def check_tensor_parallel(mc: ModelConfig, size: int, device: torch.device, path
                          f"kv head, or split them)")
     if keep_blocks and path.endswith(".gguf"):
         _check_gguf_blocks(path, mc, size)
+    if os.path.isdir(path):
+        from tokenmill.executor.loader import open_checkpoint
+        quant = open_checkpoint(path).hf_quant
+        if quant is not None:
+            raise ValueError(f"tensor_parallel_size > 1 does not split a {quant.method} checkpoint's packed weights "
+                             f"yet; run it on one rank (tensor_parallel_size=1), or split its float checkpoint")
 
 
 def _check_gguf_blocks(path: str, mc: ModelConfig, size: int) -> None:

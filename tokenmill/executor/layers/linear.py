@@ -22,6 +22,8 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.register_buffer("weight_t", None)
         self.quant: Optional[QuantWeight] = None
+        # act order (a GPTQ desc_act checkpoint): the quantised weight's columns are the input's in this order
+        self.in_perm: Optional[torch.Tensor] = None
 
     @classmethod
     def tied(cls, embed: "Embedding", ops) -> "Linear":
@@ -43,7 +45,7 @@ class Linear(nn.Module):
         self.weight_t = w.t().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self)
+        return self.ops.linear(x if self.in_perm is None else x.index_select(-1, self.in_perm), self)
 
 
 class Embedding(nn.Module):

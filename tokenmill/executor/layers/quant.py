@@ -30,6 +30,9 @@ class PackedWeight:
     # the same blocks laid out for the AVX-512 lanes kernel (16 rows interleaved; ops/cpu.py): codes, scale,
     # offset. None where that kernel cannot run (no AVX-512, N not a multiple of 16): the others serve every B
     lanes: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = None
+    # act-order (a GPTQ desc_act checkpoint): stored column j is the input's column perm[j]; ops multiply
+    # x[:, perm]. None: the input's order
+    perm: Optional[torch.Tensor] = None
 
     def dequantize(self, row0: int = 0, rows: Optional[int] = None) -> torch.Tensor:
         """float32 [rows, K] of rows row0 ..; the reference the kernel is tested against."""
@@ -44,7 +47,8 @@ class PackedWeight:
         w = codes * self.scale[row0:end].unsqueeze(-1)
         if self.offset is not None:
             w = w + self.offset[row0:end].unsqueeze(-1)
-        return w.reshape(n, k)
+        w = w.reshape(n, k)
+        return w if self.perm is None else torch.empty_like(w).index_copy_(1, self.perm, w)
 
 
 def pack_ggml(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> Optional[PackedWeight]:
@@ -68,15 +72,22 @@ def pack_ggml(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> Option
     return PackedWeight(4, codes, torch.from_numpy(d), torch.from_numpy(np.ascontiguousarray(m)), shape)
 
 
-def concat_rows(parts: list[PackedWeight]) -> Optional[PackedWeight]:
-    """Stack along N (fused qkv / gate_up); None unless all parts share the block format and K."""
+def _same_perm(parts: list) -> bool:
+    first = parts[0].perm
+    return all((p.perm is None) == (first is None) and (first is None or torch.equal(p.perm, first)) for p in parts)
+
+
+def concat_rows(parts: list) -> Optional[PackedWeight]:
+    """Stack along N (fused qkv / gate_up); None unless all parts are PackedWeights of one block format, K and
+    column order."""
     first = parts[0]
-    if any(p.bits != first.bits or p.shape[1] != first.shape[1]
-           or (p.offset is None) != (first.offset is None) for p in parts):
+    if any(not isinstance(p, PackedWeight) for p in parts) or any(
+            p.bits != first.bits or p.shape[1] != first.shape[1] or (p.offset is None) != (first.offset is None)
+            for p in parts) or not _same_perm(parts):
         return None
     offset = None if first.offset is None else torch.cat([p.offset for p in parts])
     return PackedWeight(first.bits, torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
-                        offset, (sum(p.shape[0] for p in parts), first.shape[1]))
+                        offset, (sum(p.shape[0] for p in parts), first.shape[1]), perm=first.perm)
 
 
 def permute_rows(p: PackedWeight, fn) -> PackedWeight:
@@ -141,7 +152,123 @@ class RowParts:
         return torch.cat([dequantize_rows(p) for p in self.parts])[row0:None if rows is None else row0 + rows]
 
 
-QuantWeight = Union[PackedWeight, GGMLWeight, RowParts]
+@dataclass(frozen=True)
+class GroupWeight:
+    """W [N, K] as unsigned b-bit integer codes in groups of `group` columns, as GPTQ, AWQ and compressed-tensors
+    store it: W[n, perm[j]] = scale[n, j // group] * (code[n, j] - zero[n, j // group]). Integer zero points keep
+    every one of those formats exact. The GPU's kernels read it as it is; the CPU plan repacks it into blocks."""
+    bits: int                           # 4 or 8
+    codes: torch.Tensor                 # uint8; 4 bits: [N, K/2], column 2i in the low nibble, 2i+1 in the high
+    scale: torch.Tensor                 # [N, K/group], the checkpoint's float dtype
+    zero: Optional[torch.Tensor]        # uint8 [N, K/group]; None: symmetric, the midpoint 2^(bits-1)
+    group: int                          # columns per group; K for one scale per row
+    shape: tuple[int, int]              # (N, K)
+    # act-order (GPTQ desc_act): stored column j is the input's column perm[j], so x[:, perm] meets contiguous
+    # groups; None: the input's order
+    perm: Optional[torch.Tensor] = None
+
+    def unpacked(self, row0: int = 0, end: Optional[int] = None) -> torch.Tensor:
+        """The codes of rows row0 .. end as uint8 [rows, K], in stored column order."""
+        c = self.codes[row0:end]
+        if self.bits == 8:
+            return c
+        return torch.stack([c & 15, c >> 4], dim=-1).reshape(c.shape[0], -1)
+
+    def dequantize(self, row0: int = 0, rows: Optional[int] = None) -> torch.Tensor:
+        """float32 [rows, K] in the input's column order: the reference the kernels are tested against."""
+        end = self.shape[0] if rows is None else row0 + rows
+        codes = self.unpacked(row0, end).float()
+        n, k = codes.shape
+        zero = self.zero[row0:end].float() if self.zero is not None else float(1 << (self.bits - 1))
+        scale = self.scale[row0:end].float()
+        g = codes.view(n, k // self.group, self.group)
+        w = ((g - (zero.unsqueeze(-1) if self.zero is not None else zero)) * scale.unsqueeze(-1)).reshape(n, k)
+        if self.perm is None:
+            return w
+        return torch.empty_like(w).index_copy_(1, self.perm.to(w.device), w)
+
+    def to(self, device: torch.device) -> "GroupWeight":
+        mv = (lambda t: None if t is None else t.to(device))
+        return GroupWeight(self.bits, mv(self.codes), mv(self.scale), mv(self.zero), self.group, self.shape,
+                           mv(self.perm))
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes [N, K] in GroupWeight's packing (4 bits: two a byte, the even column low)."""
+    codes = codes.to(torch.uint8)
+    if bits == 8:
+        return codes.contiguous()
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+
+
+def concat_groups(parts: list) -> Optional[GroupWeight]:
+    """Stack along N (fused qkv / gate_up); None unless the parts share bits, group, K, zero form and order."""
+    first = parts[0]
+    if any(not isinstance(p, GroupWeight) for p in parts) or any(
+            p.bits != first.bits or p.group != first.group or p.shape[1] != first.shape[1]
+            or (p.zero is None) != (first.zero is None) or p.scale.dtype != first.scale.dtype
+            for p in parts) or not _same_perm(parts):
+        return None
+    zero = None if first.zero is None else torch.cat([p.zero for p in parts])
+    return GroupWeight(first.bits, torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), zero,
+                       first.group, (sum(p.shape[0] for p in parts), first.shape[1]), first.perm)
+
+
+def group_to_blocks(w: GroupWeight) -> Optional[PackedWeight]:
+    """A GroupWeight in the CPU kernels' blocks of 32, no float copy: each group's scale repeated over its blocks,
+    offset = -scale * zero; 8-bit symmetric codes are Q8_0's int8 codes. None where the blocks cannot hold it
+    (8 bits with zero points, groups not whole blocks). The act-order permutation stays with the weight."""
+    n, k = w.shape
+    if w.group % BLOCK or k % BLOCK:
+        return None
+    reps = w.group // BLOCK
+    scale = w.scale.float().repeat_interleave(reps, dim=1).contiguous()
+    codes = w.unpacked()
+    mid = 1 << (w.bits - 1)
+    if w.bits == 8 and w.zero is None:
+        return PackedWeight(8, (codes.to(torch.int16) - mid).to(torch.int8).contiguous(), scale, None, w.shape,
+                            perm=w.perm)
+    if w.bits == 8:      # the 8-bit kernels take no offset: the caller keeps the GroupWeight
+        return None
+    zero = (w.zero.float() if w.zero is not None else torch.full_like(w.scale, mid, dtype=torch.float32))
+    offset = (-scale * zero.repeat_interleave(reps, dim=1)).contiguous()
+    c = codes.view(n, k // BLOCK, 2, 16)          # the block's weight j low, j + 16 high (ggml's nibble order)
+    packed = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    return PackedWeight(4, packed, scale, offset, w.shape, perm=w.perm)
+
+
+def blocks_to_group(p: PackedWeight) -> Optional[GroupWeight]:
+    """Q8_0 and Q4_0 blocks (a GGUF's, or int8 at load on the CPU) as a GroupWeight of group 32, exactly: Q8_0's
+    int8 codes shifted to unsigned about 128, Q4_0's d * (q - 8) symmetric. None for offsets of any other kind."""
+    n, k = p.shape
+    if p.bits == 8 and p.offset is None:
+        codes = (p.codes.to(torch.int16) + 128).to(torch.uint8)
+        return GroupWeight(8, codes.contiguous(), p.scale, None, BLOCK, p.shape, p.perm)
+    if p.bits == 4 and p.offset is not None and torch.equal(p.offset, -8.0 * p.scale):
+        c = p.codes.view(n, k // BLOCK, 16)
+        codes = torch.cat([c & 15, c >> 4], dim=-1).reshape(n, k)       # ggml's order: weight j low, j + 16 high
+        return GroupWeight(4, pack_codes(codes, 4), p.scale, None, BLOCK, p.shape, p.perm)
+    return None
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """W [N, K] as float8 e4m3 values times a float32 scale per row (or one for the matrix): compressed-tensors'
+    and vLLM's FP8 checkpoints, or a float matrix quantised at load."""
+    codes: torch.Tensor                 # float8_e4m3fn [N, K]
+    scale: torch.Tensor                 # float32 [N] or [1]
+    shape: tuple[int, int]
+
+    def dequantize(self, row0: int = 0, rows: Optional[int] = None) -> torch.Tensor:
+        end = self.shape[0] if rows is None else row0 + rows
+        s = self.scale if self.scale.numel() == 1 else self.scale[row0:end]
+        return self.codes[row0:end].float() * s.float().reshape(-1, 1)
+
+    def to(self, device: torch.device) -> "Fp8Weight":
+        return Fp8Weight(self.codes.to(device), self.scale.to(device), self.shape)
+
+
+QuantWeight = Union[PackedWeight, GGMLWeight, RowParts, GroupWeight, Fp8Weight]
 
 
 def dequantize_rows(w: QuantWeight, row0: int = 0, rows: Optional[int] = None) -> torch.Tensor:

@@ -6,7 +6,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 
@@ -49,46 +49,72 @@ class Checkpoint:
     tensors: Callable[..., Iterator[tuple[str, Union[torch.Tensor, QuantWeight]]]]
     quantized: bool = False                                 # some matrix in the file is already quantised
     release: Callable[[], None] = lambda: None              # drop the mapped file's pages after loading
+    hf_quant: Optional[Any] = None                          # a GPTQ/AWQ/compressed-tensors folder's hf_quant.HFQuant
 
 
-QUANTIZATION_METHODS = ("int8", "int4", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+# quantization= names: at load from a float checkpoint (vLLM's int8/int4/fp8, llama.cpp's block types), or the
+# method of an already quantised folder (vLLM's names; they must agree with its quantization_config)
+QUANTIZATION_METHODS = ("int8", "int4", "fp8", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "gptq", "gptq_marlin", "awq",
+                        "awq_marlin", "compressed-tensors")
 _HEAD_NAMES = ("embed_tokens", "lm_head")
 # a Mixture-of-Experts router and shared-expert gate stay float: rounding them changes which experts run (llama.cpp
 # and vLLM keep them so too)
 _ROUTER_NAMES = {"gate", "shared_expert_gate"}
+# int8/int4 at load on a GPU: vLLM's RTN shapes, the GPU kernels' group
+GPU_GROUP = 128
 
 
-def quantized_at_load(ckpt: Checkpoint, method: str) -> Checkpoint:
-    """The checkpoint with every float matrix quantised group-wise as it streams in (vLLM's quantization option):
-    int8 is Q8_0, int4 Q4_1, or a block type by llama.cpp's name; the blocks the kernels read, one matrix at a time."""
+def quantized_at_load(ckpt: Checkpoint, method: str, device: Optional[torch.device] = None) -> Checkpoint:
+    """The checkpoint with every float matrix quantised as it streams in (vLLM's quantization option). On the CPU
+    int8 is Q8_0, int4 Q4_1, or a block type by llama.cpp's name: the blocks the CPU kernels read. On a GPU int8 and
+    int4 are group-wise integer codes (groups of 128, int4 with zero points) for its Triton kernels. fp8 is e4m3 with
+    a scale per row on either. One matrix at a time; a method that names a quantised folder's format only checks
+    that it agrees."""
     from tokenmill.executor.layers.quant import ggml_weight, pack_ggml
-    from tokenmill.executor.loader.quantize import QUANTIZATION, quantize
+    from tokenmill.executor.loader import hf_quant
+    from tokenmill.executor.loader.quantize import QUANTIZATION, quantize, quantize_fp8, quantize_groups
 
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or None); got {method!r}")
+    if ckpt.hf_quant is not None or method in hf_quant.METHOD_NAMES and method != "fp8":
+        hf_quant.parse(ckpt.config, method)          # a quantised folder's method, named: checked, loaded as it is
+        if ckpt.hf_quant is not None:
+            return ckpt
     if ckpt.quantized:
-        raise ValueError(f"quantization={method!r} was asked for, but this GGUF is already quantised; load it as it "
-                         f"is (its blocks are kept), or give the float checkpoint")
+        raise ValueError(f"quantization={method!r} was asked for, but this checkpoint is already quantised; load it "
+                         f"as it is (its quantised weights are kept), or give the float checkpoint")
+    on_gpu = device is not None and device.type != "cpu"
     type_name = QUANTIZATION.get(method, method.upper())
+    if on_gpu and method not in ("int8", "int4", "fp8"):
+        raise ValueError(f"quantization={method!r} makes llama.cpp blocks for the CPU kernels; on a GPU use 'int8', "
+                         f"'int4' or 'fp8'")
+
+    def one(name: str, w: torch.Tensor) -> Union[torch.Tensor, QuantWeight]:
+        if method == "fp8":
+            return quantize_fp8(w)
+        if on_gpu:
+            return quantize_groups(w, 8 if method == "int8" else 4, GPU_GROUP, symmetric=method == "int8")
+        # the embeddings and head stay 8-bit under a 4/5-bit type, as llama.cpp's mixes and GPTQ/AWQ keep them
+        t = "Q8_0" if name.split(".")[-2] in _HEAD_NAMES and type_name != "Q8_0" else type_name
+        raw = quantize(w.float(), t)
+        return pack_ggml(t, raw, tuple(w.shape)) or ggml_weight(t, raw, tuple(w.shape))
 
     def tensors(keep_blocks: bool = False) -> Iterator[tuple[str, Union[torch.Tensor, QuantWeight]]]:
         in_float = []
         for name, w in ckpt.tensors(keep_blocks=keep_blocks):
+            base = name.split(".")[-2] if name.count(".") else ""
             if not isinstance(w, torch.Tensor) or w.dim() != 2 or not name.endswith(".weight") \
-                    or name.split(".")[-2] in _ROUTER_NAMES:
+                    or base in _ROUTER_NAMES or (base in _HEAD_NAMES and (on_gpu or method == "fp8")):
                 yield name, w
-            elif w.shape[1] % 32:
+            elif w.shape[1] % (GPU_GROUP if on_gpu and method != "fp8" else 32):
                 in_float.append(f"{name} (rows of {w.shape[1]})")
                 yield name, w
             else:
-                # the embeddings and head stay 8-bit under a 4/5-bit type, as llama.cpp's mixes and GPTQ/AWQ keep them
-                t = "Q8_0" if name.split(".")[-2] in _HEAD_NAMES and type_name != "Q8_0" else type_name
-                raw = quantize(w.float(), t)
-                yield name, pack_ggml(t, raw, tuple(w.shape)) or ggml_weight(t, raw, tuple(w.shape))
+                yield name, one(name, w)
         if in_float:
-            log.warning("kept in float (rows are not whole groups of 32): %s", "; ".join(in_float))
+            log.warning("kept in float (rows are not whole groups): %s", "; ".join(in_float))
 
-    return Checkpoint(ckpt.config, tensors, True, ckpt.release)
+    return Checkpoint(ckpt.config, tensors, True, ckpt.release, ckpt.hf_quant)
 
 
 def open_checkpoint(path: str) -> Checkpoint:
@@ -101,13 +127,21 @@ def open_checkpoint(path: str) -> Checkpoint:
             config = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"cannot read {path}/config.json: {e}") from e
+    from tokenmill.executor.loader import hf_quant
+    quant = hf_quant.parse(config)
     files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
 
-    def tensors(keep_blocks: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def raw() -> Iterator[tuple[str, torch.Tensor]]:
         from safetensors import safe_open
         for file in files:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
                     yield name, f.get_tensor(name)
 
-    return Checkpoint(config, tensors)
+    def tensors(keep_blocks: bool = False) -> Iterator[tuple[str, Union[torch.Tensor, QuantWeight]]]:
+        # a quantised folder's packed parts become one weight each; keep_blocks=False dequantises them
+        return raw() if quant is None else hf_quant.quantized_tensors(quant, raw(), dequantize=not keep_blocks)
+
+    if quant is not None:
+        log.info("quantised checkpoint: %s", quant.name)
+    return Checkpoint(config, tensors, quant is not None, hf_quant=quant)

@@ -189,3 +189,44 @@ def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
 _QUANTISERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
 }
+
+
+# ------------------------------------------------------------------------------------- the GPU's forms
+
+def quantize_groups(w: torch.Tensor, bits: int, group: int, symmetric: bool) -> "GroupWeight":
+    """Round-to-nearest group-wise integer codes (vLLM's RTN): symmetric, scale = max|w| / (2^(bits-1) - 1) about
+    the midpoint; else min-max with an integer zero point. The GPU kernels' form; computed on w's device."""
+    from tokenmill.executor.layers.quant import GroupWeight, pack_codes
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"a row of {k} weights is not whole groups of {group}")
+    g = w.detach().float().reshape(n, k // group, group)
+    top = (1 << bits) - 1
+    mid = 1 << (bits - 1)
+    if symmetric:
+        scale = g.abs().amax(dim=-1) / (mid - 1)
+        inv = torch.where(scale == 0, torch.zeros_like(scale), 1.0 / scale)
+        codes = (torch.round(g * inv.unsqueeze(-1)) + mid).clamp_(0, top)
+        zero = None
+    else:
+        lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+        scale = (hi - lo) / top
+        inv = torch.where(scale == 0, torch.zeros_like(scale), 1.0 / scale)
+        zero = torch.round(-lo * inv).clamp_(0, top)
+        codes = (torch.round(g * inv.unsqueeze(-1)) + zero.unsqueeze(-1)).clamp_(0, top)
+        zero = zero.to(torch.uint8)
+    codes = codes.to(torch.uint8).reshape(n, k)
+    return GroupWeight(bits, pack_codes(codes, bits), scale.to(w.dtype if w.is_floating_point() else torch.float32),
+                       zero, group, (n, k))
+
+
+FP8_MAX = 448.0          # float8_e4m3fn's largest finite value
+
+
+def quantize_fp8(w: torch.Tensor) -> "Fp8Weight":
+    """e4m3 values with one float32 scale per row (vLLM's fp8 with per-channel weight scales)."""
+    from tokenmill.executor.layers.quant import Fp8Weight
+    wf = w.detach().float()
+    scale = wf.abs().amax(dim=1).clamp_(min=1e-12) / FP8_MAX
+    codes = (wf / scale.unsqueeze(1)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return Fp8Weight(codes.contiguous(), scale.contiguous(), tuple(w.shape))

@@ -7,6 +7,8 @@ q/k/v and gate/up are fused at load time into one matmul each.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from collections import Counter
 from typing import Callable, Iterable, Optional
 
@@ -18,7 +20,7 @@ from tokenmill.executor.attention import AttentionBackend, AttentionMetadata
 from tokenmill.executor.layers.linear import Embedding, Linear
 from tokenmill.executor.layers.mla import LatentAttention
 from tokenmill.executor.layers.moe import SparseMoeBlock
-from tokenmill.executor.layers.quant import PackedWeight, QuantWeight, RowParts, concat_rows, dequantize_rows
+from tokenmill.executor.layers.quant import QuantWeight, RowParts, concat_groups, concat_rows, dequantize_rows
 from tokenmill.executor.layers.norm import RMSNorm
 from tokenmill.executor.layers.rotary import RotaryEmbedding
 from tokenmill.executor.ops import ReferenceOps
@@ -304,18 +306,26 @@ class DecoderForCausalLM(nn.Module):
         fused layer came in float, they are dequantised into that float weight instead."""
         mname = pname.rsplit(".", 1)[0]
         module = modules[mname]
-        if params[pname].device.type != "meta" or not hasattr(module, "quant"):
+        whole = None
+        if params[pname].device.type == "meta" and hasattr(module, "quant"):
+            parts = [shards[i] for i in sorted(shards)]
+            whole = parts[0] if len(parts) == 1 else concat_rows(parts) or concat_groups(parts)
+            if whole is None and not any(getattr(p, "perm", None) is not None for p in parts):
+                whole = RowParts(tuple(parts))
+            # the plan takes the weight in the form its kernels read, or None: it runs as float
+            whole = None if whole is None else self.ops.adopt(whole, device)
+        if whole is None:
             p = self._allocated(modules, params, pname, dtype, device)
             rows = shard_rows(pname) if mname.split(".")[-1] in _NUM_SHARDS else None
             for shard, w in shards.items():
                 dst = p.data if rows is None else p.data.narrow(0, sum(rows[:shard]), rows[shard])
                 dst.copy_(dequantize_rows(w).to(dtype))
             return
-        parts = [shards[i] for i in sorted(shards)]
-        whole = parts[0] if len(parts) == 1 else None
-        if whole is None and all(isinstance(p, PackedWeight) for p in parts):
-            whole = concat_rows(parts)
-        module.quant = whole if whole is not None else RowParts(tuple(parts))
+        perm = getattr(whole, "perm", None)
+        if perm is not None:         # act order: the layer permutes its input once, the kernels see plain groups
+            module.in_perm = perm.to(device)
+            whole = replace(whole, perm=None)
+        module.quant = whole
         module.weight = None
         module.dtype = dtype
         params[pname] = None

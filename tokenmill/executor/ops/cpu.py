@@ -13,7 +13,8 @@ from typing import Optional, Union
 import torch
 
 from tokenmill.executor.kernels import KernelLibrary, check
-from tokenmill.executor.layers.quant import GGMLWeight, PackedWeight, QuantWeight, RowParts
+from tokenmill.executor.layers.quant import (GGMLWeight, GroupWeight, PackedWeight, QuantWeight, RowParts,
+                                            group_to_blocks)
 from tokenmill.executor.ops.reference import ReferenceOps
 
 log = logging.getLogger("tokenmill")
@@ -76,6 +77,13 @@ class CpuKernelOps(ReferenceOps):
                                            residual=None, add=0, out=None)
                 self._layers[id(layer)] = _FusedLayer(layer, desc, call, matrices, norms, rows)
 
+    def adopt(self, w: QuantWeight, device: torch.device) -> Optional[QuantWeight]:
+        """Integer groups (GPTQ, AWQ, compressed-tensors) repacked into the kernels' blocks of 32 where they fit;
+        the rest (8 bits with zero points, FP8) stay as they are and run as dequantised tiles."""
+        if isinstance(w, RowParts):
+            return RowParts(tuple(self.adopt(p, device) for p in w.parts))
+        return (group_to_blocks(w) or w) if isinstance(w, GroupWeight) else w
+
     def _register_any(self, w: QuantWeight) -> QuantWeight:
         """The kernel structs of a quantised weight, made once (a tied head shares its table's)."""
         if isinstance(w, RowParts):
@@ -83,7 +91,7 @@ class CpuKernelOps(ReferenceOps):
             if all(isinstance(p, GGMLWeight) for p in rp.parts) and len(rp.parts) <= self.gmax_parts:
                 self._gweights[id(rp)] = (rp, *self._gchain(rp.parts))     # one call for all the parts
             return rp
-        if id(w) in self._qweights or id(w) in self._gweights:
+        if id(w) in self._qweights or id(w) in self._gweights or not isinstance(w, (PackedWeight, GGMLWeight)):
             return w
         if isinstance(w, PackedWeight):
             return self._register(w)
@@ -128,7 +136,7 @@ class CpuKernelOps(ReferenceOps):
         if self.dtype not in _LAYER_DTYPES or attn.q_norm is not None or norms[0].eps != norms[1].eps \
                 or attn.rotary_dim != attn.head_dim:
             return None
-        if any(lin.bias is not None for lin in linears):
+        if any(lin.bias is not None or lin.in_perm is not None for lin in linears):
             return None
         matrices, rows = [], self.max_rows
         for lin in linears:
@@ -166,10 +174,12 @@ class CpuKernelOps(ReferenceOps):
         return y if layer.bias is None else y + layer.bias
 
     def _direct_rows(self, w: QuantWeight) -> int:
-        """The most rows of x a kernel multiplies straight from w's blocks."""
+        """The most rows of x a kernel multiplies straight from w's blocks (none: w is not in blocks)."""
         if isinstance(w, RowParts):
             return min(self._direct_rows(p) for p in w.parts)
-        return self.max_rows if isinstance(w, PackedWeight) else self.gmax_rows
+        if isinstance(w, PackedWeight):
+            return self.max_rows
+        return self.gmax_rows if isinstance(w, GGMLWeight) else 0
 
     def _matmul(self, x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         if isinstance(w, PackedWeight):
@@ -194,6 +204,8 @@ class CpuKernelOps(ReferenceOps):
             entry = self._qweights.get(id(w))
             qw = entry[1] if entry is not None and entry[0] is w else self._qweight(w)
             self.kernels.run("qdequant", w=qw, row0=row0, rows=rows, out=out, num_threads=threads)
+        elif not isinstance(w, (GGMLWeight, RowParts)):
+            return super().dequantize(w, row0, rows, out)
         else:
             self.kernels.run("gdequant", w=self._gstruct(w), ids=None, row0=row0, rows=rows, out=out,
                              num_threads=threads)

@@ -7,7 +7,8 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from tokenmill.executor.layers.quant import QuantWeight, RowParts, dequantize_rows, select_rows
+from tokenmill.executor.layers.quant import (Fp8Weight, GroupWeight, PackedWeight, QuantWeight, RowParts,
+                                            blocks_to_group, dequantize_rows, select_rows)
 from tokenmill.executor.layers.rotary import apply_rotary
 
 # a prefill tile of dequantised rows: 4 MB, and at least 128 rows however long they are, so each GEMM is big enough
@@ -25,6 +26,19 @@ class ReferenceOps:
 
     def prepare(self, model) -> None:
         """Load-time work on a loaded model (kernel layouts of its weights); none here."""
+
+    def adopt(self, w: QuantWeight, device: torch.device) -> Optional[QuantWeight]:
+        """A quantised weight as it loads, in the form this plan computes with, or None: it is dequantised into a
+        float weight. Here every form runs on the CPU (dequantised tiles); on a GPU the integer and FP8 forms move
+        there, Q8_0/Q4_0 blocks as integer groups, and any other GGUF block type is dequantised."""
+        if device.type == "cpu":
+            return w
+        if isinstance(w, RowParts):
+            parts = [self.adopt(p, device) for p in w.parts]
+            return None if any(p is None for p in parts) else RowParts(tuple(parts))
+        if isinstance(w, PackedWeight):
+            w = blocks_to_group(w)
+        return w.to(device) if isinstance(w, (GroupWeight, Fp8Weight)) else None
 
     def linear(self, x: torch.Tensor, layer) -> torch.Tensor:
         """y = x W^T + b for a layers.linear.Linear."""
@@ -45,13 +59,13 @@ class ReferenceOps:
             return torch.cat([self.tiled_matmul(x, p) for p in w.parts], dim=1)
         n, k = w.shape
         tile = min(n, max(MIN_TILE_ROWS, TILE_BYTES // (4 * k)))
-        scratch = torch.empty(tile, k)
+        scratch = torch.empty(tile, k, device=x.device)     # x's device: a GroupWeight may live on a GPU
         # a bfloat16 model multiplies in bfloat16, its tiles rounded as its own weights would be (the faster GEMM
         # where the CPU has AVX512-BF16: BENCHMARKS.md, run v); any other dtype in float32
         gemm_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
-        low = torch.empty(tile, k, dtype=gemm_dtype) if gemm_dtype != torch.float32 else None
+        low = torch.empty(tile, k, dtype=gemm_dtype, device=x.device) if gemm_dtype != torch.float32 else None
         xg = x.to(gemm_dtype)
-        y = torch.empty(x.shape[0], n, dtype=gemm_dtype)
+        y = torch.empty(x.shape[0], n, dtype=gemm_dtype, device=x.device)
         for row0 in range(0, n, tile):
             rows = min(tile, n - row0)
             t = self.dequantize(w, row0, rows, scratch[:rows])
