@@ -4,8 +4,9 @@
 for the device is caught here rather than on a GPU machine.
 
 The kernels are the fused ops' (tokenmill/executor/ops/triton_kernels.py: RMSNorm, rotary + KV-cache write, the
-gated activations) and the paged attention's (tokenmill/executor/attention/triton_kernels.py: split-K decode, its
-merge, the prompt kernel). Each variant is launched through its real Python wrapper on small CPU tensors laid out as
+gated activations), the int4 / int8 group-quantised matmul's (tokenmill/executor/ops/triton_quant.py: GEMV, GEMM)
+and the paged attention's (tokenmill/executor/attention/triton_kernels.py: split-K decode, its merge, the prompt
+kernel). Each variant is launched through its real Python wrapper on small CPU tensors laid out as
 the model and the runners lay them out (views into the fused qkv rows, int32 or int64 index arrays, fp8 caches with
 their scales); the launch is intercepted, never run, and its arguments specialised exactly as Triton's JIT would
 specialise them on a GPU (dtypes, constexprs, integers equal to 1, 16-divisibility and alignment), then compiled
@@ -18,8 +19,8 @@ kernel's metadata) and compile time. Exits 1 when any variant fails to compile (
 
   .venv/bin/python benchmarks/triton_aot_check.py [-j JOBS] [--arch 90] [-k SUBSTRING] [--wide]
 
-A representative subset of the combinations, not their full product: about 90 kernels, under a minute on 2 cores
-(--wide adds the attention kernels' dtype x head_dim product: about 165 kernels, under a minute).
+A representative subset of the combinations, not their full product: about 105 kernels, about a minute on 2 cores
+(--wide adds the attention kernels' dtype x head_dim product: about 180 kernels).
 Every compile is fresh (a temporary Triton cache, removed at the end). TRITON_INTERPRET must not be set: the kernel
 modules would then hold interpreter functions, which do not compile.
 """
@@ -47,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 OPS = "tokenmill.executor.ops.triton_kernels"
 ATTN = "tokenmill.executor.attention.triton_kernels"
+QUANT = "tokenmill.executor.ops.triton_quant"
 KERNELS = {     # (module, kernel): a short name for the report
     (OPS, "_rms_norm_kernel"): "rms_norm",
     (OPS, "_rotary_write_kernel"): "rotary_write",
@@ -54,6 +56,8 @@ KERNELS = {     # (module, kernel): a short name for the report
     (ATTN, "_decode_split_kernel"): "decode_split",
     (ATTN, "_decode_merge_kernel"): "decode_merge",
     (ATTN, "_prompt_kernel"): "prompt",
+    (QUANT, "_gemv_kernel"): "group_gemv",
+    (QUANT, "_gemm_kernel"): "group_gemm",
 }
 HIGH_REGS = 200         # flagged: close to the 255 a thread may hold, occupancy suffers
 
@@ -258,6 +262,36 @@ def variants(wide: bool = False) -> list[tuple[str, Callable[[], None]]]:
             (128, 32, 4, f32, bf16, False, False, "gpu", 16),
             (256, 8, 8, f32, bf16, True, False, "host", 16)):
         out.append((alabel(D, H, KV, qd, cd, win, cap, path, bs), prompt(D, H, KV, qd, cd, win, cap, path, bs)))
+
+    # int4 / int8 group-quantised linear layers (ops/triton_quant.py): x [M, K], a GroupWeight's uint8 codes, scales
+    # [N, K/group] and uint8 zero points. M picks the kernel (GEMV up to GEMV_MAX_ROWS rows) and the GEMM's tile;
+    # N x K picks the split of K (float32 partial sums when split)
+    from tokenmill.executor.ops import triton_quant as Q
+
+    def gmm(M, N, K, bits, group, zero, xd, sd):
+        x = torch.empty(M, K, dtype=xd)
+        codes = torch.empty(N, K // 2 if bits == 4 else K, dtype=torch.uint8)
+        scale = torch.empty(N, K // group, dtype=sd)
+        z = torch.empty(N, K // group, dtype=torch.uint8) if zero else None
+        return lambda: Q.group_matmul_op(x, codes, scale, z, bits, group)
+
+    for M, N, K, bits, group, zero, xd, sd in (
+            (1, 4096, 4096, 4, 128, False, bf16, bf16),        # Llama 3 8B GPTQ, decode: split K
+            (1, 14336, 4096, 4, 128, True, f16, f16),          # AWQ gate_up: no split
+            (4, 6144, 4096, 4, 128, False, bf16, f32),
+            (3, 4096, 14336, 8, 128, False, bf16, bf16),
+            (1, 4096, 4096, 8, 32, True, f32, f32),
+            (2, 4096, 4096, 4, 4096, False, f16, f16),         # one scale per row
+            (1, 128256, 4096, 4, 64, True, bf16, bf16),        # an LM head
+            (16, 4096, 4096, 4, 128, False, bf16, bf16),       # GEMM, decode batches and prompts
+            (32, 14336, 4096, 4, 128, True, f16, f16),
+            (300, 4096, 14336, 4, 128, False, bf16, bf16),
+            (300, 4096, 4096, 8, 128, False, bf16, bf16),
+            (300, 4096, 4096, 4, 32, True, f32, f32),
+            (64, 6144, 4096, 8, 4096, True, f16, bf16),
+            (512, 128256, 4096, 4, 128, False, bf16, bf16)):
+        out.append((f"M={M} N={N} K={K} int{bits} g={group}{' zp' if zero else ''} x={name[xd]} s={name[sd]}",
+                    gmm(M, N, K, bits, group, zero, xd, sd)))
 
     if wide:    # every head_dim x q dtype x cache dtype x (window + softcap) for decode (8 splits) and prompt, G=8
         for D in (64, 128, 256):

@@ -9,6 +9,8 @@ from typing import Optional
 
 import torch
 
+from tokenmill.executor.layers.quant import Fp8Weight
+from tokenmill.executor.ops.fp8 import fp8_fits, fp8_linear
 from tokenmill.executor.ops.reference import ReferenceOps
 
 log = logging.getLogger("tokenmill")
@@ -19,12 +21,18 @@ class TritonOps(ReferenceOps):
     graph_safe = True
 
     def __init__(self, dtype: torch.dtype):
-        from tokenmill.executor.ops import triton_kernels
+        from tokenmill.executor.ops import triton_kernels, triton_quant
         self.k = triton_kernels
+        self.q = triton_quant
         self.dtype = dtype
         self.norm_kernel = self.act_kernel = False
+        # MoE blocks' experts stacked for the fused kernel (ops/triton_moe.py), by id(block.experts); and how many
+        # MoE blocks the kernel does not take (those run the reference's fused_moe, which syncs with the host)
+        self.moe: dict[int, object] = {}
+        self.moe_fallbacks = 0
 
     def prepare(self, model) -> None:
+        self._stack_experts(model)
         cfg = model.config
         why_norm = self.k.rms_norm_fits(cfg.hidden_size, self.dtype)
         why_act = self.k.act_mul_fits(self.dtype)
@@ -40,6 +48,43 @@ class TritonOps(ReferenceOps):
             return super().rms_norm(x, residual, weight, eps)
         return self.k.rms_norm(x, residual, weight, eps)
 
+    def linear(self, x: torch.Tensor, layer) -> torch.Tensor:
+        # int4 / int8 group-quantised weights (GPTQ, AWQ, compressed-tensors) read as stored by the Triton kernels;
+        # float weights and the other quantised forms stay the reference's
+        w = layer.quant
+        if isinstance(w, self.q.GroupWeight) and self.q.group_matmul_fits(w, x.dtype) is None:
+            y = self.q.group_matmul(x, w)
+            return y if layer.bias is None else y + layer.bias
+        # FP8 weights meet per-token FP8 activations where the device multiplies FP8 (else dequantised tiles)
+        if isinstance(w, Fp8Weight) and fp8_fits(w, x.device) is None:
+            return fp8_linear(x, w, layer.bias)
+        return super().linear(x, layer)
+
+    def _stack_experts(self, model) -> None:
+        """Each MoE block's experts stacked once ([E, N, K] per matrix; the experts' own weights become views of
+        it, so the reference path still reads them and no second copy is held)."""
+        from tokenmill.executor.layers.moe import SparseMoeBlock
+        from tokenmill.executor.ops import triton_moe
+        self.moe, self.moe_fallbacks = {}, 0
+        for m in model.modules():
+            if isinstance(m, SparseMoeBlock):
+                stacked, why = triton_moe.stack_experts(m.experts, self.dtype)
+                if stacked is None:
+                    self.moe_fallbacks += 1
+                    log.info("fused_moe runs on torch (a host sync a layer): the Triton kernel does not take %s", why)
+                else:
+                    self.moe[id(m.experts)] = stacked
+        # a step may be captured in a graph only if no MoE layer falls back to the reference's host count
+        self.moe_graph_safe = bool(self.moe) and not self.moe_fallbacks
+
+    def fused_moe(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  experts) -> torch.Tensor:
+        stacked = self.moe.get(id(experts))
+        if stacked is None or x.dtype != stacked.dtype or x.dim() != 2:
+            return super().fused_moe(x, topk_weights, topk_ids, experts)
+        from tokenmill.executor.ops import triton_moe
+        return triton_moe.fused_moe(x, topk_weights, topk_ids, stacked)
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.k.silu_mul(gate_up) if self.act_kernel else super().silu_mul(gate_up)
 
@@ -52,6 +97,11 @@ class TritonOps(ReferenceOps):
             d["rms_norm"] = "triton (fused residual add)"
         if self.act_kernel:
             d["silu_mul"] = d["gelu_tanh_mul"] = "triton"
+        d["linear"] = "torch; int4/int8 group-quantised weights: triton (GEMV up to " \
+                      f"{self.q.GEMV_MAX_ROWS} rows, tiled GEMM past)"
+        if self.moe:
+            d["fused_moe"] = "triton (expert-sorted grouped GEMM, no host sync)" + \
+                (f"; {self.moe_fallbacks} MoE layers torch" if self.moe_fallbacks else "")
         d["rotary"] = "triton, fused with the KV-cache write where the attention backend is Triton's and the cache " \
                       "a float one (else torch)"
         return d
