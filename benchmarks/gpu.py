@@ -15,8 +15,13 @@ downloaded):
               transformers with its static cache and torch.compile in batches, useful tokens a second each
               (target: tokenmill at least 5x; 1,000 requests, 300 with --quick)
   smollm2     the bundled SmolLM2 (its GGUF dequantised to bf16): one stream's decode, and offline-64
+  quant       the 8B shape quantised at load: int4 (W4A16, groups of 128) and fp8 (e4m3 weights, dynamic per-token
+              activations), each one stream's ITL over bf16's from the same run (targets: at most 0.4x and 0.6x)
+  moe         a Mixtral-shaped model (8 experts, top 2; 8 layers, 2 with --tiny): one stream's ITL against the HBM
+              limit of the weights a step reads with 2 of 8 experts active, and with all 8 (the time should follow
+              the active experts)
 
-  python3 benchmarks/gpu.py [--tiny | --quick] [--skip 8b offline-1b smollm2] [--eager] [--out results/NAME.json]
+  python3 benchmarks/gpu.py [--tiny | --quick] [--skip 8b offline-1b smollm2 quant moe] [--eager] [--out FILE]
 
 --quick is the GPU check's size (benchmarks/gpu_check.py: fewer requests, no SmolLM2, which is a wheel the GPU
 machine lacks); --eager runs every step eagerly (enforce_eager) for the graphs' A/B; --tiny shrinks every model and
@@ -41,7 +46,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-PARTS = ("8b", "offline-1b", "smollm2")      # the ceilings are always measured
+PARTS = ("8b", "offline-1b", "smollm2", "quant", "moe")      # the ceilings are always measured
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192)
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -49,6 +54,9 @@ LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, 
                 tie_word_embeddings=True)
 TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
             vocab_size=4096, max_position_embeddings=2048)
+MIXTRAL = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=8, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=32000, num_local_experts=8, num_experts_per_tok=2,
+               rope_theta=1e6, max_position_embeddings=8192)
 
 
 def device_info(dev: torch.device) -> dict[str, Any]:
@@ -106,24 +114,35 @@ def compute(dev: torch.device, tiny: bool) -> float:
     return 2 * n ** 3 / timed(lambda: a @ b, dev, 3 if tiny else 20)
 
 
-def random_checkpoint(shape: dict, folder: Path, dev: torch.device) -> tuple[str, int]:
-    """A Llama of this shape with random bf16 weights (drawn on the device, saved in shards): (path, parameters)."""
+def random_checkpoint(shape: dict, folder: Path, dev: torch.device, family: str = "llama") -> tuple[str, int]:
+    """A Llama (or Mixtral) of this shape with random bf16 weights (drawn on the device, saved in shards):
+    (path, parameters)."""
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, LlamaConfig
-    cfg = LlamaConfig(**shape, eos_token_id=None, bos_token_id=None, pad_token_id=None, torch_dtype="bfloat16",
-                      architectures=["LlamaForCausalLM"])
+    from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig
+    cls, arch = (MixtralConfig, "MixtralForCausalLM") if family == "mixtral" else (LlamaConfig, "LlamaForCausalLM")
+    cfg = cls(**shape, eos_token_id=None, bos_token_id=None, pad_token_id=None, torch_dtype="bfloat16",
+              architectures=[arch])
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
     cfg.save_pretrained(folder)
     shard, size, total, weight_map = {}, 0, 0, {}
-    names = [k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")]
+    shapes = {k: v.shape for k, v in model.state_dict().items()
+              if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    for k in [k for k in shapes if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        del shapes[k]            # transformers' fused experts, written as the per-expert tensors checkpoints hold
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        for e in range(cfg.num_local_experts):
+            parts = (("gate_proj", (i, h)), ("up_proj", (i, h))) if k.endswith("gate_up_proj") else \
+                (("down_proj", (h, i)),)
+            shapes.update({f"{k.rsplit('.', 1)[0]}.{e}.{p}.weight": torch.Size(sh) for p, sh in parts})
+    names = list(shapes)
 
     def flush() -> None:
         file = f"model-{len(set(weight_map.values())):05d}.safetensors"
         save_file(shard, str(folder / file), metadata={"format": "pt"})
         weight_map.update({k: file for k in shard})
     for name in names:
-        shape_ = model.state_dict()[name].shape
+        shape_ = shapes[name]
         t = torch.ones(shape_) if name.endswith("norm.weight") else torch.randn(shape_, device=dev) * 0.02
         shard[name] = t.to(torch.bfloat16).cpu()
         size += shard[name].nbytes
@@ -237,6 +256,13 @@ def decode_batch(eng: Any, n: int, prompt: int, out: int, vocab: int) -> dict[st
             "preemptions": st.num_preemptions - before.num_preemptions, "mean_context": prompt + out / 2}
 
 
+def quant_itl(eng: Any, prompt: int, out: int) -> float:
+    """One warm request's median inter-token latency, in seconds."""
+    run_one(eng, list(range(100, 100 + prompt)), 2)
+    _, gaps = run_one(eng, list(range(200, 200 + prompt)), out)
+    return sorted(gaps)[len(gaps) // 2]
+
+
 def offline(path: str, dev: torch.device, reqs: list[tuple[list[int], int]], **kw) -> float:
     """Generated tokens a second of tokenmill over the whole workload."""
     from tokenmill import LLM, SamplingParams
@@ -312,12 +338,13 @@ def main() -> None:
             Path(a.out).parent.mkdir(parents=True, exist_ok=True)
             Path(a.out).write_text(json.dumps(res, indent=1))
     with tempfile.TemporaryDirectory() as tmp:
-        if "8b" not in a.skip:
-            shape = TINY if a.tiny else LLAMA_8B
+        shape = TINY if a.tiny else LLAMA_8B
+        prompt, out = (128, 32) if a.tiny else (2048, 128)
+        if "8b" not in a.skip or "quant" not in a.skip:
             t = time.perf_counter()
             path, params = random_checkpoint(shape, Path(tmp) / "8b", dev)
             res["checkpoint_s"] = time.perf_counter() - t
-            prompt, out = (128, 32) if a.tiny else (2048, 128)
+        if "8b" not in a.skip:
             n, p_len, n_out = (16, 32, 32) if a.tiny else (256, 128, 256)
             # one engine for both: no prefix caching (each prompt computed whole), room for the 256 requests
             eng, seconds = engine(path, dev, max(prompt + out, p_len + n_out) + 16, enable_prefix_caching=False,
@@ -349,6 +376,50 @@ def main() -> None:
             del eng
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
+        if "quant" not in a.skip:
+            res["quant"] = {}
+            bf16_itl = res.get("8b", {}).get("itl_ms")
+            if bf16_itl is None:         # the 8B part skipped: bf16's ITL from this run all the same
+                eng, _ = engine(path, dev, prompt + out + 16, enable_prefix_caching=False, max_num_seqs=4,
+                                kv_cache_memory_gb=1 if a.tiny else 4, **kw)
+                bf16_itl = 1e3 * quant_itl(eng, prompt, out)
+                del eng
+            for method in ("int4", "fp8"):
+                try:
+                    eng, seconds = engine(path, dev, prompt + out + 16, enable_prefix_caching=False, max_num_seqs=4,
+                                          kv_cache_memory_gb=1 if a.tiny else 4, quantization=method, **kw)
+                except ValueError as e:          # fp8 before compute capability 8.9: refused, and said why
+                    res["quant"][method] = {"refused": str(e)}
+                    continue
+                itl = 1e3 * quant_itl(eng, prompt, out)
+                res["quant"][method] = {"start_s": seconds, "itl_ms": itl, "bf16_itl_ms": bf16_itl,
+                                        "over_bf16": itl / bf16_itl, "plan": eng.model.ops.describe().get("linear")}
+                print(f"quant {method}: {res['quant'][method]}", flush=True)
+                del eng
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+            save()
+        if "moe" not in a.skip:
+            mshape = {**TINY, "num_hidden_layers": 2, "num_local_experts": 8, "num_experts_per_tok": 2} if a.tiny \
+                else MIXTRAL
+            mpath, mparams = random_checkpoint(mshape, Path(tmp) / "moe", dev, "mixtral")
+            eng, seconds = engine(mpath, dev, prompt + out + 16, enable_prefix_caching=False, max_num_seqs=4,
+                                  kv_cache_memory_gb=1 if a.tiny else 4, **kw)
+            itl = quant_itl(eng, prompt, out)
+            h, layers = mshape["hidden_size"], mshape["num_hidden_layers"]
+            expert = 3 * h * mshape["intermediate_size"] * 2                    # bf16 bytes of one expert
+            experts, k = mshape["num_local_experts"], mshape["num_experts_per_tok"]
+            table = mshape["vocab_size"] * h
+            rest = 2 * (mparams - table) - layers * experts * expert              # attention, norms, router, head
+            active = (rest + layers * k * expert) / bw
+            total = (rest + layers * experts * expert) / bw
+            res["moe"] = {"params": mparams, "start_s": seconds, "itl_ms": 1e3 * itl, "active_limit_ms": 1e3 * active,
+                          "total_limit_ms": 1e3 * total, "of_active_limit": active / itl,
+                          "fused_moe": eng.model.ops.describe().get("fused_moe"),
+                          "eager_decode_steps": eng.stats.num_eager_decode_steps}
+            print(f"moe: {res['moe']}", flush=True)
+            del eng
+            save()
         if "offline-1b" not in a.skip:
             path, _ = random_checkpoint(TINY if a.tiny else LLAMA_1B, Path(tmp) / "1b", dev)
             count = 20 if a.tiny else 300 if a.quick else 1000

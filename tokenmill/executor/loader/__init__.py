@@ -90,6 +90,8 @@ def quantized_at_load(ckpt: Checkpoint, method: str, device: Optional[torch.devi
                          f"'int4' or 'fp8'")
 
     def one(name: str, w: torch.Tensor) -> Union[torch.Tensor, QuantWeight]:
+        if on_gpu:           # rounded where the weights will live: a GPU does an 8B model's in seconds
+            w = w.to(device)
         if method == "fp8":
             return quantize_fp8(w)
         if on_gpu:

@@ -211,7 +211,7 @@ class DecoderForCausalLM(nn.Module):
         """Why a step of this model cannot be captured in a graph, or None."""
         if not self.ops.graph_safe:
             return f"the {self.ops.name!r} op plan calls kernels no graph records"
-        if self.config.moe_layers:
+        if self.config.moe_layers and not self.ops.moe_graph_safe:
             return "its Mixture-of-Experts layers run each expert on the tokens routed to it, counted on the host"
         return None
 

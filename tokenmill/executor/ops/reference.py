@@ -22,6 +22,8 @@ class ReferenceOps:
     # whether a step of this plan can be captured in a graph: its ops are torch's (or custom ops), reading no host
     # values
     graph_safe = True
+    # whether fused_moe runs with no host read (the reference counts each expert's tokens on the host)
+    moe_graph_safe = False
     kernels = None          # the CPU kernel library an implementation calls, if any (the attention backend's too)
 
     def prepare(self, model) -> None:
