@@ -4,9 +4,10 @@ then the GPU figures, into one JSON file.
 
   1. the tests marked gpu (tests/test_gpu.py: token-exact against transformers, the Triton kernels against torch, graph
      replay against eager at every captured size under torch.cuda.set_sync_debug_mode("error"), the Gemma 2 probe)
-     and the fused kernels' tests on CUDA (tests/test_triton_ops.py);
+     and the Triton kernels' tests on CUDA (tests/test_triton_ops.py, test_triton_quant.py, test_triton_moe.py);
   2. benchmarks/gpu.py --quick (bandwidth and compute ceilings; the 8B shape's start-up, single-stream ITL against
-     the HBM limit, busy fraction, first and warm TTFT, decode at 256 requests; offline 1B against transformers).
+     the HBM limit, busy fraction, first and warm TTFT, decode at 256 requests; int4 and fp8 ITL over bf16's; a
+     Mixtral-shaped step against its active and total experts' HBM limits; offline 1B against transformers).
 
 It runs from the source tree (PYTHONPATH), never installs the project or a torch: the machine's own torch, Triton and
 transformers serve; gpu_check.sh installs the wheels carried in .whl/ (gguf) first. Each part has its own time
@@ -86,7 +87,8 @@ def main() -> int:
     # 1. the tests: at most 40% of the budget
     # every test marked gpu is in test_gpu.py; the fused kernels' tests run on CUDA where it is there
     res["pytest"] = run([py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=300",
-                         f"--junitxml={out / 'pytest.xml'}", "tests/test_gpu.py", "tests/test_triton_ops.py"],
+                         f"--junitxml={out / 'pytest.xml'}", "tests/test_gpu.py", "tests/test_triton_ops.py",
+                         "tests/test_triton_quant.py", "tests/test_triton_moe.py"],
                         0.4 * a.budget_s, out / "pytest.log")
     res["pytest"].update(junit(out / "pytest.xml"))
     print(json.dumps(res["pytest"], indent=1), flush=True)
