@@ -4,7 +4,7 @@
   .venv/bin/python benchmarks/quant_vs_llamacpp.py MODEL.gguf [--pairs 3] [--threads 2] [--prompt-len 256]
         [--decode-len 64] [--n-ctx 1024] [--kv-cache-memory-gb GB] [--dtype DTYPE] [--tm-opt KEY=VALUE ...]
         [--llamacpp-venv DIR] [--llamacpp-no-mmap] [--emulate-avx2] [--rss-limit-gb GB] [--timeout S]
-        [--skip-warmup] [--out FILE.json]
+        [--skip-warmup] [--tm-model PATH] [--out FILE.json]
 
 Every measurement is a fresh child process, llama.cpp's (run with the llama-cpp-python venv's python) and
 tokenmill's (this python), in turn: a warm-up pair (not counted; it also brings the file into the page cache),
@@ -27,6 +27,9 @@ tokenmill: LLM(model, max_model_len=--n-ctx, kv_cache_memory_gb=(--n-ctx tokens'
 threads = --threads, token-id prompts, SamplingParams(temperature=0, ignore_eos=True, detokenize=False) through
 generate_stream, timed from outside the same way (wall clock around the call, first token and last token as they
 arrive).
+
+--tm-model PATH gives tokenmill another model than llama.cpp's GGUF, e.g. a GPTQ folder of the same weights
+(benchmarks/gptq_vs_llamacpp.py); MODEL.gguf still sizes tokenmill's KV budget (the same shape).
 
 Prints one JSON (and writes it to --out): the machine (CPU model and SIMD flags, as benchmarks/run.py records
 it), the settings, per engine each run and the median/min/max of every figure, and the per-pair ratios
@@ -157,7 +160,7 @@ def child_tokenmill(a: argparse.Namespace) -> dict:
     opts.setdefault("kv_cache_memory_gb", a.kv_cache_memory_gb or kv_gb_for(a.model, a.n_ctx, opts))
     digest = source_digest()
     t = time.perf_counter()
-    llm = LLM(a.model, **opts)
+    llm = LLM(a.tm_model or a.model, **opts)
     load = time.perf_counter() - t
     prompt, warm = prompts(a.prompt_len, llm.model_config.vocab_size)
 
@@ -220,6 +223,8 @@ def run_child(engine: str, a: argparse.Namespace, py: str, env: dict) -> dict:
         cmd += ["--kv-cache-memory-gb", str(a.kv_cache_memory_gb)]
     if a.llamacpp_no_mmap:
         cmd += ["--llamacpp-no-mmap"]
+    if a.tm_model:
+        cmd += ["--tm-model", a.tm_model]
     if a.dtype:
         cmd += ["--dtype", a.dtype]
     for kv in a.tm_opt:
@@ -300,6 +305,16 @@ def gguf_summary(path: str) -> dict:
             "block_count": md.get("llama.block_count"), "embedding_length": md.get("llama.embedding_length")}
 
 
+def tm_model_summary(path: str) -> dict:
+    """--tm-model: a GGUF's summary, or a HF folder's bytes on disk and quantization_config."""
+    if path.endswith(".gguf"):
+        return gguf_summary(path)
+    files = [f for f in Path(path).iterdir() if f.is_file()]
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    return {"folder": path, "safetensors_bytes": sum(f.stat().st_size for f in files if f.suffix == ".safetensors"),
+            "quantization_config": cfg.get("quantization_config")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", help="a GGUF file")
@@ -324,6 +339,8 @@ def main() -> None:
                     help="kill a child past this RSS (default: 90%% of MemAvailable now)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds a child may run")
     ap.add_argument("--skip-warmup", action="store_true", help="no warm-up pair")
+    ap.add_argument("--tm-model", default=None,
+                    help="tokenmill's model, if not the GGUF (a HF folder, e.g. GPTQ, of the same weights)")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     ap.add_argument("--child", choices=["llamacpp", "tokenmill"], help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -333,6 +350,8 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed run takes its running child with it
     a.model = os.path.abspath(a.model)
+    if a.tm_model:
+        a.tm_model = os.path.abspath(a.tm_model)
     venv = a.llamacpp_venv or PEERS / ("llamacpp-avx2" if a.emulate_avx2 else "llamacpp")
     peer_py = venv / "bin" / "python"
     if not peer_py.exists():
@@ -350,7 +369,7 @@ def main() -> None:
                               "llamacpp_use_mmap": not a.llamacpp_no_mmap,
                               "tokenmill_kv_cache_memory_gb": a.kv_cache_memory_gb or "n_ctx tokens",
                               "tokenmill_dtype": a.dtype, "tokenmill_opts": a.tm_opt,
-                              "emulated_avx2": a.emulate_avx2,
+                              "emulated_avx2": a.emulate_avx2, "tokenmill_model": a.tm_model or a.model,
                               "llamacpp_venv": str(venv), "rss_limit_gb": a.rss_limit_gb},
                  "notes": ["llama.cpp runs with use_mmap=True (its default) unless --llamacpp-no-mmap: the model "
                            "file's pages it touched count in its RSS (rss_file_end_gb), and so do the copies its CPU "
@@ -359,6 +378,8 @@ def main() -> None:
                            "its end",
                            "ratios are tokenmill / llama.cpp per pair: speeds > 1 and RSS or load time < 1 favour "
                            "tokenmill"]}
+    if a.tm_model:
+        res["tokenmill_model"] = tm_model_summary(a.tm_model)
     engines = {"llama.cpp": ("llamacpp", str(peer_py)), "tokenmill": ("tokenmill", sys.executable)}
     runs: dict[str, list[dict]] = {e: [] for e in engines}
     pairs: list[dict] = []
