@@ -268,6 +268,15 @@ class Fp8Weight:
         return Fp8Weight(self.codes.to(device), self.scale.to(device), self.shape)
 
 
+def concat_fp8(parts: list) -> Optional[Fp8Weight]:
+    """Stack FP8 shards along N, each row keeping its own scale (a matrix's one scale repeated over its rows)."""
+    if any(not isinstance(p, Fp8Weight) or p.shape[1] != parts[0].shape[1] for p in parts):
+        return None
+    scales = [p.scale.float().expand(p.shape[0]) for p in parts]
+    return Fp8Weight(torch.cat([p.codes for p in parts]), torch.cat(scales).contiguous(),
+                     (sum(p.shape[0] for p in parts), parts[0].shape[1]))
+
+
 QuantWeight = Union[PackedWeight, GGMLWeight, RowParts, GroupWeight, Fp8Weight]
 
 
@@ -326,5 +335,5 @@ def quant_nbytes(w: QuantWeight) -> int:
         return sum(quant_nbytes(p) for p in w.parts)
     if isinstance(w, GGMLWeight):
         return w.nbytes
-    ts = [w.codes, w.scale, w.offset, *(w.lanes or ())]
+    ts = [w.codes, w.scale, getattr(w, "offset", None), getattr(w, "zero", None), *(getattr(w, "lanes", None) or ())]
     return sum(t.numel() * t.element_size() for t in ts if t is not None)

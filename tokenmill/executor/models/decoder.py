@@ -7,6 +7,7 @@ q/k/v and gate/up are fused at load time into one matmul each.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 from collections import Counter
@@ -20,12 +21,15 @@ from tokenmill.executor.attention import AttentionBackend, AttentionMetadata
 from tokenmill.executor.layers.linear import Embedding, Linear
 from tokenmill.executor.layers.mla import LatentAttention
 from tokenmill.executor.layers.moe import SparseMoeBlock
-from tokenmill.executor.layers.quant import QuantWeight, RowParts, concat_groups, concat_rows, dequantize_rows
+from tokenmill.executor.layers.quant import (QuantWeight, RowParts, concat_fp8, concat_groups, concat_rows,
+                                            dequantize_rows)
 from tokenmill.executor.layers.norm import RMSNorm
 from tokenmill.executor.layers.rotary import RotaryEmbedding
 from tokenmill.executor.ops import ReferenceOps
 
 Rope = tuple[torch.Tensor, torch.Tensor]   # cos, sin [T, 1, head_dim] of this step's positions
+
+log = logging.getLogger("tokenmill")
 
 
 class Attention(nn.Module):
@@ -309,9 +313,12 @@ class DecoderForCausalLM(nn.Module):
         whole = None
         if params[pname].device.type == "meta" and hasattr(module, "quant"):
             parts = [shards[i] for i in sorted(shards)]
-            whole = parts[0] if len(parts) == 1 else concat_rows(parts) or concat_groups(parts)
+            whole = parts[0] if len(parts) == 1 else concat_rows(parts) or concat_groups(parts) or concat_fp8(parts)
             if whole is None and not any(getattr(p, "perm", None) is not None for p in parts):
                 whole = RowParts(tuple(parts))
+            elif whole is None:
+                log.warning("%s: its shards' act orders differ (one input permutation cannot serve them): the "
+                            "layer runs dequantised", mname)
             # the plan takes the weight in the form its kernels read, or None: it runs as float
             whole = None if whole is None else self.ops.adopt(whole, device)
         if whole is None:
