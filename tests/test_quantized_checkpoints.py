@@ -8,6 +8,7 @@ On the exact route (int8_activations=False) a quantised matmul differs from dequ
 summation order, so greedy tokens equal the dequantised model's in float32."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -164,3 +165,47 @@ def test_awq_gemm_folder(source, tmp_path: Path) -> None:
     llm = _ours(tmp_path)
     assert all(isinstance(lin.quant, PackedWeight) for lin in _linears(llm))
     assert _greedy(llm) == _greedy(_ours(tmp_path, quantized_kernels=False))
+
+
+@pytest.fixture(scope="module")
+def bundled_gptq(tmp_path_factory) -> Path:
+    """The bundled SmolLM2 (its GGUF's weights in float) as a legacy GPTQ 4-bit folder, groups of 64 (its hidden
+    size, 576, is not whole groups of 128)."""
+    from tokenmill.executor.loader import default_model_path
+    from tokenmill.executor.loader.convert import gguf_to_hf
+    root = tmp_path_factory.mktemp("bundled")
+    gguf_to_hf(default_model_path(), str(root / "float"), dtype=torch.float32)
+    quant_tools.write_gptq_legacy(root / "float", root / "gptq", bits=4, group_size=64, sym=False)
+    return root / "gptq"
+
+
+@pytest.mark.slow
+def test_default_route_bounded_on_the_bundled_model(bundled_gptq: Path) -> None:
+    """The default route rounds activations to int8 per 32 where a matmul has at most 16 rows (decode; more run in
+    float), so it is not exact by design: its log-likelihoods stay near the exact route's on the bundled perplexity
+    text and on the exact route's own greedy continuations. Prompts go in chunks of 16 tokens, so every row takes
+    the int8 route a decode step takes."""
+    from tokenmill.bench.perplexity import PerplexityConfig, load_text, make_windows, score_windows, tokenize
+    kw = dict(dtype="float32", kv_cache_memory_gb=0.1, max_model_len=320, enable_prefix_caching=False)
+    exact = LLM(str(bundled_gptq), int8_activations=False, **kw)
+    default = LLM(str(bundled_gptq), max_num_batched_tokens=16, **kw)
+    assert default.llm_engine.model.ops.int8_activations
+    cfg = PerplexityConfig(context=256, max_tokens_scored=510)
+    ids = tokenize(exact, load_text(None)[0])
+    windows = make_windows(len(ids), cfg)
+    want = score_windows(exact, ids, windows, cfg, progress=False)
+    got = score_windows(default, ids, windows, cfg, progress=False)
+    gap = [abs(a - b) for a, b in zip(got, want)]
+    ppl_ratio = math.exp((sum(got) - sum(want)) / len(want))
+    assert abs(ppl_ratio - 1) <= 0.01 and sum(gap) / len(gap) <= 0.08 and max(gap) <= 1.0, \
+        (ppl_ratio, sum(gap) / len(gap), max(gap))
+    prompts = [tokenize(exact, t) for t in ("The capital of France is", "def fibonacci(n):", "Once upon a time")]
+    conts = [o.outputs[0].token_ids for o in exact.generate([{"prompt_token_ids": p} for p in prompts],
+                                                           SamplingParams(max_tokens=48, temperature=0))]
+    own = [p + list(c) for p, c in zip(prompts, conts)]
+    sp = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, detokenize=False)
+    lp = [[o.prompt_logprobs for o in llm.generate([{"prompt_token_ids": s} for s in own], sp, use_tqdm=False)]
+          for llm in (exact, default)]
+    diffs = [abs(a[i][s[i]].logprob - b[i][s[i]].logprob) for a, b, s, p in zip(*lp, own, prompts)
+             for i in range(len(p), len(s))]
+    assert sum(diffs) / len(diffs) <= 0.06 and max(diffs) <= 1.0, (sum(diffs) / len(diffs), max(diffs))
