@@ -187,3 +187,23 @@ def test_the_planner_sizes_group_formats() -> None:
     assert config_precision(_cfg(quant_method="compressed-tensors", config_groups={"g": {"weights": {
         "num_bits": 8, "type": "float", "strategy": "channel"}}})) == "fp8"
     assert config_precision({}) is None
+
+
+def test_fp8_refused_before_compute_capability_8_9(tiny_llama, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tokenmill.executor.loading import open_model
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match=r"compute capability 8\.9 or later .* this GPU has 8\.0: use 'int8' or "
+                                         r"'int4'"):
+        open_model(tiny_llama[0], "fp8", torch.device("cuda"))
+    with pytest.raises(ValueError, match="on a GPU use 'int8', 'int4' or 'fp8'"):
+        open_model(tiny_llama[0], "q4_0", torch.device("cuda"))
+
+
+def test_group_and_fp8_tables_look_up_rows() -> None:
+    """A GGUF's Q8_0 / Q4_0 embedding table becomes a GroupWeight on a GPU: its rows are looked up as they are."""
+    from tokenmill.executor.layers.quant import select_rows
+    ids = torch.tensor([5, 0, 5, 11])
+    for w in (_group_weight(8, 12, 64, 32, zero=False, perm=False), _group_weight(4, 12, 64, 32, zero=True,
+                                                                                   perm=False),
+              quantize_fp8(torch.randn(12, 64))):
+        assert torch.equal(select_rows(w, ids).dequantize(), w.dequantize()[ids])

@@ -209,3 +209,9 @@ def test_default_route_bounded_on_the_bundled_model(bundled_gptq: Path) -> None:
     diffs = [abs(a[i][s[i]].logprob - b[i][s[i]].logprob) for a, b, s, p in zip(*lp, own, prompts)
              for i in range(len(p), len(s))]
     assert sum(diffs) / len(diffs) <= 0.06 and max(diffs) <= 1.0, (sum(diffs) / len(diffs), max(diffs))
+
+
+def test_tensor_parallel_refuses_packed_folders(source, tmp_path: Path) -> None:
+    quant_tools.write_gptq_legacy(source[0], tmp_path, bits=4, group_size=128)
+    with pytest.raises(ValueError, match="does not split a gptq checkpoint's packed weights yet"):
+        _ours(tmp_path, tensor_parallel_size=2)

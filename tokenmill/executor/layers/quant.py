@@ -292,6 +292,11 @@ def select_rows(w: QuantWeight, ids: torch.Tensor) -> QuantWeight:
                             (len(ids), w.shape[1]))
     if isinstance(w, GGMLWeight):
         return GGMLWeight(w.type_name, w.data[ids], (len(ids), w.shape[1]))
+    if isinstance(w, GroupWeight):        # a GGUF's Q8_0 / Q4_0 table on a GPU
+        return GroupWeight(w.bits, w.codes[ids], w.scale[ids], None if w.zero is None else w.zero[ids], w.group,
+                           (len(ids), w.shape[1]), w.perm)
+    if isinstance(w, Fp8Weight):
+        return Fp8Weight(w.codes[ids], w.scale if w.scale.numel() == 1 else w.scale[ids], (len(ids), w.shape[1]))
     raise ValueError("rows of a weight stacked from parts are not looked up (an embedding table is one matrix)")
 
 
