@@ -14,7 +14,7 @@ import torch
 
 from tokenmill.executor.kernels import KernelLibrary, check
 from tokenmill.executor.layers.quant import (GGMLWeight, GroupWeight, PackedWeight, QuantWeight, RowParts,
-                                            group_to_blocks)
+                                            group_to_blocks, group_to_q4_0)
 from tokenmill.executor.ops.reference import ReferenceOps
 
 log = logging.getLogger("tokenmill")
@@ -66,6 +66,7 @@ class CpuKernelOps(ReferenceOps):
         and the one-call decode layers. Last at load: the structs point into the model's tensors as they are."""
         from tokenmill.executor.layers.linear import Linear
         from tokenmill.executor.layers.linear import Embedding
+        self._quantise_float_head(model)
         for m in model.modules():
             if isinstance(m, (Linear, Embedding)) and m.quant is not None:
                 m.quant = self._register_any(m.quant)
@@ -82,7 +83,23 @@ class CpuKernelOps(ReferenceOps):
         the rest (8 bits with zero points, FP8) stay as they are and run as dequantised tiles."""
         if isinstance(w, RowParts):
             return RowParts(tuple(self.adopt(p, device) for p in w.parts))
-        return (group_to_blocks(w) or w) if isinstance(w, GroupWeight) else w
+        return (group_to_q4_0(w) or group_to_blocks(w) or w) if isinstance(w, GroupWeight) else w
+
+    def _quantise_float_head(self, model) -> None:
+        """On the default route, a quantised model's float LM head (GPTQ, AWQ and compressed-tensors keep it in
+        float; a 128k vocabulary's head is most of a 1B model's decode) is made Q8_0, as llama.cpp's mixes keep it
+        8-bit or so. The exact route (int8_activations=False) keeps the checkpoint's head."""
+        from tokenmill.executor.layers.quant import pack_ggml
+        from tokenmill.executor.loader.quantize import quantize
+        head = model.lm_head
+        if not self.int8_activations or head.quant is not None or not any(
+                getattr(m, "quant", None) is not None for m in model.layers.modules()):
+            return
+        w = head.weight if head.weight is not None else head.weight_t.t()
+        if w.shape[1] % 32 or head.bias is not None:
+            return
+        head.quant = pack_ggml("Q8_0", quantize(w.float(), "Q8_0"), tuple(w.shape))
+        head.weight = head.weight_t = None
 
     def _register_any(self, w: QuantWeight) -> QuantWeight:
         """The kernel structs of a quantised weight, made once (a tied head shares its table's)."""
