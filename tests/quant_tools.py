@@ -132,7 +132,7 @@ if not torch.accelerator.is_available():
 
 src = sys.argv[1]
 jobs = [a.split("=", 1) for a in sys.argv[2:]]
-N_SAMPLES, SEQ_LEN = 16, 64
+N_SAMPLES, SEQ_LEN = 8, 32
 vocab = json.load(open(os.path.join(src, "config.json")))["vocab_size"]
 
 

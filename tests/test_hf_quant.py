@@ -208,15 +208,3 @@ def test_group_and_fp8_tables_look_up_rows() -> None:
               quantize_fp8(torch.randn(12, 64))):
         assert torch.equal(select_rows(w, ids).dequantize(), w.dequantize()[ids])
 
-
-def test_symmetric_float16_groups_become_q4_0_blocks_exactly() -> None:
-    from tokenmill.executor.layers.quant import GGMLWeight, group_to_q4_0
-    w = _group_weight(4, 16, 256, 128, zero=False, perm=False)
-    q = group_to_q4_0(w)
-    assert isinstance(q, GGMLWeight) and q.type_name == "Q4_0" and q.nbytes == 16 * 256 // 32 * 18
-    assert torch.equal(q.dequantize(), w.dequantize())          # gguf-py's own Q4_0 reader
-    assert group_to_q4_0(_group_weight(4, 16, 256, 128, zero=True, perm=False)) is None
-    assert group_to_q4_0(_group_weight(4, 16, 256, 128, zero=False, perm=True)) is None
-    fine = _group_weight(4, 16, 256, 128, zero=False, perm=False)
-    finer = GroupWeight(4, fine.codes, fine.scale.float() * (1 + 2 ** -20), None, 128, fine.shape)
-    assert group_to_q4_0(finer) is None                         # float32 scales fp16 cannot hold

@@ -17,13 +17,13 @@ import torch
 from tests import quant_tools
 from tests.tiny_models import hf_greedy, random_prompts
 from tokenmill import LLM, SamplingParams
-from tokenmill.executor.layers.quant import Fp8Weight, GGMLWeight, GroupWeight, PackedWeight, quant_nbytes
+from tokenmill.executor.layers.quant import Fp8Weight, GroupWeight, PackedWeight, quant_nbytes
 
 VOCAB = 512
 PROMPTS = [p for p in random_prompts([9, 5, 14], seed=3)]
 # (the scheme's expected form on the CPU plan, bits): the plan repacks integer groups into its blocks of 32 where
-# they fit (symmetric 4-bit ones with float16 scales into ggml's Q4_0, exactly), and keeps what they cannot hold
-CT_FORMS = {"gptq_w4a16": (GGMLWeight, 4), "gptq_w4a16_asym": (PackedWeight, 4),
+# they fit, and keeps what they cannot hold as it is
+CT_FORMS = {"gptq_w4a16": (PackedWeight, 4), "gptq_w4a16_asym": (PackedWeight, 4),
             "gptq_w4a16_asym_g32": (PackedWeight, 4), "gptq_w8a16": (PackedWeight, 8), "gptq_w8a8": (PackedWeight, 8),
             "w4a16": (PackedWeight, 4), "w8a16": (PackedWeight, 8), "fp8_dynamic": (Fp8Weight, 8),
             "awq_w4a16_asym": (PackedWeight, 4), "awq_w4a16": (PackedWeight, 4)}
@@ -100,16 +100,13 @@ def test_llm_compressor_folders_equal_transformers(scheme: str, ct_folders: dict
     form, bits = CT_FORMS[scheme]
     for lin in _linears(llm):
         assert isinstance(lin.quant, form) and lin.weight is None, f"{scheme}: {type(lin.quant).__name__}"
-        assert form is Fp8Weight or (lin.quant.type_name == "Q4_0" if form is GGMLWeight else lin.quant.bits == bits)
+        assert form is Fp8Weight or lin.quant.bits == bits
         n, k = lin.quant.shape
         # no float copy: codes and scales (twice over where the CPU keeps its lanes layout too) under a float32's 60%
         assert quant_nbytes(lin.quant) < 0.6 * n * k * 4
     ours = _greedy(llm)
     assert ours == _greedy(_ours(folder, quantized_kernels=False)), "quantised against dequantised, float32"
-    # the exact route keeps the checkpoint's float head; the default route makes it Q8_0
-    assert llm.llm_engine.model.lm_head.quant is None
-    head = _ours(folder, int8_activations=True).llm_engine.model.lm_head
-    assert isinstance(head.quant, PackedWeight) and head.quant.bits == 8 and head.weight_t is None
+    assert llm.llm_engine.model.lm_head.quant is None          # the exact route keeps the checkpoint's head
     # our reading of each matrix: scale * (code - zero) in float32; transformers' rounds it to the checkpoint's
     # bfloat16, so the two agree to bfloat16's rounding
     every = dict(open_checkpoint(str(folder)).tensors())
@@ -122,6 +119,11 @@ def test_llm_compressor_folders_equal_transformers(scheme: str, ct_folders: dict
     # gives our tokens
     hf = _hf_float32(source, every)
     assert ours == [hf_greedy(hf, p, 12) for p in PROMPTS]
+
+
+def test_the_default_route_makes_a_float_head_8_bit(ct_folders: dict[str, Path]) -> None:
+    head = _ours(ct_folders["gptq_w4a16"], int8_activations=True).llm_engine.model.lm_head
+    assert isinstance(head.quant, PackedWeight) and head.quant.bits == 8 and head.weight_t is None
 
 
 def test_compressed_tensors_own_unpacking_reads_what_we_read(ct_folders: dict[str, Path]) -> None:

@@ -52,7 +52,7 @@ def _check(y: torch.Tensor, x: torch.Tensor, w: GroupWeight) -> None:
 # heights; N not a multiple of any block; perm, x dtype and scale dtype rotate with the case
 # (K, group): the group all of K in the last two, 80 with a masked K tail
 SHAPES = [(96, 32), (128, 64), (384, 128), (96, 96), (80, 80)]
-ROWS = [1, 2, 4, 7, 16, 17, 64]
+ROWS = [1, 4, 7, 17, 64]
 CASES = [(bits, K, group, zero, M) for bits in (4, 8) for K, group in SHAPES for zero in (True, False) for M in ROWS]
 
 
@@ -65,7 +65,7 @@ def test_group_matmul_matches_dequantized(bits, K, group, zero, M):
     _check(tq.group_matmul(x, w), x, w)
 
 
-@pytest.mark.parametrize("M", [1, 3, 16, 40])
+@pytest.mark.parametrize("M", [3, 40])
 @pytest.mark.parametrize("xd", [F32, BF16, F16])
 @pytest.mark.parametrize("sd", [F32, BF16, F16])
 def test_every_x_and_scale_dtype(sd, xd, M):

@@ -251,23 +251,6 @@ def blocks_to_group(p: PackedWeight) -> Optional[GroupWeight]:
     return None
 
 
-def group_to_q4_0(w: GroupWeight) -> Optional[GGMLWeight]:
-    """Symmetric 4-bit groups whose scales are float16 values (GPTQ's and AWQ's are) as ggml Q4_0 blocks, exactly:
-    w = d * (q - 8) with d the group's scale, 18 bytes a block of 32 (the 4.5 bits a weight of a Q4_K file; blocks
-    with a float32 scale and offset take 6). None otherwise, and for act order (the blocks carry no permutation)."""
-    n, k = w.shape
-    if w.bits != 4 or w.zero is not None or w.perm is not None or w.group % BLOCK or k % BLOCK:
-        return None
-    d = w.scale.float()
-    if not torch.equal(d.half().float(), d):
-        return None
-    d = d.half().repeat_interleave(w.group // BLOCK, dim=1).contiguous()         # [N, K/32]
-    c = w.unpacked().view(n, k // BLOCK, 2, 16)                                   # ggml's order: j low, j + 16 high
-    nibbles = c[:, :, 0] | (c[:, :, 1] << 4)                                      # [N, K/32, 16]
-    data = torch.cat([d.view(torch.uint8).view(n, k // BLOCK, 2), nibbles], dim=-1).reshape(n, -1).contiguous()
-    return GGMLWeight("Q4_0", data, w.shape)
-
-
 @dataclass(frozen=True)
 class Fp8Weight:
     """W [N, K] as float8 e4m3 values times a float32 scale per row (or one for the matrix): compressed-tensors'

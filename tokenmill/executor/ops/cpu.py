@@ -14,7 +14,7 @@ import torch
 
 from tokenmill.executor.kernels import KernelLibrary, check
 from tokenmill.executor.layers.quant import (GGMLWeight, GroupWeight, PackedWeight, QuantWeight, RowParts,
-                                            group_to_blocks, group_to_q4_0)
+                                            group_to_blocks)
 from tokenmill.executor.ops.reference import ReferenceOps
 
 log = logging.getLogger("tokenmill")
@@ -83,7 +83,7 @@ class CpuKernelOps(ReferenceOps):
         the rest (8 bits with zero points, FP8) stay as they are and run as dequantised tiles."""
         if isinstance(w, RowParts):
             return RowParts(tuple(self.adopt(p, device) for p in w.parts))
-        return (group_to_q4_0(w) or group_to_blocks(w) or w) if isinstance(w, GroupWeight) else w
+        return (group_to_blocks(w) or w) if isinstance(w, GroupWeight) else w
 
     def _quantise_float_head(self, model) -> None:
         """On the default route, a quantised model's float LM head (GPTQ, AWQ and compressed-tensors keep it in
@@ -98,7 +98,8 @@ class CpuKernelOps(ReferenceOps):
         w = head.weight if head.weight is not None else head.weight_t.t()
         if w.shape[1] % 32 or head.bias is not None:
             return
-        head.quant = pack_ggml("Q8_0", quantize(w.float(), "Q8_0"), tuple(w.shape))
+        # quantize() takes the rows a chunk at a time in float32: no float32 copy of a 128k-row head
+        head.quant = pack_ggml("Q8_0", quantize(w, "Q8_0"), tuple(w.shape))
         head.weight = head.weight_t = None
 
     def _register_any(self, w: QuantWeight) -> QuantWeight:
