@@ -35,6 +35,16 @@ def smollm2_tokenizer():
 
 
 @pytest.fixture(scope="session")
+def smollm2_hf(tmp_path_factory):
+    """The bundled SmolLM2's GGUF as a float32 Hugging Face folder (tokenizer included), written once."""
+    from tokenmill.executor.loader import default_model_path
+    from tokenmill.executor.loader.convert import gguf_to_hf
+    out = tmp_path_factory.mktemp("smollm2_hf")
+    gguf_to_hf(default_model_path(), str(out), dtype=torch.float32)
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_text_model(tmp_path_factory, smollm2_tokenizer):
     """A tiny random Llama with SmolLM2's real tokenizer and chat template: text in, text out, fast."""
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -93,7 +93,8 @@ def _build(venv: str, python: str, timeout: float) -> Optional[str]:
         # appended after the venv's own site-packages: its transformers 5.17 shadows ours, our torch is reused
         # (and pip, run from here, sees torch as installed and leaves it be)
         Path(purelib, "_tokenmill_base.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-        proc = subprocess.run([python, "-m", "pip", "install", "--disable-pip-version-check", "-q",
+        # --no-compile: the tests import a small part of these packages; compiling all of them took longer
+        proc = subprocess.run([python, "-m", "pip", "install", "--disable-pip-version-check", "-q", "--no-compile",
                                *LLMCOMPRESSOR_SPEC], capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:
             last_error = f"pip install {' '.join(LLMCOMPRESSOR_SPEC)} failed: {(proc.stdout + proc.stderr)[-2000:]}"

@@ -73,10 +73,8 @@ def tokenizer(smol_path: Path):
 
 
 @pytest.fixture(scope="module")
-def hf_dir(smol_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("smollm2_hf")
-    gguf_to_hf(str(smol_path), str(out), dtype=torch.float32)
-    return out
+def hf_dir(smollm2_hf: Path) -> Path:
+    return smollm2_hf
 
 
 # ---------------------------------------------------------------- the real model vs transformers
