@@ -251,6 +251,9 @@ def blocks_to_group(p: PackedWeight) -> Optional[GroupWeight]:
     return None
 
 
+FP8_MAX = 448.0          # float8_e4m3fn's largest finite value
+
+
 @dataclass(frozen=True)
 class Fp8Weight:
     """W [N, K] as float8 e4m3 values times a float32 scale per row (or one for the matrix): compressed-tensors'

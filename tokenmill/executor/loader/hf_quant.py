@@ -20,6 +20,7 @@ METHOD_NAMES = {"gptq": "gptq", "gptq_marlin": "gptq", "awq": "awq", "awq_marlin
 SUPPORTED = ("GPTQ: 4 or 8 bits, group_size -1 or a multiple of 32 (32, 64, 128), sym or not, desc_act with g_idx; "
              "AWQ: 4 bits, version gemm, zero_point; compressed-tensors: pack-quantized W4A16/W8A16 (group or "
              "channel), int-quantized W8A8, float-quantized FP8 (channel or tensor)")
+_FP8 = (torch.float8_e4m3fn,)           # the FP8 codes a float-quantized folder stores
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)      # AutoAWQ's GEMM packing: nibble i of a word holds column _AWQ_ORDER[i]
 
 
@@ -38,7 +39,8 @@ class HFQuant:
     """A folder's quantization_config, checked."""
     method: str                    # "gptq", "awq", "compressed-tensors"
     scheme: WeightScheme
-    ignore: tuple[str, ...] = ()   # module names (or "re:" patterns) left in float; they come as float weights
+    # (modules the config leaves in float, GPTQ's and AWQ's lists and compressed-tensors' ignore, need nothing
+    # here: their weights come as plain float tensors)
     activations: Optional[str] = None   # compressed-tensors' input activations, for the plan's log ("int8 dynamic")
 
     @property
@@ -85,8 +87,7 @@ def parse(config: dict, override: Optional[str] = None) -> Optional[HFQuant]:
         version = str(qc.get("version", "gemm")).lower()
         if bits != 4 or version != "gemm" or not qc.get("zero_point", True):
             raise _bad(f"AWQ with {bits} bits, version {version!r}, zero_point={qc.get('zero_point', True)}")
-        found = HFQuant("awq", WeightScheme("int", 4, group, False, "awq"), tuple(qc.get("modules_to_not_convert")
-                                                                                  or ()))
+        found = HFQuant("awq", WeightScheme("int", 4, group, False, "awq"))
     elif method == "compressed-tensors":
         found = _compressed_tensors(qc)
     else:
@@ -111,11 +112,10 @@ def _compressed_tensors(qc: dict) -> HFQuant:
     acts = group_cfg.get("input_activations")
     act = None if not acts else f"{acts.get('type', 'int')}{acts.get('num_bits')} " \
                                 f"{'dynamic' if acts.get('dynamic') else 'static'} per {acts.get('strategy')}"
-    ignore = tuple(qc.get("ignore") or ())
     if typ == "float":
         if bits != 8 or fmt not in ("float-quantized", "naive-quantized") or strategy not in ("channel", "tensor"):
             raise _bad(f"compressed-tensors float weights of {bits} bits, format {fmt!r}, strategy {strategy!r}")
-        return HFQuant("compressed-tensors", WeightScheme("fp8", 8, -1, True, "ct-float"), ignore, act)
+        return HFQuant("compressed-tensors", WeightScheme("fp8", 8, -1, True, "ct-float"), act)
     if typ != "int" or strategy not in ("group", "channel"):
         raise _bad(f"compressed-tensors {typ} weights with strategy {strategy!r}")
     bits, group = _int_group(bits, w.get("group_size") if strategy == "group" else -1, "compressed-tensors")
@@ -126,7 +126,7 @@ def _compressed_tensors(qc: dict) -> HFQuant:
     else:
         raise _bad(f"compressed-tensors format {fmt!r} with {bits} bits")
     return HFQuant("compressed-tensors", WeightScheme("int", bits, group, bool(w.get("symmetric", True)), packing),
-                   ignore, act)
+                   act)
 
 
 # the tensors each packing stores per matrix (beside its float bias), by suffix
@@ -163,8 +163,6 @@ def quantized_tensors(q: HFQuant, tensors: Iterator[tuple[str, torch.Tensor]], d
         w = _weight(s, module, got)
         yield module + ".weight", (w.dequantize() if dequantize else w)
 
-
-_FP8 = (torch.float8_e4m3fn,)
 
 
 def _unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:

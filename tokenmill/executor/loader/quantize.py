@@ -220,12 +220,9 @@ def quantize_groups(w: torch.Tensor, bits: int, group: int, symmetric: bool) -> 
                        zero, group, (n, k))
 
 
-FP8_MAX = 448.0          # float8_e4m3fn's largest finite value
-
-
 def quantize_fp8(w: torch.Tensor) -> "Fp8Weight":
     """e4m3 values with one float32 scale per row (vLLM's fp8 with per-channel weight scales)."""
-    from tokenmill.executor.layers.quant import Fp8Weight
+    from tokenmill.executor.layers.quant import FP8_MAX, Fp8Weight
     wf = w.detach().float()
     scale = wf.abs().amax(dim=1).clamp_(min=1e-12) / FP8_MAX
     codes = (wf / scale.unsqueeze(1)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)

@@ -7,9 +7,8 @@ from typing import Optional
 
 import torch
 
-from tokenmill.executor.layers.quant import Fp8Weight
+from tokenmill.executor.layers.quant import FP8_MAX, Fp8Weight
 
-FP8_MAX = 448.0
 # _scaled_mm's operands: both dimensions of each a multiple of 16
 ALIGN = 16
 
