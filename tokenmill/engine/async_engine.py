@@ -33,6 +33,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped (shutdown) or a step failed; the request cannot go on."""
 
 
+class DrainingError(EngineDeadError):
+    """The server is shutting down: the requests in flight run to their end, new ones are refused (a 503)."""
+
+
 class QueueFullError(RuntimeError):
     """More requests are waiting than the configured bound allows (the server answers 503)."""
 
@@ -159,6 +163,7 @@ class AsyncLLM:
         self._pending = 0                                # adds not yet answered (event-loop side)
         self._ids = itertools.count()
         self._closed = False                             # no more commands: the loop has stopped
+        self.draining = False                            # drain(): no new requests, those in flight go on
         self._lock = threading.RLock()                   # re-entrant: shutdown() may run in a signal handler
         self.state = EngineState()
         built: concurrent.futures.Future = concurrent.futures.Future()
@@ -181,13 +186,26 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self.error is None and self._thread.is_alive()
 
+    @property
+    def num_in_flight(self) -> int:
+        """Requests accepted (or being accepted) and not yet finished or aborted; safe to read from any thread."""
+        return len(self._streams) + self._pending
+
+    def drain(self) -> None:
+        """Refuse new requests (add_request raises DrainingError) while the engine goes on stepping those in
+        flight; shutdown() later ends whatever is left. Signal-handler-safe: it only sets a flag."""
+        self.draining = True
+
     # ---- the event loop's side ---------------------------------------------------------------------------------
     async def add_request(self, prompt: PromptType, params: Union[SamplingParams, PoolingParams],
                           request_id: Optional[str] = None) -> RequestStream:
         """Queue a request; returns its stream once the engine accepted it. Raises ValueError (bad input, from
-        the engine), QueueFullError or EngineDeadError."""
+        the engine), QueueFullError or EngineDeadError (DrainingError once drain() was called)."""
         if not self.is_running:
             raise EngineDeadError(self.error or "the engine loop is not running")
+        if self.draining:
+            raise DrainingError("the server is shutting down: it finishes the requests in flight and takes no "
+                                "new ones")
         if self.max_waiting is not None and self.state.num_waiting + self._pending >= self.max_waiting:
             raise QueueFullError(f"{self.state.num_waiting + self._pending} requests are already waiting "
                                  f"(the bound is {self.max_waiting}); retry later")

@@ -14,8 +14,9 @@ from typing import Any, Optional, Union
 import torch
 
 from tokenmill.config import CacheConfig
-from tokenmill.engine.async_engine import AsyncLLM, EngineState, IterationHook, QueueFullError, RequestStream
-from tokenmill.engine.engine import LLMEngine, PromptType
+from tokenmill.engine.async_engine import (AsyncLLM, DrainingError, EngineState, IterationHook, QueueFullError,
+                                           RequestStream)
+from tokenmill.engine.engine import LLMEngine, PromptType, prompt_cache_salt
 from tokenmill.executor.loading import default_kv_budget
 from tokenmill.engine.replica import RemoteReplica
 from tokenmill.engine.router import Router, check_routing
@@ -74,6 +75,7 @@ class DataParallelLLM:
         self._lock = threading.Lock()
         self._where: dict[str, int] = {}          # request id -> its replica, while in flight
         self._pending = 0                         # adds not yet answered (the queue bound counts them)
+        self.draining = False                     # drain(): no new requests, those in flight go on
         self._ids = itertools.count()
         # the other replicas load in their processes while replica 0 loads here
         remotes = [RemoteReplica(i, cores[i], model, per_replica[i]) for i in range(1, size)]
@@ -111,26 +113,42 @@ class DataParallelLLM:
         return all(r.is_running for r in self.replicas)
 
     @property
+    def num_in_flight(self) -> int:
+        """Requests routed to a replica and not yet finished or aborted, on all replicas."""
+        return len(self._where)
+
+    def drain(self) -> None:
+        """AsyncLLM.drain for all replicas: new requests are refused here, the replicas go on with the rest."""
+        self.draining = True
+
+    @property
     def error(self) -> Optional[str]:
         return next((f"replica {i}: {r.error}" for i, r in enumerate(self.replicas) if r.error is not None), None)
 
     async def add_request(self, prompt: PromptType, params: Union[SamplingParams, PoolingParams],
                           request_id: Optional[str] = None) -> RequestStream:
         """Route the request (by its token ids) and queue it on that replica; AsyncLLM.add_request's errors."""
+        if self.draining:
+            raise DrainingError("the server is shutting down: it finishes the requests in flight and takes no "
+                                "new ones")
         waiting = self.state.num_waiting + self._pending
         if self.max_waiting is not None and waiting >= self.max_waiting:
             raise QueueFullError(f"{waiting} requests are already waiting (the bound is {self.max_waiting}); retry "
                                  f"later")
         rid = request_id or f"req-{next(self._ids)}"
         text, ids = self.engine.tokenize_prompt(prompt)
+        salt = prompt_cache_salt(prompt)      # routed by salted hashes, and passed on to the replica's cache
         with self._lock:
             if rid in self._where:
                 raise ValueError(f"request id {rid!r} is already in use")
-            i = self.router.pick(ids, [r.is_running for r in self.replicas])
+            i = self.router.pick(ids, [r.is_running for r in self.replicas], salt)
             self._where[rid] = i
         self._pending += 1
+        routed: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
+        if salt is not None:
+            routed["cache_salt"] = salt
         try:      # tokenised once, here
-            return await self.replicas[i].add_request({"prompt": text, "prompt_token_ids": ids}, params, rid)
+            return await self.replicas[i].add_request(routed, params, rid)
         except BaseException:
             self._done([rid])
             raise

@@ -40,6 +40,38 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler_output import SchedulerOutput
 
 PromptType = Union[str, list[int], dict]
+
+
+def _contradiction(grammar: Any, params: SamplingParams, bad_words: list[list[int]], eos_ids: tuple[int, ...],
+                   vocab_size: int) -> Optional[str]:
+    """Why no first token can satisfy both the constraint and the request's bans, or None. Seen at admission, a
+    contradiction is a clear refusal rather than an output the grammar must abort."""
+    if not grammar.active:       # a reasoning model thinks first: the constraint starts later
+        return None
+    mask = torch.zeros(1, -(-vocab_size // 32), dtype=torch.int32)
+    grammar.fill(mask, 0)
+    bits = (mask[0].unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1
+    allowed = set(torch.nonzero(bits.flatten()[:vocab_size]).flatten().tolist())
+    given = []
+    if params.allowed_token_ids:
+        allowed &= set(params.allowed_token_ids)
+        given.append("allowed_token_ids")
+    single = {w[0] for w in bad_words if len(w) == 1}
+    if allowed & single:
+        given.append("bad_words")
+    allowed -= single
+    if params.min_tokens > 0:
+        ends = set(eos_ids) | set(params.stop_token_ids or ())
+        if allowed & ends:
+            given.append("min_tokens")
+        allowed -= ends
+    if allowed or not given:
+        return None
+    return (f"the constraint allows no first token that {' and '.join(given)} leave{'s' if len(given) == 1 else ''}; "
+            f"drop one of them or change the constraint")
+# a prompt dict's keys (vLLM's TextPrompt / TokensPrompt): any other is refused, so a misspelt cache_salt cannot
+# silently leave a request in the shared prefix cache
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 DEVICE_BATCH_BACKENDS = ("triton", "padded")     # attention prepared on the device: the GPU runner's
 log = logging.getLogger("tokenmill.engine")
 
@@ -114,6 +146,19 @@ class KVCacheInfo:
                 f"max_model_len {self.max_model_len:,} at once")
 
 
+def prompt_cache_salt(prompt: PromptType) -> Optional[str]:
+    """A prompt dict's cache_salt (vLLM's): a request shares prefix-cache blocks only with requests of the same salt,
+    an unsalted one only with unsalted ones. None (or a None value): no salt."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:      # the salt itself is never echoed: it may be a tenant's secret
+        got = "an empty string" if isinstance(salt, str) else f"a {type(salt).__name__}"
+        raise ValueError(f"cache_salt must be a non-empty string (e.g. one per tenant or user), got {got}; "
+                         f"leave it out to share the prefix cache with other unsalted requests")
+    return salt
+
+
 def pick_device(device: Optional[str]) -> torch.device:
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -138,7 +183,8 @@ class LLMEngine:
                  speculative_config: Union[SpeculativeConfig, dict, str, None] = None,
                  tensor_parallel_size: int = 1, enforce_eager: bool = False,
                  compilation_config: Union[CompilationConfig, dict, None] = None,
-                 async_scheduling: bool = False):
+                 async_scheduling: bool = False, long_prefill_token_threshold: Optional[int] = None,
+                 max_num_partial_prefills: int = 1, max_long_partial_prefills: int = 1):
         # pooling_type: which prompt rows a PoolingParams request pools (vLLM's pooler config): LAST or MEAN
         self.pooling_type = check_pooling_type(pooling_type)
         spec_config = SpeculativeConfig.of(speculative_config)
@@ -158,9 +204,12 @@ class LLMEngine:
                              f"({mc.max_position_embeddings}); lower it")
         if not use_kv_cache:
             enable_prefix_caching = False
+        if long_prefill_token_threshold is None:    # fair prefill: the device's default (SchedulerConfig)
+            long_prefill_token_threshold = SchedulerConfig.default_long_prefill_token_threshold(dev.type, use_kv_cache)
         sched_cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, use_kv_cache,
                                     self._async_scheduling(async_scheduling, dev, attention_backend, use_kv_cache,
-                                                           spec_config, tensor_parallel_size))
+                                                           spec_config, tensor_parallel_size),
+                                    long_prefill_token_threshold, max_num_partial_prefills, max_long_partial_prefills)
         cache_cfg = CacheConfig(block_size, kv_cache_memory_gb, enable_prefix_caching=enable_prefix_caching,
                                 cache_dtype=kv_cache_dtype)
         # tensor parallelism (executor/parallel.py): this process is rank 0 and holds its share of the model; the
@@ -321,6 +370,11 @@ class LLMEngine:
     # ---- requests in -----------------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):
+            unknown = [k for k in prompt if k not in PROMPT_KEYS]
+            if unknown:
+                raise ValueError(f"unknown prompt dict key(s) {', '.join(map(repr, unknown))}; a prompt dict takes "
+                                 f"{', '.join(map(repr, PROMPT_KEYS))}")
+            prompt_cache_salt(prompt)      # a bad salt is refused wherever a prompt is read (the router's too)
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
@@ -376,11 +430,17 @@ class LLMEngine:
         so = params.structured_outputs
         if so is not None:
             self.structured_outputs.compile(so)        # a bad spec is refused before any child is queued
+            why = _contradiction(self.structured_outputs.new_request_grammar(so, ids), params, bad_words,
+                                 mc.eos_token_ids, mc.vocab_size)
+            if why is not None:
+                raise ValueError(f"structured_outputs.{so.kind}: {why}")
+        salt = prompt_cache_salt(prompt)
         children = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         for i, cid in enumerate(children):
             p = params if params.n == 1 else dataclasses.replace(
                 params, n=1, seed=None if params.seed is None else params.seed + i)
-            req = Request(cid, ids, p, arrival, max_tokens, mc.eos_token_ids, text, bad_words)
+            # every child carries the salt: they share their prompt's blocks with each other and no one else
+            req = Request(cid, ids, p, arrival, max_tokens, mc.eos_token_ids, text, bad_words, cache_salt=salt)
             req.group_id = request_id
             if so is not None:
                 req.grammar = self.structured_outputs.new_request_grammar(so, ids)
@@ -408,7 +468,7 @@ class LLMEngine:
                              f"{self.kv.num_blocks}; shorten the prompt or raise kv_cache_memory_gb")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         req = Request(request_id, ids, None, arrival, 0, mc.eos_token_ids, text, pooling_params=params,
-                      pooling_type=self.pooling_type)
+                      pooling_type=self.pooling_type, cache_salt=prompt_cache_salt(prompt))
         self.requests[request_id] = req
         self.scheduler.add(req)
 
@@ -422,9 +482,11 @@ class LLMEngine:
                     self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers now (on other machines too), not when this engine is collected."""
+        """Stop the tensor-parallel workers now (on other machines too) and the grammar compilers, not when this
+        engine is collected."""
         if self._stop_workers is not None:
             self._stop_workers()
+        self.structured_outputs.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -551,6 +613,8 @@ class LLMEngine:
         if req.grammar is not None and not req.grammar.accept(tok):
             # the mask allowed nothing the grammar could take (e.g. min_tokens banned its only stop token)
             log.warning("request %s: token %d is outside its grammar; aborting it", req.request_id, tok)
+            req.stop_reason = ("its constraint allowed no token that the request's bans (bad_words, allowed_token_ids, "
+                               "min_tokens) leave")
             return RequestStatus.FINISHED_ABORTED
         return self._check_stop(req, tok, n_out)
 

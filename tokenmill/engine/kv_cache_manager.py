@@ -84,17 +84,20 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     # ---- prefix cache --------------------------------------------------------------------------------------
-    def _block_key(self, parent: Optional[int], tokens: list[int]) -> tuple:
-        return (parent, tuple(tokens), None)     # extra keys (LoRA, multimodal) would join here
+    def _block_key(self, req: Request, i: int, parent: Optional[int]) -> tuple:
+        """Block i of req's key: (parent hash, its token ids, extra keys). The cache salt is an extra key of the
+        first block only (as in vLLM): every later block inherits it through its parent hash."""
+        bs = self.block_size
+        extra = (req.cache_salt,) if i == 0 and req.cache_salt is not None else None
+        return (parent, tuple(req.all_token_ids[i * bs:(i + 1) * bs]), extra)
 
     def _hashes(self, req: Request, num_full_blocks: int) -> list[int]:
         """The hash chain over req's first num_full_blocks full blocks, extended incrementally."""
         hashes = self.req_hashes.setdefault(req.request_id, [])
-        bs = self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash(self._block_key(parent, req.all_token_ids[i * bs:(i + 1) * bs])))
+            hashes.append(hash(self._block_key(req, i, parent)))
         return hashes
 
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
@@ -123,8 +126,7 @@ class KVCacheManager:
         if bid is None:
             return None
         parent = hashes[i - 1] if i else None
-        bs = self.block_size
-        if self.blocks[bid].key != self._block_key(parent, req.all_token_ids[i * bs:(i + 1) * bs]):
+        if self.blocks[bid].key != self._block_key(req, i, parent):
             return None
         return bid
 
@@ -224,7 +226,7 @@ class KVCacheManager:
                 continue
             parent = hashes[i - 1] if i else None
             blk.block_hash = (self.group, hashes[i])
-            blk.key = self._block_key(parent, req.all_token_ids[i * bs:(i + 1) * bs])
+            blk.key = self._block_key(req, i, parent)
             self.cached.setdefault(blk.block_hash, blk.block_id)
 
     def free_passed(self, req: Request) -> None:

@@ -28,7 +28,8 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: Optional[SamplingParams],
                  arrival_time: float, max_tokens: int, eos_token_ids: tuple[int, ...], prompt: Optional[str] = None,
                  bad_words_token_ids: Optional[list[list[int]]] = None,
-                 pooling_params: Optional[PoolingParams] = None, pooling_type: str = "LAST"):
+                 pooling_params: Optional[PoolingParams] = None, pooling_type: str = "LAST",
+                 cache_salt: Optional[str] = None):
         self.request_id = request_id
         self.group_id = request_id        # the user's request this sequence is one of (n > 1: the parent's id)
         self.prompt = prompt
@@ -44,6 +45,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1                       # prefix-cache hit length, set at first scheduling
+        # vLLM's cache_salt: joins the first block's hash, so only requests with the same salt share cached blocks
+        # (one client cannot learn from cached_tokens what another sent)
+        self.cache_salt = cache_salt
         self.status = RequestStatus.WAITING
         self.stop_reason: Optional[int | str] = None
         self.num_preemptions = 0

@@ -5,6 +5,7 @@ dropped first), as SGLang's router keeps a tree of what it routed."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Optional
 
 from tokenmill.engine.async_engine import EngineDeadError
 
@@ -19,11 +20,14 @@ def check_routing(policy: str) -> None:
         raise ValueError(f"unknown data-parallel routing {policy!r}; choose one of {', '.join(ROUTING)}")
 
 
-def block_hashes(ids: list[int], block_size: int) -> list[int]:
-    """A hash per full block of the prompt, each covering every token before it (as the prefix cache's keys)."""
+def block_hashes(ids: list[int], block_size: int, cache_salt: Optional[str] = None) -> list[int]:
+    """A hash per full block of the prompt, each covering every token before it (as the prefix cache's keys). A
+    cache_salt joins the first block's key, as in the cache: routing by a prefix must not tell one salt's requests
+    where another's went."""
     out, h = [], 0
     for start in range(0, len(ids) - block_size + 1, block_size):
-        h = hash((h, tuple(ids[start:start + block_size])))
+        key = (h, tuple(ids[start:start + block_size]))
+        h = hash(key if start or cache_salt is None else key + (cache_salt,))
         out.append(h)
     return out
 
@@ -40,11 +44,11 @@ class Router:
         self._sent: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(size)]
         self._next = 0
 
-    def pick(self, ids: list[int], alive: list[bool]) -> int:
+    def pick(self, ids: list[int], alive: list[bool], cache_salt: Optional[str] = None) -> int:
         order = [i % self.size for i in range(self._next, self._next + self.size) if alive[i % self.size]]
         if not order:
             raise EngineDeadError("every data-parallel replica has stopped")
-        hashes = block_hashes(ids, self.block_size)
+        hashes = block_hashes(ids, self.block_size, cache_salt)
         least = min(order, key=lambda i: self.load[i])
         choice = order[0] if self.policy == "round_robin" else least
         if self.policy == "cache_aware":

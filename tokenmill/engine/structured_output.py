@@ -6,6 +6,10 @@ samples, its matcher writes a bitmask of the tokens the grammar allows next; the
 The masks of a step are written on a worker thread while the forward pass of that step runs (both release the
 GIL). Requests without a constraint cost nothing.
 
+Compiles run in worker processes (grammar_worker.py), at most max_concurrent_compiles at once: xgrammar cannot
+stop a compile, so one past compile_timeout_s has its process killed, and the workers run at the lowest CPU
+priority so that a hostile schema does not slow everyone else's steps.
+
 Preemption recomputes a request from its tokens so far and keeps its output, so its matcher stays where it was.
 With a reasoning parser, a request's constraint starts after the model's thinking: at once if the prompt closed
 it, after </think> if the prompt opened it or the output does, and otherwise the first token may open it.
@@ -14,13 +18,18 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import pickle
 import threading
+import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
 
+from tokenmill.engine.grammar_worker import (CompileError, CompilePool, CompileTimeout, Job, compile_grammar,
+                                             compile_request, xgrammar_message)
+from tokenmill.executor.cpus import available_cpus
 from tokenmill.reasoning import get_reasoning_parser
 from tokenmill.sampling_params import StructuredOutputsParams
 
@@ -31,7 +40,9 @@ MAX_GRAMMARS = 512          # compiled grammars kept (by spec), least recently u
 @dataclass(frozen=True)
 class StructuredOutputsConfig:
     """vLLM's structured_outputs_config: the grammar backend, and the reasoning parser whose end-of-thinking token
-    starts the constraint. compile_timeout_s bounds one grammar's compile (a request over it is refused).
+    starts the constraint. compile_timeout_s bounds one grammar's compile, counted from the request's arrival, its
+    wait for a compile worker included (a request over it is refused, and its compile killed).
+    max_concurrent_compiles: compile worker processes at most (default: the cores this process may use).
     json_whitespace_limit caps each run of free whitespace in JSON, as llama.cpp's JSON grammars do (a newline and
     up to 20 of indent): a small model at temperature 1 can otherwise write whitespace until max_tokens. None: no cap,
     as vLLM."""
@@ -39,6 +50,7 @@ class StructuredOutputsConfig:
     reasoning_parser: Optional[str] = None
     compile_timeout_s: float = 10.0
     json_whitespace_limit: Optional[int] = 21
+    max_concurrent_compiles: int = field(default_factory=available_cpus)
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "xgrammar"):
@@ -51,6 +63,10 @@ class StructuredOutputsConfig:
                 not isinstance(self.json_whitespace_limit, int) or self.json_whitespace_limit < 1):
             raise ValueError(f"structured_outputs_config.json_whitespace_limit must be an integer >= 1 or None, got "
                              f"{self.json_whitespace_limit!r}")
+        if isinstance(self.max_concurrent_compiles, bool) or not isinstance(self.max_concurrent_compiles, int) \
+                or self.max_concurrent_compiles < 1:
+            raise ValueError(f"structured_outputs_config.max_concurrent_compiles must be an integer >= 1 (compiles "
+                             f"run at once; leave it out for the core count), got {self.max_concurrent_compiles!r}")
 
 
 THINKING, MAY_THINK, ACTIVE = "thinking", "may think", "active"
@@ -101,8 +117,8 @@ def _bit(i: int) -> int:
 
 
 class StructuredOutputManager:
-    """Compiles grammars (cached, time-limited, thread-safe: the server compiles off the engine thread) and writes
-    the token bitmasks of a step on a worker thread."""
+    """Compiles grammars (cached, time-limited, in worker processes; thread-safe: the server compiles off the engine
+    thread) and writes the token bitmasks of a step on a worker thread."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
                  config: StructuredOutputsConfig = StructuredOutputsConfig()):
@@ -111,25 +127,61 @@ class StructuredOutputManager:
         self.stop_token_ids = list(stop_token_ids)
         self.config = config
         self._lock = threading.Lock()
-        self._compiler: Any = None                 # built at the first constrained request
+        self._info: Any = None                     # xgrammar's TokenizerInfo, built at the first constrained request
+        self._compiler: Any = None                 # and its GrammarCompiler, for the quick grammars' second compile
+        self._start_message: Optional[bytes] = None
         # reasoning: (start, end) token ids, checked now so that a model that does not think fails at start
         self._think = None if config.reasoning_parser is None else self._reasoning_tokens()
-        # spec key -> its compile (a future); the most recently used last, at most MAX_GRAMMARS
-        self._compiled: OrderedDict[tuple, concurrent.futures.Future] = OrderedDict()
+        # spec key -> its compile; the most recently used last, at most MAX_GRAMMARS
+        self._compiled: OrderedDict[tuple, Job] = OrderedDict()
+        self.compile_pool = CompilePool(config.max_concurrent_compiles, self._worker_start_message, self._rebuild)
+        # the workers stop with this manager, or at the process's exit, if shutdown() was not called
+        self._close_pool = weakref.finalize(self, self.compile_pool.close)
         self._mask_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenmill-bitmask")
 
+    def shutdown(self) -> None:
+        """Stop the compile workers now; compiles under way or queued are refused."""
+        self._close_pool()
+
     # ---- compiling (any thread) -------------------------------------------------------------------------------
-    def _xgrammar(self) -> Any:
+    def _tokenizer_info(self) -> Any:
         with self._lock:
-            if self._compiler is None:
+            if self._info is None:
                 import xgrammar as xgr
                 if self.tokenizer is None:
                     raise ValueError("structured outputs need the model's tokenizer, and this model folder has none")
-                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                          stop_token_ids=self.stop_token_ids or None)
-                # no cache of its own: _compiled is the cache, bounded
+                self._info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                                stop_token_ids=self.stop_token_ids or None)
+            return self._info
+
+    def _worker_start_message(self) -> bytes:
+        """What a compile worker starts from: the vocabulary, the stop tokens, the whitespace cap."""
+        info = self._tokenizer_info()
+        with self._lock:
+            if self._start_message is None:
+                self._start_message = pickle.dumps({
+                    "tokenizer_info": info.serialize_json(), "stop_token_ids": self.stop_token_ids,
+                    "json_whitespace_limit": self.config.json_whitespace_limit})
+            return self._start_message
+
+    def _rebuild(self, request: bytes, text: Optional[str]) -> Any:
+        """A grammar a worker compiled: read from its serialized text, or (None) compiled again here."""
+        import xgrammar as xgr
+        info = self._tokenizer_info()
+        if text is not None:
+            return xgr.CompiledGrammar.deserialize_json(text, info)
+        with self._lock:
+            if self._compiler is None:      # no cache of its own: _compiled is the cache, bounded
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-            return self._compiler
+        try:
+            return compile_grammar(self._compiler, request, self.config.json_whitespace_limit)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise CompileError(xgrammar_message(e)) from None
+
+    def warm_up(self) -> None:
+        """Start the compile workers now, so that the first constrained requests do not wait for them."""
+        self._tokenizer_info()
+        self.compile_pool.warm_up()
 
     def _reasoning_tokens(self) -> tuple[int, int]:
         parser = get_reasoning_parser(self.config.reasoning_parser or "")
@@ -144,72 +196,33 @@ class StructuredOutputManager:
             ids.append(tok[0])
         return ids[0], ids[1]
 
-    def _compile_now(self, so: StructuredOutputsParams) -> Any:
-        kind = so.kind
-        try:
-            compiled = self._compile_kind(so)
-        except (RuntimeError, ValueError, TypeError) as e:   # xgrammar's parse errors, without its C++ location
-            raise ValueError(f"structured_outputs.{kind}: {_xgrammar_message(e)}") from None
-        if not self._admits_a_first_token(compiled):
-            raise ValueError(f"structured_outputs.{kind}: the constraint admits no output at all")
-        return compiled
-
-    def _compile_kind(self, so: StructuredOutputsParams) -> Any:
-        compiler = self._xgrammar()
-        kind = so.kind
-        if kind in ("json", "json_object"):
-            schema = {"type": "object"} if kind == "json_object" else so.json
-            if schema is False:
-                raise ValueError("the schema false admits no value")
-            return compiler.compile_json_schema(
-                {} if schema is True else schema, any_whitespace=not so.disable_any_whitespace,
-                max_whitespace_cnt=None if so.disable_any_whitespace else self.config.json_whitespace_limit,
-                strict_mode=kind == "json")       # json_object: any object, keys and all
-        if kind == "regex":
-            return compiler.compile_regex(so.regex)
-        if kind == "choice":
-            return compiler.compile_grammar("root ::= " + " | ".join(_ebnf_string(c) for c in so.choice or []))
-        return compiler.compile_grammar(so.grammar)
-
-    def _admits_a_first_token(self, compiled: Any) -> bool:
-        import xgrammar as xgr
-        bitmask = torch.zeros(1, -(-self.vocab_size // 32), dtype=torch.int32)
-        xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids or None).fill_next_token_bitmask(bitmask)
-        return bool(bitmask.any())
-
     def compile(self, so: StructuredOutputsParams) -> Any:
         """The compiled grammar of so (ValueError if it is invalid or takes longer than compile_timeout_s)."""
         key = so.key()
+        self._tokenizer_info()          # no tokenizer: the ValueError here, not in a worker
         with self._lock:
-            fut = self._compiled.get(key)
-            if fut is None:
-                fut = self._compiled[key] = self._start_compile(so)
+            job = self._compiled.get(key)
+            if job is None:
+                try:
+                    job = self.compile_pool.submit(compile_request(key), self.config.compile_timeout_s)
+                except CompileError as e:
+                    raise ValueError(f"structured_outputs.{so.kind}: {e}") from None
+                self._compiled[key] = job
                 while len(self._compiled) > MAX_GRAMMARS:
                     self._compiled.popitem(last=False)
             self._compiled.move_to_end(key)
         try:
-            return fut.result(timeout=self.config.compile_timeout_s)
-        except concurrent.futures.TimeoutError:
+            return job.result()
+        except (CompileTimeout, CompileError) as e:
+            with self._lock:             # not cached: the same spec later compiles afresh
+                if self._compiled.get(key) is job:
+                    del self._compiled[key]
+            if isinstance(e, CompileError):
+                raise ValueError(f"structured_outputs.{so.kind}: {e}") from None
             raise ValueError(f"structured_outputs.{so.kind}: the grammar did not compile within "
-                             f"{self.config.compile_timeout_s:g} s (structured_outputs_config.compile_timeout_s); "
-                             f"simplify it") from None
-        except ValueError:
-            with self._lock:             # a bad spec is not cached: the next one gets a fresh message
-                self._compiled.pop(key, None)
-            raise
-
-    def _start_compile(self, so: StructuredOutputsParams) -> concurrent.futures.Future:
-        """so's compile on a thread of its own: one that runs past its time limit holds up no other, and (a daemon)
-        not the process's exit either."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-
-        def run() -> None:
-            try:
-                fut.set_result(self._compile_now(so))
-            except BaseException as e:       # to whoever waits on it
-                fut.set_exception(e)
-        threading.Thread(target=run, name="tokenmill-grammar", daemon=True).start()
-        return fut
+                             f"{self.config.compile_timeout_s:g} s (structured_outputs_config.compile_timeout_s, "
+                             f"its wait for one of the max_concurrent_compiles="
+                             f"{self.config.max_concurrent_compiles} compile workers included); simplify it") from None
 
     def new_request_grammar(self, so: StructuredOutputsParams, prompt_token_ids: Sequence[int]) -> RequestGrammar:
         """A matcher at the grammar's start. With a reasoning parser: thinking if the prompt opened it, active if
@@ -237,25 +250,3 @@ class StructuredOutputManager:
         for row, g in enumerate(grammars.values()):
             g.fill(bitmask, row)
         return dict(zip(grammars, bitmask.unbind(0)))
-
-
-def _ebnf_string(s: str) -> str:
-    """s as an EBNF string literal: quotes and backslashes escaped, control characters as \\xHH."""
-    out = []
-    for ch in s:
-        if ch in '"\\':
-            out.append("\\" + ch)
-        elif ord(ch) < 0x20 or ch == "\x7f":
-            out.append(f"\\x{ord(ch):02x}")
-        else:
-            out.append(ch)
-    return '"' + "".join(out) + '"'
-
-
-def _xgrammar_message(e: Exception) -> str:
-    """xgrammar's RuntimeError text without its "[time] file.cc:line:" prefix."""
-    msg = str(e).strip()
-    head, sep, rest = msg.partition(": ")
-    if sep and (".cc:" in head or head.startswith("[")):
-        msg = rest.strip()
-    return msg.removeprefix("Check failed: (error.empty()) is false: ")
