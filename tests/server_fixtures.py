@@ -42,7 +42,7 @@ class LiveServer:
     def __init__(self, app: Any, api_key: Any = None, max_body_bytes: Any = None):
         import uvicorn
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
-        sock = socket.socket()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)     # as serve's _bind
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"

@@ -239,8 +239,8 @@ def test_serve_across_two_nodes_on_loopback(tiny_llama):
             "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True})
         assert r.json()["choices"][0]["token_ids"] == hf_greedy(hf, prompt, 6)
     finally:
-        node0.terminate()           # uvicorn stops, then re-raises the SIGTERM it caught
-        assert node0.wait(timeout=30) == -15
+        node0.terminate()           # drains (nothing is in flight), then exits 0
+        assert node0.wait(timeout=30) == 0
         assert node1.wait(timeout=30) == 0, node1.stdout.read()[-3000:]     # told to stop by node 0
 
 

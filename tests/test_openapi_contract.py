@@ -42,7 +42,7 @@ def openapi(live_server: Any) -> Any:
     return schemathesis.openapi.from_url(live_server.url + "/openapi.json")
 
 
-def few_new_tokens(case: Any) -> None:
+def few_new_tokens(case: Any, most: int = MAX_NEW_TOKENS) -> None:
     """Cap generation at a few tokens: a max_tokens chosen by hypothesis (or none: chat and responses then generate
     up to max_model_len) would spend the time on decode steps that exercise no other code."""
     body, field = case.body, LENGTH_FIELD.get(case.operation.path)
@@ -50,10 +50,10 @@ def few_new_tokens(case: Any) -> None:
         return
     for k in LENGTH_FIELDS:
         v = body.get(k)
-        if isinstance(v, int) and not isinstance(v, bool) and v > MAX_NEW_TOKENS:
-            body[k] = MAX_NEW_TOKENS
+        if isinstance(v, int) and not isinstance(v, bool) and v > most:
+            body[k] = most
     if all(body.get(k) is None for k in LENGTH_FIELDS):
-        body[field] = MAX_NEW_TOKENS
+        body[field] = most
 
 
 def integers_as_integers(value: Any) -> Any:
@@ -87,8 +87,17 @@ def check_operation(operation: Any, mode: str) -> None:
         few_new_tokens(case)
         checks = CHECKS + REJECTED if mode == "negative" else CHECKS
         case.call_and_validate(headers=AUTH, checks=checks, timeout=30)
+        assert_healthy(case)
 
     run()
+
+
+HEALTH = httpx.Client(timeout=10)     # one client: each httpx.get would build its own SSL context
+
+
+def assert_healthy(case: Any) -> None:
+    r = HEALTH.get(case.operation.schema.get_base_url().rstrip("/") + "/health")
+    assert r.status_code == 200, f"unhealthy after {case.operation.label} {case.body!r}: {r.text}"
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -104,6 +113,22 @@ def test_every_operation_answers_as_its_schema_says(openapi: Any, mode: str, sub
             continue
         with subtests.test(operation.label):
             check_operation(operation, mode)
+
+
+def test_boundary_values_answer_as_the_schema_says(openapi: Any, subtests: pytest.Subtests) -> None:
+    """schemathesis' coverage phase: each field at and just past its bounds (lengths, ranges, enums, types, required
+    fields left out), valid cases answered as documented and invalid ones refused, deterministically."""
+    modes = [GenerationMode.POSITIVE, GenerationMode.NEGATIVE]
+    for operation in [result.ok() for result in openapi.get_all_operations()]:
+        config = openapi.config.generation_for(operation=operation)
+        with subtests.test(operation.label):
+            for case in openapi.iter_coverage_cases(operation, generation_modes=modes, generation_config=config):
+                negative = case.meta is not None and case.meta.generation.mode == GenerationMode.NEGATIVE
+                if not negative:
+                    case.body = integers_as_integers(case.body)
+                few_new_tokens(case, 1)      # the bounds of the request, not of generation, are under test
+                case.call_and_validate(headers=AUTH, checks=CHECKS + REJECTED if negative else CHECKS, timeout=30)
+                assert_healthy(case)
 
 
 def test_errors_are_documented_as_400_in_openais_shape(live_server: Any) -> None:

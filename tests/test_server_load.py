@@ -1,17 +1,18 @@
 """Many clients at once: continuous batching across HTTP requests, no cross-talk between streams, clients that
-disconnect get their requests aborted and their KV blocks freed; Ctrl-C stops a busy server cleanly."""
+disconnect get their requests aborted and their KV blocks freed; Ctrl-C drains a busy server, then stops it
+cleanly."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
 import sys
 import threading
 import time
 
 import httpx
 import pytest
+
+from tests.test_server_drain import Serve
 
 pytestmark = pytest.mark.slow   # real server processes under load (make test-fast skips them)
 
@@ -112,30 +113,12 @@ def test_non_streaming_disconnect_aborts(live_server):
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a subprocess")
-def test_ctrl_c_fails_requests_in_flight_and_exits(chat_model_dir):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tokenmill.cli", "serve", chat_model_dir, "--port", "0", "--dtype", "float32",
-         "--device", "cpu", "--max-model-len", "512", "--kv-cache-memory-gb", "0.05", "--served-model-name", MODEL],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+def test_ctrl_c_drains_then_fails_requests_left_and_exits_0(chat_model_dir):
+    """A first Ctrl-C drains as SIGTERM does (tests/test_server_drain.py); what still runs at --shutdown-timeout is
+    told (an error event, a 503), not cut, and the process exits 0."""
+    server = Serve(chat_model_dir, "--shutdown-timeout", "1")
     try:
-        url, log = None, []
-        deadline = time.monotonic() + 120
-        while url is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            log.append(line)
-            if "OpenAI API:" in line:
-                url = line.split("OpenAI API:")[1].split()[0].removesuffix("/v1")
-        assert url, "".join(log)
-        threading.Thread(target=lambda: [log.append(x) for x in proc.stdout], daemon=True).start()
-        while time.monotonic() < deadline:       # the URL is printed just before uvicorn starts listening
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
+        url = server.wait_ready().url
         body = {"model": MODEL, "prompt": "Go on", "max_tokens": LONG, "temperature": 0, "ignore_eos": True,
                 "n": 8}
         outcome: dict = {}
@@ -159,13 +142,15 @@ def test_ctrl_c_fails_requests_in_flight_and_exits(chat_model_dir):
                     break
                 assert time.monotonic() < inside and t.is_alive(), (st, outcome)
                 time.sleep(0.02)
-            proc.send_signal(signal.SIGINT)
+            server.send(signal.SIGINT)
+            t0 = time.monotonic()
+            server.wait_draining()                                              # health takes it out meanwhile
             rest = list(lines)
+            drained = time.monotonic() - t0
+        assert drained > 0.9, drained                                           # they ran on for the timeout
         assert "data: [DONE]" not in rest and any('"error"' in x for x in rest), rest[-3:]   # told, not cut
         t.join(timeout=15)
         assert outcome.get("status") == 503, outcome                           # told, not left hanging
-        assert proc.wait(timeout=15) is not None
+        assert server.exit_status() == 0, "".join(server.log)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        server.close()

@@ -5,6 +5,7 @@ build_app(engine_or_asyncllm) is all a caller needs; `tokenmill serve` (server/c
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 import os
 from contextlib import asynccontextmanager
@@ -22,8 +23,9 @@ import tokenmill
 from tokenmill.engine.async_engine import AsyncLLM, ClientDisconnected
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.reasoning import get_reasoning_parser
+from tokenmill.server.bodies import explain_unparsable
 from tokenmill.server.chat import create_chat_completion, render_messages
-from tokenmill.server.common import ServerContext, now
+from tokenmill.server.common import MAX_PROMPTS, ServerContext, now
 from tokenmill.server.completions import create_completion
 from tokenmill.server.embeddings import EmbeddingRequest, create_embedding
 from tokenmill.server.metrics import ServerMetrics
@@ -39,7 +41,9 @@ from tokenmill.tool_parsers import get_tool_parser
 log = logging.getLogger("tokenmill.server")
 STATIC = os.path.join(os.path.dirname(__file__), "static")
 DEFAULT_MAX_BODY_BYTES = 4 * 2 ** 20
-_PROTECTED = ("/v1/", "/tokenize", "/detokenize")     # the rest (health, metrics, playground page) stays open
+_PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/shutdown")  # the rest (health, metrics, playground) stays open
+# answered while the server drains: /health says 503 itself, so a load balancer takes the instance out
+_OPEN_WHILE_DRAINING = ("/health", "/metrics", "/stats", "/version")
 
 
 def default_model_name(model_path: str) -> str:
@@ -47,27 +51,54 @@ def default_model_name(model_path: str) -> str:
     return name[:-5] if name.endswith(".gguf") else name
 
 
+# pydantic's strict type errors, said as JSON types (a string "false" is not a boolean)
+_TYPE_NAMES = {"bool_type": "a JSON boolean (true or false)", "int_type": "an integer",
+               "float_type": "a number", "string_type": "a string", "list_type": "an array",
+               "dict_type": "an object", "model_type": "an object", "model_attributes_type": "an object"}
+
+
+def _json_type(value: Any) -> str:
+    kind = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
+    return f"{kind} ({json.dumps(value)[:40]})" if isinstance(value, (bool, int, float, str)) else kind
+
+
 def _error_response(e: ApiError, headers: Optional[dict[str, str]] = None) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
 class GuardMiddleware:
-    """API key and body-size checks before any parsing, so they answer first and cheaply (pure ASGI: it can
-    refuse a body by its length without reading it, and bound chunked bodies while reading)."""
+    """Draining, API key and body-size checks before any parsing, so they answer first and cheaply (pure ASGI: it
+    can refuse a body by its length without reading it, and bound chunked bodies while reading)."""
 
-    def __init__(self, app: ASGIApp, api_key: Optional[str], max_body_bytes: int):
-        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+    def __init__(self, app: ASGIApp, api_key: Optional[str], max_body_bytes: int, llm: Any = None):
+        self.app, self.api_key, self.max_body_bytes, self.llm = app, api_key, max_body_bytes, llm
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if self.llm is not None and self.llm.draining and scope["path"] not in _OPEN_WHILE_DRAINING:
+            err = ApiError(503, "the server is shutting down: it finishes the requests in flight and takes no new "
+                                "ones; retry (another instance can take it)", code="shutting_down",
+                           type="service_unavailable")
+            # Retry-After: behind a load balancer another instance can take the request at once
+            return await _error_response(err, {"Retry-After": "1", "Connection": "close"})(scope, receive, send)
         headers = dict(scope["headers"])
         if self.api_key and scope["path"].startswith(_PROTECTED):
-            auth = headers.get(b"authorization", b"").decode("latin-1")
-            if not hmac.compare_digest(auth.encode(), f"Bearer {self.api_key}".encode()):
-                msg = "no API key given" if not auth else "the API key is wrong"
-                err = ApiError(401, f"{msg}; send the header 'Authorization: Bearer <key>'", code="invalid_api_key")
-                return await _error_response(err)(scope, receive, send)
+            auths = [v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"]
+            if len(auths) > 1:      # proxies and frameworks differ on which one they read: refuse, do not guess
+                why = f"the request has {len(auths)} Authorization headers; send exactly one"
+            elif not auths or not auths[0]:
+                why = "no API key given; send the header 'Authorization: Bearer <key>'"
+            elif not hmac.compare_digest(auths[0].encode(), f"Bearer {self.api_key}".encode()):
+                why = "the API key is wrong; send the header 'Authorization: Bearer <key>'"
+            else:
+                why = None
+            if why is not None:
+                # RFC 6750's challenge: error="invalid_token" only when a credential was sent
+                challenge = 'Bearer error="invalid_token"' if any(auths) else "Bearer"
+                err = ApiError(401, why, code="invalid_api_key")
+                return await _error_response(err, {"WWW-Authenticate": challenge})(scope, receive, send)
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         too_big = ApiError(413, f"the request body is larger than {self.max_body_bytes} bytes",
@@ -101,11 +132,17 @@ class GuardMiddleware:
 def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional[str] = None,
               api_key: Optional[str] = None, max_queue: Optional[int] = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: Optional[str] = None,
-              reasoning_parser: Optional[str] = None) -> FastAPI:
+              reasoning_parser: Optional[str] = None, enable_shutdown_endpoint: bool = False,
+              max_prompts_per_request: int = MAX_PROMPTS, report_cached_tokens: bool = True) -> FastAPI:
     """An app serving the engine. max_queue: 503 once that many requests wait; max_body_bytes: 413 above it.
     tool_call_parser: how chat replies' tool calls are read (default: from the chat template); reasoning_parser:
     thinking goes to reasoning_content (default: the engine's). Given an LLMEngine the app owns the AsyncLLM it
-    wraps it in, and stops it at shutdown."""
+    wraps it in, and stops it at shutdown. enable_shutdown_endpoint: POST /shutdown drains the engine as SIGTERM
+    does (llm.drain(): 503 to new requests); `tokenmill serve` then exits once the requests in flight are done.
+    max_prompts_per_request: a completions request with more prompts is a 400; report_cached_tokens: False reports
+    usage's cached_tokens as 0, so a client cannot learn what other clients sent."""
+    if max_prompts_per_request < 1:
+        raise ValueError(f"max_prompts_per_request must be >= 1, got {max_prompts_per_request}")
     if tool_call_parser is not None:
         get_tool_parser(tool_call_parser)          # a clear ValueError at start for an unknown name
     if reasoning_parser is not None:
@@ -118,7 +155,8 @@ def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional
     so_config = getattr(getattr(eng, "structured_outputs", None), "config", None)
     ctx = ServerContext(llm, model_name or default_model_name(eng.config.model),
                         eng.config.scheduler_config.max_model_len, tool_call_parser=tool_call_parser,
-                        reasoning_parser=reasoning_parser or getattr(so_config, "reasoning_parser", None))
+                        reasoning_parser=reasoning_parser or getattr(so_config, "reasoning_parser", None),
+                        max_prompts_per_request=max_prompts_per_request, report_cached_tokens=report_cached_tokens)
     metrics = ServerMetrics(ctx.model_name, eng.kv_cache_info())
     llm.hooks.append(metrics.on_iteration)
 
@@ -130,7 +168,7 @@ def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional
 
     app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan)
     app.state.llm, app.state.ctx, app.state.metrics = llm, ctx, metrics
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes, llm=llm)
     document(app, api_key=bool(api_key), protected=_PROTECTED)
 
     # ---- errors in OpenAI's shape ----
@@ -146,12 +184,22 @@ def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional
         err = next((x for x in errs if x.get("type") == "value_error"), errs[0] if errs else {})
         loc = [str(x) for x in err.get("loc", ()) if x != "body" and "[" not in str(x)]
         if err.get("type") == "json_invalid":
-            why = err.get("ctx", {}).get("error", "")
-            return _error_response(ApiError(400, f"the request body is not valid JSON ({why})"))
+            why, pos = err.get("ctx", {}).get("error", ""), err.get("loc", ())[-1:]
+            at = f" at character {pos[0]}" if pos and isinstance(pos[0], int) else ""
+            return _error_response(ApiError(400, f"the request body is not valid JSON: {why.removesuffix(' at')}{at}"))
         where = ".".join(loc)
         msg = err.get("msg", "invalid request").removeprefix("Value error, ")
-        if err.get("type") == "extra_forbidden":
+        kind = err.get("type")
+        if kind == "extra_forbidden":
             msg = f"unknown field {where!r}: tokenmill does not support it (it would otherwise be ignored)"
+        elif kind == "missing" and not where:
+            route = request.scope.get("route")
+            body = getattr(getattr(getattr(route, "body_field", None), "field_info", None), "annotation", None)
+            need = [n for n, f in getattr(body, "model_fields", {}).items() if f.is_required()]
+            msg = ("the request body is empty; send a JSON object" +
+                   (f" with at least {', '.join(repr(n) for n in need)}" if need else ""))
+        elif kind in _TYPE_NAMES:
+            msg = f"{where or 'the body'} must be {_TYPE_NAMES[kind]}, not {_json_type(err.get('input'))}"
         elif where:
             msg = f"{where}: {msg}"
         return _error_response(ApiError(400, msg, where or None))
@@ -160,7 +208,9 @@ def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional
     async def _http_error(request: Request, e: StarletteHTTPException) -> Response:
         # the router's own 404/405 name what was asked and what is served, so a client sees what to change
         what, msg, code = f"{request.method} {request.url.path}", str(e.detail), None
-        if e.status_code == 404 and not request.url.path.startswith("/static/"):
+        if e.status_code == 400 and msg == "There was an error parsing the body":     # FastAPI's catch-all
+            msg = explain_unparsable(await request.body()) or "the request body could not be read as JSON"
+        elif e.status_code == 404 and not request.url.path.startswith("/static/"):
             served = ", ".join(f"{m} {r.path}" for r in app.routes if r.path.startswith("/v1/")
                                for m in sorted(getattr(r, "methods", ()) or ()) if m != "HEAD")
             msg, code = f"{what} is not implemented by this server; it serves {served}", "unknown_endpoint"
@@ -205,7 +255,7 @@ def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": ctx.model_name, "object": "model", "created": now(),
-                                            "owned_by": "tokenmill", "root": eng.config.model,
+                                            "owned_by": "tokenmill", "root": ctx.model_name,
                                             "max_model_len": ctx.max_model_len}]}
 
     # ---- vLLM's extras ----
@@ -233,11 +283,23 @@ def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional
             raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
         return {"prompt": ctx.tokenizer.decode(body.tokens)}
 
-    @app.get("/health", response_model=Health, responses=errors(503, why={503: "The engine has stopped."}))
+    @app.get("/health", response_model=Health,
+             responses=errors(503, why={503: "The engine has stopped, or the server is shutting down."}))
     async def health() -> Response:
+        if llm.draining:
+            return _error_response(ApiError(503, f"the server is shutting down ({llm.num_in_flight} requests in "
+                                                 f"flight)", code="shutting_down", type="service_unavailable"))
         if not llm.is_running:
             return _error_response(ApiError(503, f"the engine is not running: {llm.error}"))
         return JSONResponse({"status": "ok"})
+
+    if enable_shutdown_endpoint:
+        @app.post("/shutdown", status_code=202, responses=errors(503, why={503: "The server is shutting down."}))
+        async def shutdown() -> dict[str, Any]:
+            """Drain as SIGTERM does: new requests get 503, those in flight run to their end (up to
+            --shutdown-timeout seconds), then the server exits."""
+            llm.drain()
+            return {"status": "shutting_down", "num_in_flight": llm.num_in_flight}
 
     @app.get("/version", response_model=Version)
     async def version() -> dict[str, str]:

@@ -12,8 +12,8 @@ from tokenmill.engine.async_engine import RequestStream
 from tokenmill.outputs import Logprob
 from tokenmill.reasoning import ReasoningParser, get_reasoning_parser
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.common import (DONE, ServerContext, SSEResponse, clamp, final_outputs, new_id, now, sse,
-                                     stream_error, submit, top_by_rank, usage)
+from tokenmill.server.common import (DONE, ServerContext, SSEResponse, checked, clamp, final_outputs, new_id, now,
+                                     sse, stream_error, submit, top_by_rank, usage)
 from tokenmill.server.protocol import ApiError, ChatCompletionRequest, ChatMessage
 from tokenmill.server.tools import ToolPlan, hermes_messages, plan_tools, supports_tools
 from tokenmill.tokenizer import apply_chat_template
@@ -184,8 +184,10 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     ids = render_messages(ctx, req.messages, req.add_generation_prompt is not False, plan.render)
     k = (req.top_logprobs or 0) if req.logprobs else None
     params = _params(ctx, req, plan, k, reasoning)
+    length_field = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
+    ctx.check_length(len(ids), params.max_tokens, length_field, "messages", "the messages")
     rid = new_id("chatcmpl")
-    stream = await submit(ctx, {"prompt_token_ids": ids}, params, rid)
+    stream = await submit(ctx, ctx.prompt(ids, req.cache_salt), params, rid)
     if req.stream:
         parsers = [ChoiceParser(reasoning, plan) for _ in range(req.num_choices)]
         return SSEResponse(_stream(ctx, req, rid, stream, k, parsers), [stream])
@@ -200,7 +202,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     return JSONResponse({
         "id": rid, "object": "chat.completion", "created": now(), "model": ctx.model_name, "choices": choices,
         "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs),
-                       out.num_cached_tokens)})
+                       ctx.cached(out.num_cached_tokens))})
 
 
 async def _stream(ctx: ServerContext, req: ChatCompletionRequest, rid: str, stream: RequestStream,
@@ -224,7 +226,7 @@ async def _stream(ctx: ServerContext, req: ChatCompletionRequest, rid: str, stre
             yield chunk([choice(i, {"role": "assistant", "content": ""})])
         last = None
         async for out in stream:
-            last = out
+            last = checked(out)
             for c in out.outputs:
                 if c.index in done:
                     continue
@@ -246,7 +248,7 @@ async def _stream(ctx: ServerContext, req: ChatCompletionRequest, rid: str, stre
                                         stop_reason=c.stop_reason)])
         if req.include_usage and last is not None:
             yield chunk([], usage=usage(len(last.prompt_token_ids), sum(len(c.token_ids) for c in last.outputs),
-                                        last.num_cached_tokens))
+                                        ctx.cached(last.num_cached_tokens)))
         yield DONE
     except Exception as e:
         yield stream_error(e)

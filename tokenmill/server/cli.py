@@ -4,8 +4,9 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import time
 
-from typing import Any
+from typing import Any, Optional
 
 
 def register(subparsers: Any) -> None:
@@ -22,6 +23,18 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-queue", type=int, default=None,
                    help="answer 503 while this many requests are already waiting (default: no bound)")
     p.add_argument("--max-body-bytes", type=int, default=4 * 2 ** 20, help="answer 413 to larger request bodies")
+    p.add_argument("--max-prompts-per-request", type=int, default=128,
+                   help="answer 400 to a completions request with more prompts than this (like OpenAI's cap on n)")
+    p.add_argument("--no-report-cached-tokens", dest="report_cached_tokens", action="store_false",
+                   help="report usage's cached_tokens as 0: with a prefix cache shared between clients, the count "
+                        "tells a client which prompts others sent (cache_salt keeps requests apart instead)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM or Ctrl-C (or POST /shutdown), let the requests in flight finish for up to this "
+                        "many seconds while new ones get 503, then end the rest and exit (0: at once); a second "
+                        "signal ends everything at once")
+    p.add_argument("--enable-shutdown-endpoint", action="store_true",
+                   help="serve POST /shutdown, which drains and stops the server as SIGTERM does (it needs the API "
+                        "key when one is set)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     from tokenmill.reasoning import REASONING_PARSERS
     from tokenmill.tool_parsers import TOOL_PARSER_NAMES
@@ -53,7 +66,9 @@ def _bind(host: str, port: int) -> socket.socket:
     """Bind and listen before loading the model: a busy port fails in a second, not after the load; with
     --port 0 the URL printed is the real one; and a client that connects as soon as the URL is printed
     waits in the backlog until uvicorn accepts, instead of being refused."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    # IPPROTO_TCP named, not 0: asyncio sets TCP_NODELAY only on sockets that say they are TCP, and without it each
+    # response's body (a stream's first token too) waits for the client's delayed ACK of its headers
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
@@ -100,6 +115,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--max-queue must be >= 0")
     if args.max_body_bytes < 1:
         raise ValueError("--max-body-bytes must be >= 1")
+    if not args.shutdown_timeout >= 0:
+        raise ValueError("--shutdown-timeout must be >= 0")
     sock = _bind(args.host, args.port)
     if args.data_parallel_size == 1:
         llm = AsyncLLM.from_engine_args(args.model, **engine_kwargs(args), reasoning_parser=args.reasoning_parser)
@@ -112,19 +129,47 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = llm.engine
     app = build_app(llm, model_name=args.served_model_name, api_key=args.api_key, max_queue=args.max_queue,
                     max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser,
-                    reasoning_parser=args.reasoning_parser)
+                    reasoning_parser=args.reasoning_parser, enable_shutdown_endpoint=args.enable_shutdown_endpoint,
+                    max_prompts_per_request=args.max_prompts_per_request,
+                    report_cached_tokens=args.report_cached_tokens)
+    timeout = args.shutdown_timeout
 
     class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            # fail requests in flight now (they get an error), so uvicorn's graceful wait does not hang on them
-            llm.shutdown("the server is shutting down")
-            super().handle_exit(sig, frame)
+        """A first SIGTERM or Ctrl-C (or POST /shutdown) drains: new requests get 503 while the listener stays
+        open, those in flight run on for up to --shutdown-timeout seconds, then what is left gets an error and the
+        process exits 0. A second signal does that at once; a third stops waiting for the connections too."""
+        drain_since: Optional[float] = None
 
-        async def shutdown(self, sockets: Any = None) -> None:
-            # here, not after run(): uvicorn re-raises the signal it caught once serving ends, and the process dies
-            # with it (a remote rank must be told to stop first)
-            await super().shutdown(sockets)
-            llm.shutdown(wait=True)
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # uvicorn's own handler is not called: it records the signal, re-raises it once serving ends, and the
+            # process dies by it instead of exiting 0. This runs between any two bytecodes: it only sets flags and
+            # queues commands (the rest happens in on_tick)
+            if not llm.draining and not self.should_exit:
+                llm.drain()
+            elif not self.should_exit:
+                self.cut()
+            else:
+                self.force_exit = True
+
+        def cut(self) -> None:
+            """Fail the requests still in flight (each gets an error), so uvicorn's graceful wait ends."""
+            llm.shutdown("the server is shutting down")
+            self.should_exit = True
+
+        async def on_tick(self, counter: int) -> bool:
+            if llm.draining and not self.should_exit:
+                if self.drain_since is None:
+                    self.drain_since = time.monotonic()
+                    n = llm.num_in_flight
+                    print("tokenmill: shutting down: new requests get 503" + (
+                        f"; the {n} in flight may finish for up to {timeout:g} s (a second Ctrl-C or SIGTERM ends "
+                        f"them at once)" if n and timeout else ""), flush=True)
+                if not llm.num_in_flight or time.monotonic() - self.drain_since >= timeout:
+                    if llm.num_in_flight:
+                        print(f"tokenmill: --shutdown-timeout ({timeout:g} s) is over: ending the "
+                              f"{llm.num_in_flight} requests still in flight", flush=True)
+                    self.cut()
+            return await super().on_tick(counter)
 
     host, port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
@@ -140,7 +185,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"tokenmill: {engine.runner.startup_line()}", flush=True)
     print(f"tokenmill: serving {app.state.ctx.model_name} on {engine.config.device}\n"
           f"  OpenAI API:  {url}/v1{key}\n  playground:  {url}/\n  metrics:     {url}/metrics\n"
-          f"  Ctrl-C stops.", flush=True)
+          f"  Ctrl-C or SIGTERM stops (requests in flight finish first, for up to {timeout:g} s; a second stops "
+          f"at once).", flush=True)
     try:
         Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)).run(sockets=[sock])
     finally:

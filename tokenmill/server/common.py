@@ -21,6 +21,9 @@ from tokenmill.server.protocol import ApiError, constraint_error, invalid_params
 DONE = "data: [DONE]\n\n"
 
 
+MAX_PROMPTS = 128        # like OpenAI's cap on n: one request cannot queue the whole engine's work
+
+
 @dataclass
 class ServerContext:
     llm: AsyncLLM
@@ -28,6 +31,8 @@ class ServerContext:
     max_model_len: int
     tool_call_parser: Optional[str] = None    # --tool-call-parser; None: the one the chat template's syntax asks for
     reasoning_parser: Optional[str] = None    # --reasoning-parser: thinking goes to reasoning_content
+    max_prompts_per_request: int = MAX_PROMPTS
+    report_cached_tokens: bool = True         # usage.prompt_tokens_details.cached_tokens (README: what it reveals)
     _token_text: dict[int, str] = field(default_factory=dict)
 
     @property
@@ -38,6 +43,36 @@ class ServerContext:
         if name is not None and name != self.model_name:
             raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                            "model", "model_not_found")
+
+    def prompt(self, prompt: Union[str, list[int]], cache_salt: Optional[str]) -> dict[str, Any]:
+        """The engine's prompt dict, tokenized here so that its length can be checked against the context before
+        it is queued. The salt keeps its prefix-cache blocks apart from requests with another salt or none."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ApiError(400, "this model has no tokenizer; send the prompt as token ids", "prompt")
+            d: dict[str, Any] = {"prompt": prompt, "prompt_token_ids": list(self.tokenizer.encode(prompt))}
+        else:
+            d = {"prompt_token_ids": prompt}
+        if cache_salt is not None:
+            d["cache_salt"] = cache_salt
+        return d
+
+    def check_length(self, n_prompt: int, max_tokens: Optional[int], length_field: str, prompt_field: str,
+                     what: str) -> None:
+        """OpenAI's and vLLM's rule: the prompt and the tokens asked for must fit the context, else a 400 that
+        states the numbers (rather than a completion cut to what is left). what: the prompt, as the message says."""
+        limit = self.max_model_len
+        context = f"this model's context length (max_model_len) is {limit} tokens"
+        if n_prompt >= limit:
+            raise ApiError(400, f"{context} and {what} takes {n_prompt}, which leaves no room for a completion; "
+                                f"shorten {what}", prompt_field, "context_length_exceeded")
+        if max_tokens is not None and n_prompt + max_tokens > limit:
+            raise ApiError(400, f"{context}, but {n_prompt + max_tokens} were asked for: {n_prompt} in {what} and "
+                                f"{max_tokens} in {length_field}; lower {length_field} to at most {limit - n_prompt} "
+                                f"or shorten {what}", length_field, "context_length_exceeded")
+
+    def cached(self, n: int) -> int:
+        return n if self.report_cached_tokens else 0
 
     def token_text(self, token_id: int) -> str:
         """One token as text, for logprobs (special tokens included, as the model produced them)."""
@@ -96,6 +131,18 @@ async def submit_all(ctx: ServerContext, prompts: list[Any], params: SamplingPar
     return streams
 
 
+def checked(out: Any) -> Any:
+    """out, unless a choice could not go on: its constraint allowed no token its bans left (seen only while
+    generating, e.g. min_tokens past a choice's end). That is the request's contradiction, a 400 that says so,
+    rather than a finish reason OpenAI's clients do not know."""
+    for c in out.outputs if isinstance(out, RequestOutput) else ():
+        if c.finish_reason == "abort":
+            raise ApiError(400, f"the output could not go on after {len(c.token_ids)} tokens: "
+                                f"{c.stop_reason or 'the constraint allowed no token the request leaves'}",
+                           code="contradictory_constraints")
+    return out
+
+
 async def final_outputs(streams: list[RequestStream], request: Request) -> list[RequestOutput]:
     """Wait for every stream to finish. A client that disconnects meanwhile aborts them all (its KV blocks are
     freed at the next engine step) instead of letting them run to the end for nobody."""
@@ -111,7 +158,7 @@ async def final_outputs(streams: list[RequestStream], request: Request) -> list[
         for s in streams:
             last: Optional[RequestOutput] = None
             async for out in s:
-                last = out
+                last = checked(out)
             assert last is not None
             finals.append(last)
         return finals
@@ -130,7 +177,7 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
     async def pump(i: int, s: RequestStream) -> None:
         try:
             async for out in s:
-                q.put_nowait((i, out, None))
+                q.put_nowait((i, checked(out), None))
         except Exception as e:
             q.put_nowait((i, None, e))
         q.put_nowait((i, None, None))

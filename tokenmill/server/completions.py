@@ -60,8 +60,16 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, request:
     _check(ctx, req)
     prompt_lps = req.logprobs if req.echo and req.logprobs is not None else None
     params = req.to_sampling_params(16 if req.max_tokens is None else req.max_tokens, req.logprobs, prompt_lps)
+    prompts = req.prompts()
+    if len(prompts) > ctx.max_prompts_per_request:
+        raise ApiError(400, f"prompt holds {len(prompts)} prompts; at most {ctx.max_prompts_per_request} go in one "
+                            f"request (--max-prompts-per-request): send the rest in another", "prompt")
+    inputs = [ctx.prompt(p, req.cache_salt) for p in prompts]
+    for i, p in enumerate(inputs):
+        ctx.check_length(len(p["prompt_token_ids"]), params.max_tokens, "max_tokens", "prompt",
+                         "the prompt" if len(inputs) == 1 else f"prompt {i}")
     rid = new_id("cmpl")
-    streams = await submit_all(ctx, req.prompts(), params, rid)
+    streams = await submit_all(ctx, inputs, params, rid)
     if req.stream:
         return SSEResponse(_stream(ctx, req, rid, streams), streams)
     finals = await final_outputs(streams, request)
@@ -83,7 +91,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, request:
             choices.append(choice)
     cached = sum(o.num_cached_tokens for o in finals)
     return JSONResponse({"id": rid, "object": "text_completion", "created": now(), "model": ctx.model_name,
-                         "choices": choices, "usage": usage(n_prompt, n_out, cached)})
+                         "choices": choices, "usage": usage(n_prompt, n_out, ctx.cached(cached))})
 
 
 async def _stream(ctx: ServerContext, req: CompletionRequest, rid: str, streams: list) -> AsyncIterator[str]:
@@ -129,7 +137,7 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, rid: str, streams:
             n_prompt = sum(len(o.prompt_token_ids) for o in last.values())
             n_out = sum(len(c.token_ids) for o in last.values() for c in o.outputs)
             cached = sum(o.num_cached_tokens for o in last.values())
-            yield chunk([], usage=usage(n_prompt, n_out, cached))
+            yield chunk([], usage=usage(n_prompt, n_out, ctx.cached(cached)))
         yield DONE
     except Exception as e:
         yield stream_error(e)

@@ -13,18 +13,19 @@ from starlette.responses import JSONResponse, Response
 from tokenmill.engine.async_engine import RequestStream
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.server.common import ServerContext, final_outputs, new_id, now, submit
-from tokenmill.server.protocol import ApiError, Int, _Strict, prompt_schema
+from tokenmill.server.protocol import ApiError, Bool, CacheSalt, Int, _Request, prompt_schema
 
 MAX_INPUTS = 2048        # OpenAI's cap on the items of one request
 
 
-class EmbeddingRequest(_Strict):
+class EmbeddingRequest(_Request):
     input: Union[str, list[str], list[Int], list[list[Int]]] = Field(json_schema_extra=prompt_schema(MAX_INPUTS))
     model: Optional[str] = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Optional[Int] = Field(default=None, ge=1)
     user: Optional[str] = None                  # accepted and ignored (IGNORED in protocol.py)
-    normalize: Optional[bool] = None            # vLLM's extra: False returns the raw pooled vector
+    normalize: Optional[Bool] = None            # vLLM's extra: False returns the raw pooled vector
+    cache_salt: CacheSalt = None
 
     @field_validator("input", mode="before")
     @classmethod
@@ -90,7 +91,7 @@ async def create_embedding(ctx: ServerContext, req: EmbeddingRequest, request: R
                        "dimensions")
     params = PoolingParams(normalize=True if req.normalize is None else req.normalize)
     rid = new_id("embd")
-    streams = await _submit_inputs(ctx, req.inputs(), params, rid)
+    streams = await _submit_inputs(ctx, [ctx.prompt(p, req.cache_salt) for p in req.inputs()], params, rid)
     finals = await final_outputs(streams, request)
     data = [{"object": "embedding", "index": i, "embedding": encode(o.outputs.data, req.encoding_format)}
             for i, o in enumerate(finals)]

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
+from tokenmill.server.bodies import unencodable
 
 
 class ApiError(Exception):
@@ -35,10 +36,26 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class _Request(_Strict):
+    """A request body: its text is checked as a whole first, so text no tokenizer can encode is refused with the
+    field that holds it rather than failing wherever it is first used."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _encodable(cls, data: Any) -> Any:
+        found = unencodable(data)
+        if found is not None:
+            raise ApiError(400, f"{found[0]}: {found[1]}", found[0])
+        return data
+
+
 Int = Annotated[int, Strict()]        # JSON true is not 1, nor 2.0 an integer
+Bool = Annotated[bool, Strict()]      # nor "yes", "false" or 0 a boolean
 Float = Annotated[float, Strict()]    # any JSON number, but not a boolean
 TokenId = Annotated[int, Strict(), Field(ge=0)]
 StopString = Annotated[str, Field(min_length=1)]
+# vLLM's cache_salt: requests share prefix-cache blocks only with requests of the same salt
+CacheSalt = Annotated[Optional[str], Field(default=None, min_length=1, max_length=256)]
 Stop = Optional[Union[StopString, list[StopString]]]
 # token id (as a JSON key must be a string) -> bias; without additionalProperties the schema would let other keys by
 LogitBias = Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[Float, Field(ge=-100, le=100)]],
@@ -61,8 +78,8 @@ def prompt_schema(max_prompts: Optional[int] = None) -> dict[str, Any]:
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: Bool = False
+    continuous_usage_stats: Bool = False
 
 
 def invalid_params(e: Exception) -> ApiError:
@@ -81,7 +98,7 @@ class JsonSchemaSpec(_Strict):
     name: str = Field(min_length=1, max_length=64)
     description: Optional[str] = None
     schema_: dict[str, Any] = Field(alias="schema")      # an alias: `schema` would shadow BaseModel.schema
-    strict: Optional[bool] = None       # the schema is always enforced, strict or not
+    strict: Optional[Bool] = None       # the schema is always enforced, strict or not
 
 
 class ResponseFormat(_Strict):
@@ -114,8 +131,8 @@ class StructuredOutputs(_Strict):
     regex: Optional[NonEmpty] = None
     choice: Optional[Choices] = None
     grammar: Optional[NonEmpty] = None
-    json_object: Optional[bool] = None
-    disable_any_whitespace: Optional[bool] = False
+    json_object: Optional[Bool] = None
+    disable_any_whitespace: Optional[Bool] = False
 
 
 # the request fields that constrain the output; a request may use one of them
@@ -147,7 +164,7 @@ def constraint_error(e: Exception, params: SamplingParams) -> ApiError:
     return ApiError(400, re.sub(r"^structured_outputs\.\w+", _where(so.param, so.kind), msg), so.param)
 
 
-class _Sampling(_Strict):
+class _Sampling(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions. Optional ones take null as "the default"
     (some clients send nulls for options they leave unset)."""
     model: Optional[str] = None
@@ -156,7 +173,7 @@ class _Sampling(_Strict):
     top_p: Optional[Float] = Field(default=1.0, gt=0, le=1)
     seed: Optional[Int] = Field(default=None, ge=-2 ** 63, le=2 ** 63 - 1)
     stop: Stop = None
-    stream: Optional[bool] = False
+    stream: Optional[Bool] = False
     stream_options: Optional[StreamOptions] = None
     presence_penalty: Optional[Float] = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: Optional[Float] = Field(default=0.0, ge=-2, le=2)
@@ -164,22 +181,23 @@ class _Sampling(_Strict):
     # accepted and ignored (IGNORED)
     user: Optional[str] = None
     metadata: Optional[dict[str, str]] = None
-    store: Optional[bool] = None
+    store: Optional[Bool] = None
     service_tier: Optional[str] = None
     prediction: Optional[dict[str, Any]] = None
-    parallel_tool_calls: Optional[bool] = None     # with tool_choice required, false allows one call only
+    parallel_tool_calls: Optional[Bool] = None     # with tool_choice required, false allows one call only
     # vLLM's extras
     top_k: Optional[Int] = Field(default=0, ge=-1)           # 0 or -1: off
     min_p: Optional[Float] = Field(default=0.0, ge=0, le=1)
     repetition_penalty: Optional[Float] = Field(default=1.0, gt=0)
     min_tokens: Optional[Int] = Field(default=0, ge=0)
     stop_token_ids: Optional[list[TokenId]] = None
-    include_stop_str_in_output: Optional[bool] = False
-    ignore_eos: Optional[bool] = False
-    skip_special_tokens: Optional[bool] = True
+    include_stop_str_in_output: Optional[Bool] = False
+    ignore_eos: Optional[Bool] = False
+    skip_special_tokens: Optional[Bool] = True
     bad_words: Optional[list[str]] = None
     allowed_token_ids: Optional[list[TokenId]] = Field(default=None, min_length=1)
-    return_token_ids: Optional[bool] = False  # choices also carry token_ids (and prompt_token_ids)
+    return_token_ids: Optional[Bool] = False  # choices also carry token_ids (and prompt_token_ids)
+    cache_salt: CacheSalt = None
     # structured outputs (at most one of CONSTRAINT_FIELDS)
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[StructuredOutputs] = None
@@ -244,7 +262,7 @@ class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[Int], list[list[Int]]] = Field(json_schema_extra=prompt_schema())
     max_tokens: Optional[Int] = Field(default=16, ge=1)     # OpenAI's default for completions
     logprobs: Optional[Int] = Field(default=None, ge=0, le=20)
-    echo: Optional[bool] = False
+    echo: Optional[Bool] = False
     best_of: Optional[Int] = Field(default=None, ge=1, le=MAX_N)
     suffix: Optional[str] = None
 
@@ -282,7 +300,7 @@ class FunctionDefinition(_Strict):
     name: str = Field(min_length=1, max_length=64)
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = None      # a JSON schema (checked when the request arrives)
-    strict: Optional[bool] = None     # accepted: required/named choices always enforce the schema, auto never does
+    strict: Optional[Bool] = None     # accepted: required/named choices always enforce the schema, auto never does
 
 
 class ChatTool(_Strict):
@@ -383,9 +401,9 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[Int] = Field(default=None, ge=1)
     max_completion_tokens: Optional[Int] = Field(default=None, ge=1)
-    logprobs: Optional[bool] = False
+    logprobs: Optional[Bool] = False
     top_logprobs: Optional[Int] = Field(default=None, ge=0, le=20)
-    add_generation_prompt: Optional[bool] = True
+    add_generation_prompt: Optional[Bool] = True
     tools: Optional[list[ChatTool]] = None
     tool_choice: Optional[ToolChoice] = None      # "auto" when tools are given, else "none"
 
@@ -396,7 +414,7 @@ class ChatCompletionRequest(_Sampling):
         return "auto" if self.tools else "none"
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(_Request):
     # exactly one of prompt and messages, not null (the handler checks it)
     model_config = ConfigDict(json_schema_extra={"oneOf": [
         {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
@@ -404,10 +422,10 @@ class TokenizeRequest(_Strict):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_special_tokens: Bool = True
+    add_generation_prompt: Bool = True
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(_Request):
     model: Optional[str] = None
     tokens: list[TokenId]

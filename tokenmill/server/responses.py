@@ -22,8 +22,9 @@ from tokenmill.engine.async_engine import EngineDeadError, RequestStream
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.chat import chat_logprobs, render_messages
-from tokenmill.server.common import ServerContext, SSEResponse, final_outputs, now, submit, unavailable
-from tokenmill.server.protocol import ApiError, ChatMessage, Float, Int, Stop, TokenId, _or, _Strict
+from tokenmill.server.common import ServerContext, SSEResponse, checked, final_outputs, now, submit, unavailable
+from tokenmill.server.protocol import (ApiError, Bool, CacheSalt, ChatMessage, Float, Int, Stop, TokenId, _or, _Request,
+                                       _Strict)
 
 DEFAULT_STORE_SIZE = 4096
 _MEDIA_PARTS = ("input_image", "input_file", "input_audio")
@@ -78,7 +79,7 @@ class InputMessage(_Strict):
         return ChatMessage(role=self.role, content=c if isinstance(c, str) else "".join(p.text or "" for p in c))
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(_Request):
     model: Optional[str] = None
     input: Union[str, list[InputMessage]]
     instructions: Optional[str] = None
@@ -88,24 +89,25 @@ class ResponsesRequest(_Strict):
     top_p: Optional[Float] = Field(default=None, gt=0, le=1)
     top_logprobs: Optional[Int] = Field(default=None, ge=0, le=20)
     include: Optional[list[str]] = None        # only message.output_text.logprobs changes anything here
-    stream: Optional[bool] = False
-    store: Optional[bool] = True
+    stream: Optional[Bool] = False
+    store: Optional[Bool] = True
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     text: Optional[dict[str, Any]] = None      # {"format": {"type": "text"}} only
     # refused unless left unset (checked in _refuse)
     reasoning: Optional[dict[str, Any]] = None
-    background: Optional[bool] = None
+    background: Optional[Bool] = None
     conversation: Optional[Union[str, dict[str, Any]]] = None
     prompt: Optional[dict[str, Any]] = None
     # accepted and ignored: they change nothing this server computes
     metadata: Optional[dict[str, str]] = None
     user: Optional[str] = None
-    parallel_tool_calls: Optional[bool] = None
+    parallel_tool_calls: Optional[Bool] = None
     truncation: Optional[Literal["auto", "disabled"]] = None
     service_tier: Optional[str] = None
     safety_identifier: Optional[str] = None
     prompt_cache_key: Optional[str] = None
+    cache_salt: CacheSalt = None
     prompt_cache_retention: Optional[str] = None
     max_tool_calls: Optional[Int] = None
     stream_options: Optional[dict[str, Any]] = None
@@ -118,7 +120,7 @@ class ResponsesRequest(_Strict):
     seed: Optional[Int] = Field(default=None, ge=-2 ** 63, le=2 ** 63 - 1)
     stop: Stop = None
     stop_token_ids: Optional[list[TokenId]] = None
-    ignore_eos: Optional[bool] = False
+    ignore_eos: Optional[Bool] = False
 
     def messages(self) -> list[ChatMessage]:
         if isinstance(self.input, str):
@@ -186,9 +188,9 @@ class ResponseStore:
         return len(self._items)
 
 
-def _usage(out: RequestOutput) -> dict[str, Any]:
+def _usage(ctx: ServerContext, out: RequestOutput) -> dict[str, Any]:
     n_in, n_out = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
-    return {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": out.num_cached_tokens,
+    return {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": ctx.cached(out.num_cached_tokens),
                                                            "cache_write_tokens": 0},
             "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": n_in + n_out}
 
@@ -251,8 +253,10 @@ async def create_response(ctx: ServerContext, store: ResponseStore, req: Respons
         raise ApiError(400, "input is empty; give a string or a list of messages", "input")
     system = [ChatMessage(role="system", content=req.instructions)] if req.instructions else []
     ids = render_messages(ctx, system + convo, True)
+    params = req.to_sampling_params()
+    ctx.check_length(len(ids), params.max_tokens, "max_output_tokens", "input", "the input")
     b = _Builder(ctx, req)
-    stream = await submit(ctx, {"prompt_token_ids": ids}, req.to_sampling_params(), b.id)
+    stream = await submit(ctx, ctx.prompt(ids, req.cache_salt), params, b.id)
 
     def keep(text: str) -> None:
         if req.store is not False:
@@ -265,7 +269,7 @@ async def create_response(ctx: ServerContext, store: ResponseStore, req: Respons
     keep(c.text)
     status = b.status(c)
     return JSONResponse(b.response(status, [_message(b.item_id, status, [_text_part(c.text, b.logprobs(c))])],
-                                   _usage(out)))
+                                   _usage(ctx, out)))
 
 
 async def _stream(b: _Builder, stream: RequestStream, keep: Callable[[str], None]) -> AsyncIterator[str]:
@@ -286,7 +290,7 @@ async def _stream(b: _Builder, stream: RequestStream, keep: Callable[[str], None
         chars = toks = 0
         last: Optional[RequestOutput] = None
         async for out in stream:
-            last, c = out, out.outputs[0]
+            last, c = checked(out), out.outputs[0]
             # text held back (a partial character, a possible stop string) waits for the next output
             if len(c.text) > chars or (b.req.num_logprobs is not None and len(c.token_ids) > toks):
                 yield event("response.output_text.delta", **where, delta=c.text[chars:], logprobs=b.logprobs(c, toks))
@@ -300,7 +304,7 @@ async def _stream(b: _Builder, stream: RequestStream, keep: Callable[[str], None
         yield event("response.content_part.done", **where, part=part)
         yield event("response.output_item.done", output_index=0, item=item)
         keep(c.text)
-        yield event(f"response.{status}", response=b.response(status, [item], _usage(last)))
+        yield event(f"response.{status}", response=b.response(status, [item], _usage(b.ctx, last)))
     except Exception as e:
         # the status line is sent already: the failure goes as the terminal event, as OpenAI sends it
         err = unavailable(e) if isinstance(e, EngineDeadError) else e

@@ -29,7 +29,7 @@ class ErrorResponse(BaseModel):
 WHY = {
     400: "The request is invalid: a field of the wrong type, out of range, unknown, or not supported here. The "
          "message says what to change.",
-    401: "No API key, or the wrong one: send 'Authorization: Bearer <key>'.",
+    401: "No API key, the wrong one, or more than one Authorization header: send 'Authorization: Bearer <key>'.",
     404: "The model named is not the one this server serves.",
     413: "The request body is larger than the server's limit.",
     503: "The server is busy (its queue is full) or its engine has stopped.",
@@ -99,7 +99,7 @@ class ModelCard(BaseModel):
     object: Literal["model"]
     created: int
     owned_by: str
-    root: str = Field(description="the path the model was loaded from")
+    root: str = Field(description="the served model's name (no filesystem path is shown)")
     max_model_len: int
 
 
@@ -127,7 +127,7 @@ class Version(BaseModel):
 
 
 # ---- completions and chat ----------------------------------------------------------------------------------------
-FinishReason = Optional[Literal["stop", "length", "abort", "tool_calls"]]    # tool_calls: chat only
+FinishReason = Optional[Literal["stop", "length", "tool_calls"]]    # tool_calls: chat only
 StopReason = Union[int, str, None]     # the stop token id or stop string that ended the choice, if one did
 
 
