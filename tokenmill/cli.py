@@ -17,6 +17,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                   help="a prompt with more tokens than this left is long, and no request computes more in a step, "
+                        "so a long prompt cannot hold a short one back for long (0: no cap; default: 64 serving on "
+                        "a CPU, else 0; 0 with --max-num-partial-prefills > 1: 4%% of --max-model-len)")
+    p.add_argument("--max-num-partial-prefills", type=int, default=1,
+                   help="above 1: at most this many prompts left part-computed by a step (default: 1, no limit)")
+    p.add_argument("--max-long-partial-prefills", type=int, default=1,
+                   help="with --max-num-partial-prefills > 1: at most this many of them long; later, shorter "
+                        "prompts start ahead of a long one held back (default: 1)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory-gb", type=float, default=None)
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
@@ -38,7 +47,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="what an embedding pools (vLLM's pooler config): the last prompt token's hidden state, or "
                         "the mean over the prompt")
     p.add_argument("--structured-outputs-config", type=_json_object, default=None,
-                   help='structured outputs as JSON, vLLM\'s fields: {"backend": "xgrammar", "compile_timeout_s": 10}')
+                   help='structured outputs as JSON, vLLM\'s fields: {"backend": "xgrammar", "compile_timeout_s": 10}, '
+                        'and "max_concurrent_compiles": N (grammar compile processes at once; default: the cores)')
     p.add_argument("--speculative-config", type=_json_object, default=None,
                    help='speculative decoding as JSON, vLLM\'s fields: {"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_min": 1, "prompt_lookup_max": 4}, or {"method": "draft_model", "model": PATH, '
@@ -64,6 +74,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                long_prefill_token_threshold=args.long_prefill_token_threshold,
+                max_num_partial_prefills=args.max_num_partial_prefills,
+                max_long_partial_prefills=args.max_long_partial_prefills,
                 block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_memory_gb,
                 enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
                 cpu_kernels=args.cpu_kernels, quantization=args.quantization, int8_activations=args.int8_activations,

@@ -326,11 +326,46 @@ class SchedulerConfig:
     # vLLM's async_scheduling: a step is scheduled and launched before the last one's tokens are back (they feed it
     # on the device); its tokens, stops and outputs are processed one step later
     async_scheduling: bool = False
+    # Fair prefill, vLLM's knobs. A prompt with more than long_prefill_token_threshold tokens left to compute is
+    # long, and no request computes more than that many in a step: a long prompt leaves the rest of the budget to
+    # others and keeps each step short, so a request that arrives mid-step waits little (0: no cap; with
+    # max_num_partial_prefills > 1, 0 means 4% of max_model_len, as in vLLM).
+    long_prefill_token_threshold: int = 0
+    # With max_num_partial_prefills > 1, at most that many prompts are left part-computed by a step, at most
+    # max_long_partial_prefills of them long: a long prompt waits while one is prefilling and shorter ones pass it.
+    # 1 (vLLM's default): no such limit, waiting prompts take what the budget leaves in arrival order.
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_num_partial_prefills"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: no cap on a prompt's tokens per step), "
+                             f"got {self.long_prefill_token_threshold}")
+        if not 1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills:
+            raise ValueError(f"max_long_partial_prefills must be between 1 and max_num_partial_prefills "
+                             f"({self.max_num_partial_prefills}), got {self.max_long_partial_prefills}; lower it or "
+                             f"raise max_num_partial_prefills")
+        if self.max_num_partial_prefills > 1:
+            if self.long_prefill_token_threshold == 0:
+                object.__setattr__(self, "long_prefill_token_threshold", max(1, int(self.max_model_len * 0.04)))
+            if self.long_prefill_token_threshold > self.max_model_len:
+                raise ValueError(f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) exceeds "
+                                 f"max_model_len ({self.max_model_len}), so no prompt would count as long; lower it, "
+                                 f"or set max_num_partial_prefills=1")
+
+    CPU_LONG_PREFILL_TOKEN_THRESHOLD = 64
+
+    @staticmethod
+    def default_long_prefill_token_threshold(device_type: str, use_kv_cache: bool = True) -> int:
+        """The engine's long_prefill_token_threshold when none is given (a server's: the offline LLM, whose requests
+        are all there from the start, passes 0). On a CPU a prompt token costs milliseconds, so a step holding a
+        whole budget of a long prompt keeps a newcomer waiting for seconds: the cap is small, yet holds a short chat
+        (its template and system prompt included) whole, so that it starts and answers in one step. A GPU keeps
+        vLLM's default (no cap); so does recompute mode (a cap would split every recompute)."""
+        return SchedulerConfig.CPU_LONG_PREFILL_TOKEN_THRESHOLD if device_type == "cpu" and use_kv_cache else 0
 
 
 CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY")

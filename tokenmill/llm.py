@@ -27,6 +27,8 @@ class LLM:
     """Load a model and generate. `LLM()` runs the bundled SmolLM2-135M-Instruct.
 
     Engine options keep vLLM's names: dtype, block_size, max_num_seqs, max_num_batched_tokens, max_model_len,
+    long_prefill_token_threshold, max_num_partial_prefills, max_long_partial_prefills (fair prefill; no cap here by
+    default, since offline no request arrives mid-prefill: see SchedulerConfig),
     enable_prefix_caching, kv_cache_dtype ("auto"; "bfloat16": half the KV bytes, K/V rounded; "int8": about a
     quarter, a scale per token per kv head; "int4": groups of 32 with a scale and min; "fp8" / "fp8_e4m3" /
     "fp8_e5m2": 8-bit floats with a scale per kv head), device, seed;
@@ -46,6 +48,10 @@ class LLM:
         if engine_args.pop("data_parallel_size", 1) != 1:
             raise ValueError("data_parallel_size is for serving: `tokenmill serve --data-parallel-size N` puts N "
                              "replicas behind one server; offline, run one LLM per process")
+        if engine_args.get("long_prefill_token_threshold") is None:
+            # offline every request is there from the start, so none arrives mid-prefill to wait for a long prompt:
+            # no cap (a server's engine caps by default on a CPU, SchedulerConfig.default_long_prefill_token_threshold)
+            engine_args["long_prefill_token_threshold"] = 0
         self.llm_engine = LLMEngine(model, **engine_args)
         self._ids = itertools.count()
 

@@ -8,6 +8,11 @@ request is preempted: its blocks are returned and it is recomputed later from it
 Waiting requests are admitted in arrival order, except that the n sequences of one request (a group) queue
 behind any other request that has fewer sequences running: one client's n=128 cannot hold the batch's seats
 while another's n=1 waits for all of them.
+
+Fair prefill (vLLM's knobs, SchedulerConfig): no request computes more than long_prefill_token_threshold tokens in
+a step, so a long prompt leaves the budget to others and its steps stay short; with max_num_partial_prefills > 1 a
+prompt that a step would leave part-computed starts only within that many such prompts, and a long one only within
+max_long_partial_prefills long ones: it is passed over (it keeps its place) and shorter prompts behind it start.
 """
 from __future__ import annotations
 
@@ -64,8 +69,11 @@ class Scheduler:
         """in_flight (async scheduling): this step goes to the device before the last one is back; its computed
         tokens count at once, and a request whose tokens are still to come is scheduled as if they were there."""
         budget = self.config.max_num_batched_tokens
+        cap = self.config.long_prefill_token_threshold or budget     # a request's tokens in one step
         out = SchedulerOutput(finished_req_ids=self._finished)
         self._finished = []
+        partial: list[tuple[Request, int, bool]] = []    # prompts this step leaves part-computed: (request, its
+        # tokens computed by the end of the step, whether it is long)
         # 1. running requests: their next token (decode) or their next prompt chunk
         i = 0
         while i < len(self.running) and budget > 0:
@@ -73,7 +81,8 @@ class Scheduler:
             if self._nothing_to_compute(req):        # (async scheduling) its last tokens are on their way
                 i += 1
                 continue
-            n = self._fit(req, min(self._target(req) - req.num_computed_tokens + len(req.spec_token_ids), budget))
+            left = self._target(req) - req.num_computed_tokens
+            n = self._fit(req, min(left + len(req.spec_token_ids), budget, cap))
             while not self.kv.allocate_slots(req, n):
                 if req.spec_token_ids:               # guesses give way before any request is preempted for them
                     n = min(n, req.num_tokens - req.num_computed_tokens)
@@ -86,18 +95,30 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 break
+            self._count_partial(partial, req, left, n)
             self._add_to_batch(out, req, n, in_flight)
             budget -= n
             i += 1
-        # 2. waiting requests, in arrival order (preempted ones were put back at the front), groups taking turns
+        # 2. waiting requests, in arrival order (preempted ones were put back at the front), groups taking turns;
+        # a prompt held back (the partial-prefill limits, or a shared prefix still being computed) keeps its place
+        # while later ones are considered
         seats = Counter(r.group_id for r in self.running) if self.waiting else Counter()
+        held: set[str] = set()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
                 and not out.preempted_req_ids:
-            req = self._next_waiting(seats)
+            req = self._next_waiting(seats, held)
+            if req is None:
+                break
+            left = self._target(req) - req.num_computed_tokens     # (a prefix-cache hit aside, as vLLM counts)
+            if (left > min(budget, cap) and not self._may_start_partial(partial, left)) \
+                    or self._prefix_in_progress(req, partial):
+                held.add(req.request_id)
+                continue
             hit_blocks, hit_tokens = ([], 0)
             if req.num_computed_tokens == 0:
                 hit_blocks, hit_tokens = self.kv.get_computed_blocks(req)
-            n = self._fit(req, min(self._target(req) - req.num_computed_tokens - hit_tokens, budget), hit_blocks)
+            left -= hit_tokens
+            n = self._fit(req, min(left, budget, cap), hit_blocks)
             if not self.kv.allocate_slots(req, n, hit_blocks):
                 break                                  # wait for running requests to free blocks
             self.waiting.remove(req)
@@ -109,6 +130,7 @@ class Scheduler:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.monotonic()
             self.running.append(req)
+            self._count_partial(partial, req, left, n)
             self._add_to_batch(out, req, n, in_flight)
             budget -= n
         return out
@@ -126,22 +148,55 @@ class Scheduler:
         return req.num_in_flight > 0 and (len(req.output_token_ids) + req.num_in_flight >= req.max_tokens
                                           or self._target(req) >= self.config.max_model_len)
 
-    def _next_waiting(self, seats: Counter, scan: int = 512) -> Request:
-        """The first waiting request whose group has the fewest sequences running (of the first `scan`: the
-        search stops at the first with none, so one-sequence requests stay in plain arrival order). A preempted
-        request goes first: it held its seat already."""
-        first = self.waiting[0]
-        if first.status is RequestStatus.PREEMPTED or seats[first.group_id] == 0:
-            return first
-        best = first
+    def _next_waiting(self, seats: Counter, held: set[str], scan: int = 512) -> Optional[Request]:
+        """The first waiting request whose group has the fewest sequences running (of the first `scan`, those held
+        back this step aside: the search stops at the first with none, so one-sequence requests stay in plain
+        arrival order). A preempted request goes first: it held its seat already."""
+        best = None
         for i, req in enumerate(self.waiting):
             if i >= scan:
                 break
-            if seats[req.group_id] < seats[best.group_id]:
+            if req.request_id in held:
+                continue
+            if best is None:
+                best = req
+                if req.status is RequestStatus.PREEMPTED or seats[req.group_id] == 0:
+                    break
+            elif seats[req.group_id] < seats[best.group_id]:
                 best = req
                 if seats[req.group_id] == 0:
                     break
         return best
+
+    def _count_partial(self, partial: list, req: Request, left: int, n: int) -> None:
+        """req, with `left` tokens to compute, got n of them this step (before they are counted): a prompt it leaves
+        part-computed?"""
+        if n < left:
+            partial.append((req, req.num_computed_tokens + n, left > self.config.long_prefill_token_threshold))
+
+    def _may_start_partial(self, partial: list, left: int) -> bool:
+        """Whether a waiting prompt with `left` tokens to compute may start although this step will not finish it
+        (vLLM's concurrent partial prefills: limited only when max_num_partial_prefills > 1)."""
+        c = self.config
+        if c.max_num_partial_prefills == 1:
+            return True
+        is_long = left > c.long_prefill_token_threshold
+        return len(partial) < c.max_num_partial_prefills and \
+            (not is_long or sum(long for _, _, long in partial) < c.max_long_partial_prefills)
+
+    def _prefix_in_progress(self, req: Request, partial: list) -> bool:
+        """Whether req's prompt goes on into a full block that a prompt of this step shares but reaches only in a
+        later step: started now, req would compute that block again; a step or a few later it is a cache hit (with
+        chunks capped, requests that share a long prefix often arrive while it is being computed)."""
+        if not partial or req.num_computed_tokens or not self.kv.enable_caching or req.skip_reading_prefix_cache:
+            return False
+        bs = self.kv.block_size
+        for other, reached, _ in partial:
+            end = (reached // bs + 1) * bs           # the end of the first block `other` has not finished
+            if end < req.num_tokens and end <= other.num_tokens and other.cache_salt == req.cache_salt \
+                    and req.all_token_ids[:end] == other.all_token_ids[:end]:
+                return True
+        return False
 
     def _fit(self, req: Request, n: int, hit_blocks: list[int] = ()) -> int:
         """n, or under a sliding window a shorter prompt chunk that fits the free blocks: a chunk needs the window's
