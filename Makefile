@@ -31,7 +31,7 @@ run: setup
 	.venv/bin/tokenmill serve --host 127.0.0.1 --port 8000
 
 test: setup
-	$(PY) -m pytest -x --timeout=600
+	$(PY) -m pytest -x --timeout=600 --durations=25
 
 # the inner loop: everything but the slow end-to-end tests (pytest -m slow)
 test-fast: setup

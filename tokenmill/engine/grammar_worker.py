@@ -23,6 +23,7 @@ the pipes are a tag byte, an 8-byte length and the payload.
 from __future__ import annotations
 
 import collections
+import math
 import concurrent.futures
 import importlib
 import os
@@ -57,6 +58,20 @@ class CompileError(Exception):
 
 
 # ---- framing (both sides) --------------------------------------------------------------------------------------
+def _ready(read: list[int], write: list[int], timeout_s: Optional[float]) -> tuple[set[int], set[int]]:
+    """select()'s answer by poll(): select refuses descriptors past 1024, which a server (or a test run) may hold.
+    A hang-up or an error counts as ready, as select has it: the read or write that follows says which."""
+    p = select.poll()
+    for fd in read:
+        p.register(fd, select.POLLIN)
+    for fd in write:
+        p.register(fd, select.POLLOUT)
+    done = select.POLLHUP | select.POLLERR | select.POLLNVAL
+    events = p.poll(None if timeout_s is None else math.ceil(max(timeout_s, 0.0) * 1000))
+    return ({fd for fd, ev in events if fd in read and ev & (select.POLLIN | done)},
+            {fd for fd, ev in events if fd in write and ev & (select.POLLOUT | done)})
+
+
 def _write_all(fd: int, data: bytes, deadline: Optional[float], stop: Optional[int]) -> bool:
     """Whether all of data was written by the deadline (None: no deadline). EOFError once stop is readable."""
     view = memoryview(data)
@@ -65,7 +80,7 @@ def _write_all(fd: int, data: bytes, deadline: Optional[float], stop: Optional[i
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
-            readable, writable, _ = select.select([] if stop is None else [stop], [fd], [], left)
+            readable, writable = _ready([] if stop is None else [stop], [fd], left)
             if readable:
                 raise EOFError
             if not writable:
@@ -82,7 +97,7 @@ def _read_exact(fd: int, n: int, deadline: Optional[float], stop: Optional[int])
     while got < n:
         if deadline is not None:
             left = deadline - time.monotonic()
-            readable = select.select([fd] if stop is None else [fd, stop], [], [], max(left, 0))[0]
+            readable = _ready([fd] if stop is None else [fd, stop], [], left)[0]
             if stop in readable:
                 raise EOFError
             if not readable:
@@ -244,7 +259,7 @@ class _Worker:
         if self.pid is None:
             return True
         if self.pidfd is not None:
-            return not select.select([self.pidfd], [], [], 0)[0]
+            return not _ready([self.pidfd], [], 0)[0]
         try:
             os.kill(self.pid, 0)
         except ProcessLookupError:
@@ -263,7 +278,7 @@ class _Worker:
     def _wait_exit(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         if self.pidfd is not None:          # readable once it has exited
-            return bool(select.select([self.pidfd], [], [], timeout_s)[0])
+            return bool(_ready([self.pidfd], [], timeout_s)[0])
         while time.monotonic() < deadline:
             try:
                 os.kill(self.pid, 0)        # type: ignore[arg-type]
@@ -575,7 +590,7 @@ def zygote(sock_fd: int) -> None:
 
 def _fork_workers(sock: socket.socket, parent: int) -> None:
     while os.getppid() == parent:   # no thread here: a fork copies only its caller
-        if not select.select([sock], [], [], 0.5)[0]:
+        if not _ready([sock.fileno()], [], 0.5)[0]:
             continue
         msg, fds, _, _ = socket.recv_fds(sock, 1, 2)
         if not msg:
