@@ -178,3 +178,14 @@ def test_no_filesystem_path_in_models(healthy, chat_model_dir):
     r = httpx.get(healthy.url + "/v1/models", headers=AUTH, timeout=10)
     assert r.status_code == 200 and chat_model_dir not in r.text
     assert r.json()["data"][0]["root"] == MODEL
+
+
+def test_deep_bodies_and_union_types_are_400s(healthy):
+    deep = "[" * 950 + '"x"' + "]" * 950          # parses, and validation must not recurse past Python's limit
+    err = _expect(post(healthy, "/v1/completions", ('{"prompt": %s, "max_tokens": 1}' % deep).encode()), 400,
+                  "prompt")
+    err = _expect(post(healthy, "/v1/completions", {"prompt": 5, "max_tokens": 1}), 400, "prompt")
+    assert ".str" not in err["message"]
+    _expect(post(healthy, "/v1/completions", {"prompt": "", "max_tokens": 1}), 400, "prompt")
+    err = _expect(post(healthy, "/v1/completions", b'"\\ud800"'), 400)
+    assert not err["message"].startswith(":")

@@ -54,8 +54,10 @@ def _contradiction(grammar: Any, params: SamplingParams, bad_words: list[list[in
     allowed = set(torch.nonzero(bits.flatten()[:vocab_size]).flatten().tolist())
     given = []
     if params.allowed_token_ids:
-        allowed &= set(params.allowed_token_ids)
-        given.append("allowed_token_ids")
+        kept = allowed & set(params.allowed_token_ids)
+        if kept != allowed:
+            given.append("allowed_token_ids")
+        allowed = kept
     single = {w[0] for w in bad_words if len(w) == 1}
     if allowed & single:
         given.append("bad_words")

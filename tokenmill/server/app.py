@@ -57,6 +57,9 @@ _TYPE_NAMES = {"bool_type": "a JSON boolean (true or false)", "int_type": "an in
                "dict_type": "an object", "model_type": "an object", "model_attributes_type": "an object"}
 
 
+_BRANCH_TAGS = ("str", "int", "float", "bool", "dict", "list", "none")
+
+
 def _json_type(value: Any) -> str:
     kind = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
             dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
@@ -182,7 +185,9 @@ def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional
         # also failed; a branch's tag ("list[ContentPart]") is not a field
         errs = e.errors()
         err = next((x for x in errs if x.get("type") == "value_error"), errs[0] if errs else {})
-        loc = [str(x) for x in err.get("loc", ()) if x != "body" and "[" not in str(x)]
+        # a union branch's tag ("str", "list[int]") is not a field; with one, the type named is only a branch's
+        tags = [x for x in err.get("loc", ()) if "[" in str(x) or str(x) in _BRANCH_TAGS]
+        loc = [str(x) for x in err.get("loc", ()) if x != "body" and x not in tags]
         if err.get("type") == "json_invalid":
             why, pos = err.get("ctx", {}).get("error", ""), err.get("loc", ())[-1:]
             at = f" at character {pos[0]}" if pos and isinstance(pos[0], int) else ""
@@ -198,7 +203,7 @@ def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional
             need = [n for n, f in getattr(body, "model_fields", {}).items() if f.is_required()]
             msg = ("the request body is empty; send a JSON object" +
                    (f" with at least {', '.join(repr(n) for n in need)}" if need else ""))
-        elif kind in _TYPE_NAMES:
+        elif kind in _TYPE_NAMES and not tags:
             msg = f"{where or 'the body'} must be {_TYPE_NAMES[kind]}, not {_json_type(err.get('input'))}"
         elif where:
             msg = f"{where}: {msg}"

@@ -53,26 +53,32 @@ def explain_unparsable(body: bytes) -> Optional[str]:
     return None
 
 
-def unencodable(value: Any, path: str = "") -> Optional[tuple[str, str]]:
+def _lone_surrogate(text: str) -> Optional[str]:
+    """Why text is not valid Unicode (a lone UTF-16 surrogate), or None; the check runs in C."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (f"the text holds a lone UTF-16 surrogate (\\u{ord(text[e.start]):04x}) at character {e.start}, which "
+                f"is not a Unicode character; escape characters outside the BMP as a surrogate pair")
+    return None
+
+
+def unencodable(value: Any) -> Optional[tuple[str, str]]:
     """(the field, why) for the first string in value that is not valid Unicode text: a lone UTF-16 surrogate
-    (JSON's "\\ud800" escape parses, but no tokenizer or UTF-8 encoder takes it); None if all are valid."""
-    if isinstance(value, str):
-        for i, ch in enumerate(value):
-            if 0xD800 <= ord(ch) <= 0xDFFF:
-                return path, (f"the text holds a lone UTF-16 surrogate (\\u{ord(ch):04x}) at character {i}, which is "
-                              f"not a Unicode character; escape characters outside the BMP as a surrogate pair")
-        return None
-    if isinstance(value, dict):
-        items = value.items()
-    elif isinstance(value, list):
-        items = enumerate(value)
-    else:
-        return None
-    for k, v in items:
-        if isinstance(k, str) and unencodable(k) is not None:
-            return path or "body", unencodable(k)[1].replace("the text", "a key")
-        where = f"{path}.{k}" if path else str(k)      # messages.0.content, as the validation errors name fields
-        found = unencodable(v, where)
-        if found is not None:
-            return found
+    (JSON's "\\ud800" escape parses, but no tokenizer or UTF-8 encoder takes it); None if all are valid. Walked
+    with a stack, not recursion: a body may nest as deep as the JSON parser reads."""
+    todo: list[tuple[str, Any]] = [("", value)]
+    while todo:
+        path, v = todo.pop()
+        if isinstance(v, str):
+            why = _lone_surrogate(v)
+            if why is not None:
+                return path or "body", why
+        elif isinstance(v, (dict, list)):
+            items = list(v.items() if isinstance(v, dict) else enumerate(v))
+            for k, item in reversed(items):      # reversed: the first field is reported first
+                if isinstance(k, str) and _lone_surrogate(k) is not None:
+                    return path or "body", _lone_surrogate(k).replace("the text", "a key")
+                # messages.0.content, as the validation errors name fields
+                todo.append((f"{path}.{k}" if path else str(k), item))
     return None

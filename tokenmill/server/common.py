@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from tokenmill.engine.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestStream
+from tokenmill.engine.async_engine import AsyncLLM, DrainingError, EngineDeadError, QueueFullError, RequestStream
 from tokenmill.outputs import Logprob, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.protocol import ApiError, constraint_error, invalid_params
@@ -48,6 +48,8 @@ class ServerContext:
         """The engine's prompt dict, tokenized here so that its length can be checked against the context before
         it is queued. The salt keeps its prefix-cache blocks apart from requests with another salt or none."""
         if isinstance(prompt, str):
+            if prompt == "":
+                raise ApiError(400, "the prompt is empty; give at least one token of text", "prompt")
             if self.tokenizer is None:
                 raise ApiError(400, "this model has no tokenizer; send the prompt as token ids", "prompt")
             d: dict[str, Any] = {"prompt": prompt, "prompt_token_ids": list(self.tokenizer.encode(prompt))}
@@ -106,6 +108,8 @@ async def submit(ctx: ServerContext, prompt: Union[str, list[int], dict], params
         return await ctx.llm.add_request(prompt, params, request_id)
     except QueueFullError as e:
         raise ApiError(503, f"the server is busy: {e}", code="queue_full", type="service_unavailable")
+    except DrainingError as e:      # it passed the middleware just before the drain began
+        raise ApiError(503, str(e), code="shutting_down", type="service_unavailable")
     except EngineDeadError as e:
         raise unavailable(e)
     except (ValueError, TypeError) as e:
