@@ -13,6 +13,8 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
+from tests.client import HTTP
+
 API_KEY = "test-key"
 MAX_BODY_BYTES = 64 * 1024
 
@@ -61,9 +63,8 @@ class LiveServer:
 
     def metrics(self) -> dict[tuple[str, tuple], float]:
         """One /metrics scrape, read by Prometheus' own parser: {(sample name, its labels but model_name): value}."""
-        import httpx
         from prometheus_client.parser import text_string_to_metric_families
-        text = httpx.get(self.url + "/metrics", timeout=10).text
+        text = HTTP.get(self.url + "/metrics", timeout=10).text
         return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
                 for fam in text_string_to_metric_families(text) for s in fam.samples}
 

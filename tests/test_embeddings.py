@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.client import HTTP
 from tests.tiny_models import random_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.executor.runner import ModelRunner
@@ -141,7 +142,7 @@ def test_pooling_input_errors(pooled_llm):
 
 # ---- /v1/embeddings ----------------------------------------------------------------------------------------------
 def post(server, body) -> httpx.Response:
-    return httpx.post(server.url + "/v1/embeddings", content=json.dumps(body),
+    return HTTP.post(server.url + "/v1/embeddings", content=json.dumps(body),
                       headers={"Content-Type": "application/json", **AUTH}, timeout=30)
 
 

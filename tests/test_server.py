@@ -8,6 +8,8 @@ import time
 import httpx
 import pytest
 
+from tests.client import HTTP
+
 pytest_plugins = ["tests.server_fixtures"]
 openai = pytest.importorskip("openai")
 
@@ -20,7 +22,7 @@ GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
 
 def post(server, path: str, body, headers=AUTH, **kw) -> httpx.Response:
     data = body if isinstance(body, (bytes, str)) else json.dumps(body)
-    return httpx.post(server.url + path, content=data, headers={"Content-Type": "application/json", **headers},
+    return HTTP.post(server.url + path, content=data, headers={"Content-Type": "application/json", **headers},
                       timeout=30, **kw)
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.client import HTTP
 from tests.test_server import AUTH, MODEL, _expect, post
 
 pytest_plugins = ["tests.server_fixtures"]
@@ -22,7 +23,7 @@ MSG = [{"role": "user", "content": "Hi"}]
 def healthy(live_server: Any) -> Any:
     """The live server, checked for health after the test's requests."""
     yield live_server
-    r = httpx.get(live_server.url + "/health", timeout=10)
+    r = HTTP.get(live_server.url + "/health", timeout=10)
     assert r.status_code == 200, r.text
     assert live_server.llm.is_running
 
