@@ -47,11 +47,14 @@ class ServerContext:
     def prompt(self, prompt: Union[str, list[int]], cache_salt: Optional[str]) -> dict[str, Any]:
         """The engine's prompt dict, tokenized here so that its length can be checked against the context before
         it is queued. The salt keeps its prefix-cache blocks apart from requests with another salt or none."""
-        try:
-            text, ids = self.llm.engine.tokenize_prompt(prompt)     # the engine's rule, so both count alike
-        except ValueError as e:
-            raise ApiError(400, str(e), "prompt")
-        d: dict[str, Any] = {"prompt_token_ids": ids} if text is None else {"prompt": text, "prompt_token_ids": ids}
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise ApiError(400, "the prompt is empty; give at least one token of text", "prompt")
+            if self.tokenizer is None:
+                raise ApiError(400, "this model has no tokenizer; send the prompt as token ids", "prompt")
+            d: dict[str, Any] = {"prompt": prompt, "prompt_token_ids": list(self.tokenizer.encode(prompt))}
+        else:
+            d = {"prompt_token_ids": prompt}
         if cache_salt is not None:
             d["cache_salt"] = cache_salt
         return d
