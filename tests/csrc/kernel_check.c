@@ -841,6 +841,7 @@ static const decode_case decode_cases[] = {
     {"long bf16 d128 g3 batch2", 2, 3, 128, 32, 1, 2, {1100, 2100}},
     {"long f32 d80 g8 batch5", 1, 8, 80, 16, 0, 5, {1300, 20, 1025, 700, 1024}},
     {"long cascade f32 d64 g3", 1, 3, 64, 16, 0, 4, {1400, 1200, 1100, 1090}, .shared_len = 1088},
+    {"long cascade bf16 d64 g3 three parts", 1, 3, 64, 16, 1, 4, {2300, 2250, 2210, 2400}, .shared_len = 2208},
     {"q bf16 f32 cache d64 g3", 2, 3, 64, 16, 0, 3, {5, 50, 120}, .q_bf16 = 1, .strided = 1},
     {"q bf16 bf16 cache d128 g8", 1, 8, 128, 16, 1, 2, {33, 1200}, .q_bf16 = 1},
     /* quantised caches: both variants read the same codes, so float32 tolerances */
@@ -928,6 +929,9 @@ static const prefill_case prefill_cases[] = {
     {"f32 d256 g1", 1, 1, 256, 16, 0, 2, {3, 17}, {20, 5}},
     {"long f32 d64 g3", 2, 3, 64, 16, 0, 2, {10, 3}, {1200, 1030}},
     {"long window f32 d64 g1", 1, 1, 64, 16, 0, 1, {50}, {1500}, .window = 100},
+    /* past 1024 positions: parts merged after, a short causal last part */
+    {"long int8 d64 g3 three parts", 2, 3, 64, 16, TM_KV_INT8, 2, {40, 17}, {2500, 2100}},
+    {"long bf16 d128 g1 window across parts", 1, 1, 128, 16, 1, 1, {64}, {3000}, .window = 2000},
     {"q bf16 d64 g3", 2, 3, 64, 16, 0, 2, {6, 13}, {40, 0}, .q_bf16 = 1, .strided = 1},
     {"int8 d64 g3", 2, 3, 64, 16, TM_KV_INT8, 2, {5, 20}, {0, 30}},
     {"int4 d64 g1 bs8", 2, 1, 64, 8, TM_KV_INT4, 3, {1, 60, 7}, {100, 0, 12}},

@@ -13,7 +13,8 @@
  * runs its items through decode_fast (arch/avx512/attention_fast.c) instead: a request's own positions (one query token per
  * head: little arithmetic per byte, where decode_fast's two passes spend about half of attend_rows'
  * instructions) and the cascade's shared prefix (a tile's 48 rows, without per-chunk rescaling); so does
- * paged_prefill for contexts up to FAST_N (a tile of 16 tokens x G rows, causal masks in the softmax).
+ * paged_prefill (a tile of 16 tokens x G rows, causal masks in the softmax; contexts past FAST_N in parts whose
+ * softmaxes are merged).
  *
  *   q      [B, H, D]            out [B, H, D]      (q's rows q_stride elements apart: a view into fused qkv)
  *   k, v   [slots, KV, D]       slot = tables[b][pos / block_size] * block_size + pos % block_size
@@ -280,6 +281,7 @@ typedef struct {
     int *begin, *end;
     float *sbuf, *kt;   /* decode_fast's scores [rows][FAST_N] and K turned round (NULL when not asked for) */
     size_t *slot;
+    float (*acc2)[MAX_D], *m2, *l2;   /* decode_fast's result for one part of a range longer than FAST_N */
 } scratch_t;
 
 /* fast_rows > 0: decode_fast's buffers too, for work items of up to that many query rows. Returns 0 when
@@ -294,14 +296,18 @@ static int scratch_init(scratch_t *s, int fast_rows) {
     s->begin = malloc(sizeof(int) * MAX_ROWS);
     s->end = malloc(sizeof(int) * MAX_ROWS);
     int ok = s->qs && s->acc && s->kbuf && s->vbuf && s->m && s->l && s->begin && s->end;
-    s->sbuf = s->kt = NULL;
+    s->sbuf = s->kt = s->m2 = s->l2 = NULL;
     s->slot = NULL;
+    s->acc2 = NULL;
 #if HAVE_FAST
     if (fast_rows > 0) {
         s->sbuf = malloc(sizeof(float) * FAST_N * (size_t)fast_rows);
         s->slot = malloc(sizeof(size_t) * FAST_N);
         s->kt = aligned_alloc(64, sizeof(float) * MAX_D * KT_POS);
-        ok = ok && s->sbuf && s->slot && s->kt;
+        s->acc2 = malloc(sizeof(float) * MAX_D * (size_t)fast_rows);
+        s->m2 = malloc(sizeof(float) * (size_t)fast_rows);
+        s->l2 = malloc(sizeof(float) * (size_t)fast_rows);
+        ok = ok && s->sbuf && s->slot && s->kt && s->acc2 && s->m2 && s->l2;
     }
 #endif
     return ok;
@@ -319,6 +325,9 @@ static void scratch_free(scratch_t *s) {
     free(s->sbuf);
     free(s->kt);
     free(s->slot);
+    free(s->acc2);
+    free(s->m2);
+    free(s->l2);
 }
 
 static void reset_rows(scratch_t *s, int rows, int D) {
@@ -329,15 +338,46 @@ static void reset_rows(scratch_t *s, int rows, int D) {
     }
 }
 
+/* Row r's unnormalised result (m, l, acc) merged with another over disjoint positions (m2, l2, acc2): both
+ * rescaled to the larger max. A part with no positions (l 0) leaves the other as it was. */
+static void merge_rows(int rows, int D, float *m, float *l, float (*acc)[MAX_D], const float *m2, const float *l2,
+                       float (*acc2)[MAX_D]) {
+    for (int r = 0; r < rows; r++) {
+        if (l2[r] <= 0.f) continue;
+        if (l[r] <= 0.f) {
+            m[r] = m2[r];
+            l[r] = l2[r];
+            memcpy(acc[r], acc2[r], sizeof(float) * D);
+            continue;
+        }
+        const float M = m[r] > m2[r] ? m[r] : m2[r], a = expf(m[r] - M), b = expf(m2[r] - M);
+        for (int d = 0; d < D; d++) acc[r][d] = a * acc[r][d] + b * acc2[r][d];
+        l[r] = a * l[r] + b * l2[r];
+        m[r] = M;
+    }
+}
+
 /* A tile's `rows` query rows (s->qs) of kv head h over positions [p0, p1), row r only within [begin[r], end[r])
- * when given: a cascade tile over the shared prefix, a prompt tile. Through decode_fast when `fast` and the range
- * fits its scratch, else attend_rows; either way s->m, s->l and s->acc hold the unnormalised result. */
+ * when given: a cascade tile over the shared prefix, a prompt tile. Through decode_fast when `fast` (a range
+ * longer than its scratch in equal parts of at most FAST_N, merged as they come), else attend_rows; either way
+ * s->m, s->l and s->acc hold the unnormalised result. */
 static void attend_tile(const ctx_t *c, int h, int rows, scratch_t *s, const int *begin, const int *end, int p0,
                         int p1, int fast) {
 #if HAVE_FAST
-    if (fast && p1 - p0 <= FAST_N) {
-        decode_fast_any(c, h, 1, rows, s->qs, p0, p1 - p0, s->m, s->l, s->acc, s->sbuf, s->slot, s->kt, begin, end,
-                        0);
+    if (fast) {
+        const int parts = p1 - p0 > FAST_N ? (p1 - p0 + FAST_N - 1) / FAST_N : 1;
+        const int size = p1 - p0 > FAST_N ? (p1 - p0 + parts - 1) / parts : FAST_N;
+        for (int q0 = p0, part = 0; part == 0 || q0 < p1; q0 += size, part++) {
+            const int n = p1 - q0 < size ? p1 - q0 : size;
+            if (part == 0) {
+                decode_fast_any(c, h, 1, rows, s->qs, q0, n, s->m, s->l, s->acc, s->sbuf, s->slot, s->kt, begin,
+                                end, 0);
+                continue;
+            }
+            decode_fast_any(c, h, 1, rows, s->qs, q0, n, s->m2, s->l2, s->acc2, s->sbuf, s->slot, s->kt, begin, end,
+                            0);
+            merge_rows(rows, c->D, s->m, s->l, s->acc, s->m2, s->l2, s->acc2);
+        }
         return;
     }
 #endif
