@@ -65,6 +65,55 @@ def test_short_request_arriving_mid_prefill_is_scheduled_in_the_next_step():
     assert [_step(old) for _ in range(2)] == [{"long": 64}, {"long": 64}]
 
 
+def test_a_long_chunk_shrinks_with_its_depth():
+    """prefill_depth_cost: a chunk of threshold / (2 (1 + depth * cost)) tokens, never under 16, to the prompt's
+    end; a short prompt and a decode keep theirs."""
+    s = _sched(budget=64, long_prefill_token_threshold=64, prefill_depth_cost=1 / 64)
+    s.add(_req("long", 300))
+    chunks = []
+    while s.requests["long"].num_computed_tokens < 300:
+        chunks.append(_step(s)["long"])
+    want, depth = [], 0
+    while depth < 300:
+        want.append(min(300 - depth, max(16, int(64 / (2 * (1 + depth / 64))))))
+        depth += want[-1]
+    assert chunks == want and chunks[:3] == [32, 21, 17] and min(chunks[:-1]) == 16
+    assert _step(s) == {"long": 1}
+    s.add(_req("short", 60))                                   # within the threshold: whole
+    assert _step(s) == {"long": 1, "short": 60}
+
+
+def test_a_short_prompt_goes_first_but_never_two_steps_running():
+    """short_prompts_first: a step in which a short prompt can start leaves the long prompt's chunk out, and the
+    next step takes it again whatever waits."""
+    s = _sched(budget=64, long_prefill_token_threshold=16, short_prompts_first=True)
+    s.add(_req("long", 200))
+    assert _step(s) == {"long": 16}
+    s.add(_req("a", 10))
+    assert _step(s) == {"a": 10}                                # its first token at once, alone
+    s.add(_req("b", 12))
+    assert _step(s) == {"long": 16, "a": 1, "b": 12}            # the long prompt is never left out twice running
+    s.add(_req("c", 40))                                        # long too: no step of its own
+    assert _step(s) == {"long": 16, "a": 1, "b": 1, "c": 16}
+    s.add(_req("d", 3))
+    assert _step(s) == {"a": 1, "b": 1, "d": 3}                 # both long prompts sit out
+    assert _step(s) == {"long": 16, "a": 1, "b": 1, "c": 16, "d": 1}
+
+
+def test_attention_cost_per_position():
+    """A token's attention to one cached position against its projections and MLP, in multiply-adds: a Llama's
+    2 H D over 2 h H D + 2 h KV D + 3 h I a layer; layers with a window count no attention."""
+    from tokenmill.config import ModelConfig
+    base = dict(architectures=["LlamaForCausalLM"], vocab_size=100, hidden_size=576, intermediate_size=1536,
+                num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=1e-5)
+    per_layer = 2 * 576 * 9 * 64 + 2 * 576 * 3 * 64 + 3 * 576 * 1536
+    assert ModelConfig.from_hf_dict(base).attention_cost_per_position == pytest.approx(2 * 9 * 64 / per_layer)
+    gemma = ModelConfig.from_hf_dict({**base, "architectures": ["Gemma2ForCausalLM"], "head_dim": 64,
+                                      "sliding_window": 512, "num_hidden_layers": 4})
+    assert [w is None for w in gemma.layer_windows].count(True) == 2
+    assert gemma.attention_cost_per_position == pytest.approx(2 * 9 * 64 / per_layer / 2)
+
+
 def test_caps_off_is_the_old_scheduler():
     """threshold = the budget and max_num_partial_prefills 1 (the benchmark's "before") schedule what no threshold
     does, step for step, over a mix of long and short prompts arriving at different steps."""
@@ -129,7 +178,8 @@ def test_random_mixes_drain_with_the_limits():
         t = r.choice([1, 4, 16])
         s = Scheduler(SchedulerConfig(max_num_seqs=r.randint(1, 6), max_num_batched_tokens=r.choice([8, 32, 64]),
                                       max_model_len=512, long_prefill_token_threshold=t,
-                                      max_num_partial_prefills=r.randint(1, 3), max_long_partial_prefills=1),
+                                      max_num_partial_prefills=r.randint(1, 3), max_long_partial_prefills=1,
+                                      prefill_depth_cost=r.choice([0, 1 / 64]), short_prompts_first=seed % 2 == 0),
                       KVCacheManager(r.randint(48, 120), 4) if seed % 3 else
                       HybridKVCacheManager(r.randint(48, 120), 4, True, [None, 6, 6]))   # Gemma-like windows
         for k in range(200):
@@ -166,6 +216,7 @@ def test_config_meanings_and_errors():
            (dict(max_num_partial_prefills=0), "max_num_partial_prefills must be >= 1"),
            (dict(max_num_partial_prefills=2, max_long_partial_prefills=3), "raise max_num_partial_prefills"),
            (dict(max_long_partial_prefills=0), "max_long_partial_prefills must be between 1"),
+           (dict(prefill_depth_cost=-1.0), "prefill_depth_cost must be >= 0"),
            (dict(max_model_len=512, max_num_partial_prefills=2, long_prefill_token_threshold=600),
             "exceeds max_model_len")]
     for kw, msg in bad:
@@ -207,9 +258,14 @@ def test_outputs_unchanged_by_the_caps(tiny_llama):
     # defaults: no cap offline (every request is there from the start); a server's engine caps on a CPU
     from tokenmill.engine.engine import LLMEngine
     kw = dict(dtype="float32", max_model_len=512, kv_cache_memory_gb=0.02)
-    assert LLM(tiny_llama[0], **kw).llm_engine.config.scheduler_config.long_prefill_token_threshold == 0
-    assert LLMEngine(tiny_llama[0], **kw).config.scheduler_config.long_prefill_token_threshold == \
-        SchedulerConfig.default_long_prefill_token_threshold("cpu") > 0
+    offline = LLM(tiny_llama[0], **kw).llm_engine
+    assert offline.config.scheduler_config.long_prefill_token_threshold == 0
+    assert (offline.config.scheduler_config.prefill_depth_cost, offline.config.scheduler_config.short_prompts_first) \
+        == (0, False)
+    served = LLMEngine(tiny_llama[0], **kw)
+    sc = served.config.scheduler_config
+    assert sc.long_prefill_token_threshold == SchedulerConfig.default_long_prefill_token_threshold("cpu") > 0
+    assert sc.prefill_depth_cost == served.model_config.attention_cost_per_position > 0 and sc.short_prompts_first
 
 
 def test_short_request_gets_its_first_token_in_the_next_step(tiny_llama):

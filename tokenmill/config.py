@@ -195,6 +195,31 @@ class ModelConfig:
         """The leading dims of each head that rotary embeddings turn (transformers' int(head_dim * factor))."""
         return int(self.head_dim * self.partial_rotary_factor)
 
+    @property
+    def attention_cost_per_position(self) -> float:
+        """What a prompt token's attention to one cached position costs, relative to the rest of its work (the
+        projections and the MLP; multiply-adds, the active experts only): a token at depth d costs 1 + d * this.
+        Layers with a sliding window count for nothing (their span stops growing); latent attention counts its
+        latent and rotary dims."""
+        H, hid = self.num_attention_heads, self.hidden_size
+        if self.mla:
+            qd = self.qk_nope_head_dim + self.qk_rope_head_dim
+            per_pos = H * (self.kv_lora_rank + self.qk_rope_head_dim) + H * self.kv_lora_rank
+            q = hid * self.q_lora_rank + self.q_lora_rank * H * qd if self.q_lora_rank else hid * H * qd
+            attn_proj = q + hid * (self.kv_lora_rank + self.qk_rope_head_dim) \
+                + self.kv_lora_rank * H * (self.qk_nope_head_dim + self.v_head_dim) + H * self.v_head_dim * hid
+        else:
+            per_pos = 2 * H * self.head_dim
+            attn_proj = 2 * hid * H * self.head_dim + 2 * hid * self.num_key_value_heads * self.head_dim
+        dense_mlp = 3 * hid * self.intermediate_size
+        moe_mlp = 3 * hid * (self.num_experts_per_tok * self.moe_intermediate_size
+                             + self.shared_expert_intermediate_size)
+        moe = set(self.moe_layers)
+        windows = self.layer_windows or (None,) * self.num_hidden_layers
+        work = sum(attn_proj + (moe_mlp if i in moe else dense_mlp) for i in range(self.num_hidden_layers))
+        attending = sum(per_pos for w in windows if w is None)
+        return attending / work
+
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "int8", "int4", "fp8", "fp8_e4m3", "fp8_e5m2")
 
@@ -336,6 +361,13 @@ class SchedulerConfig:
     # 1 (vLLM's default): no such limit, waiting prompts take what the budget leaves in arrival order.
     max_num_partial_prefills: int = 1
     max_long_partial_prefills: int = 1
+    # Beyond vLLM, for a device where a step costs what it computes (a CPU): with the threshold set, a long prompt's
+    # chunk is threshold / (2 * (1 + depth * prefill_depth_cost)) tokens (at least 16), so its steps cost about what
+    # half the threshold at the start does, whatever its depth (ModelConfig.attention_cost_per_position); and a
+    # step in which a short prompt (all of it within the threshold) can start leaves out the long prompts' chunks,
+    # never two steps running, so the short one's first token costs it one step of its own.
+    prefill_depth_cost: float = 0.0
+    short_prompts_first: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_num_partial_prefills"):
@@ -344,6 +376,8 @@ class SchedulerConfig:
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: no cap on a prompt's tokens per step), "
                              f"got {self.long_prefill_token_threshold}")
+        if self.prefill_depth_cost < 0:
+            raise ValueError(f"prefill_depth_cost must be >= 0, got {self.prefill_depth_cost}")
         if not 1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills:
             raise ValueError(f"max_long_partial_prefills must be between 1 and max_num_partial_prefills "
                              f"({self.max_num_partial_prefills}), got {self.max_long_partial_prefills}; lower it or "

@@ -208,10 +208,14 @@ class LLMEngine:
             enable_prefix_caching = False
         if long_prefill_token_threshold is None:    # fair prefill: the device's default (SchedulerConfig)
             long_prefill_token_threshold = SchedulerConfig.default_long_prefill_token_threshold(dev.type, use_kv_cache)
+        # on a CPU a step costs what it computes: fair prefill there also weighs a chunk's depth, short prompts first
+        cpu_fair = dev.type == "cpu" and use_kv_cache and long_prefill_token_threshold > 0
         sched_cfg = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, use_kv_cache,
                                     self._async_scheduling(async_scheduling, dev, attention_backend, use_kv_cache,
                                                            spec_config, tensor_parallel_size),
-                                    long_prefill_token_threshold, max_num_partial_prefills, max_long_partial_prefills)
+                                    long_prefill_token_threshold, max_num_partial_prefills, max_long_partial_prefills,
+                                    prefill_depth_cost=mc.attention_cost_per_position if cpu_fair else 0.0,
+                                    short_prompts_first=cpu_fair)
         cache_cfg = CacheConfig(block_size, kv_cache_memory_gb, enable_prefix_caching=enable_prefix_caching,
                                 cache_dtype=kv_cache_dtype)
         # tensor parallelism (executor/parallel.py): this process is rank 0 and holds its share of the model; the

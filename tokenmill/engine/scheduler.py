@@ -13,11 +13,15 @@ Fair prefill (vLLM's knobs, SchedulerConfig): no request computes more than long
 a step, so a long prompt leaves the budget to others and its steps stay short; with max_num_partial_prefills > 1 a
 prompt that a step would leave part-computed starts only within that many such prompts, and a long one only within
 max_long_partial_prefills long ones: it is passed over (it keeps its place) and shorter prompts behind it start.
+Where a step costs what it computes (a CPU: SchedulerConfig.prefill_depth_cost, short_prompts_first), a long
+prompt's chunk also shrinks as its attention span grows, and a short prompt that can start has a step without the
+long prompts' chunks (never two running), so it waits at most for the step in progress.
 """
 from __future__ import annotations
 
 from collections import Counter, deque
 from dataclasses import dataclass
+import itertools
 import time
 from typing import Optional
 
@@ -52,6 +56,7 @@ class Scheduler:
         self._finished: list[str] = []              # finished since the last step, for the runner to forget
         # unfinished requests that sample from their past tokens on the host (async scheduling waits for them)
         self.num_history_readers = 0
+        self._deferred = False                      # the last step left long prompts out for a short one
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -69,11 +74,13 @@ class Scheduler:
         """in_flight (async scheduling): this step goes to the device before the last one is back; its computed
         tokens count at once, and a request whose tokens are still to come is scheduled as if they were there."""
         budget = self.config.max_num_batched_tokens
-        cap = self.config.long_prefill_token_threshold or budget     # a request's tokens in one step
+        threshold = self.config.long_prefill_token_threshold
+        cap = threshold or budget     # a request's tokens in one step (a long prompt's: _cap, by its depth)
         out = SchedulerOutput(finished_req_ids=self._finished)
         self._finished = []
         partial: list[tuple[Request, int, bool]] = []    # prompts this step leaves part-computed: (request, its
         # tokens computed by the end of the step, whether it is long)
+        defer, self._deferred = self._short_prompt_waits(), False
         # 1. running requests: their next token (decode) or their next prompt chunk
         i = 0
         while i < len(self.running) and budget > 0:
@@ -82,7 +89,13 @@ class Scheduler:
                 i += 1
                 continue
             left = self._target(req) - req.num_computed_tokens
-            n = self._fit(req, min(left + len(req.spec_token_ids), budget, cap))
+            if defer and self._long_prefill(req, left):     # a long prompt sits this step out for a short one
+                partial.append((req, req.num_computed_tokens, True))
+                self._deferred = True
+                i += 1
+                continue
+            n = self._fit(req, min(left + len(req.spec_token_ids), budget,
+                                   self._cap(self._long_prefill(req, left), req.num_computed_tokens)))
             while not self.kv.allocate_slots(req, n):
                 if req.spec_token_ids:               # guesses give way before any request is preempted for them
                     n = min(n, req.num_tokens - req.num_computed_tokens)
@@ -118,7 +131,8 @@ class Scheduler:
             if req.num_computed_tokens == 0:
                 hit_blocks, hit_tokens = self.kv.get_computed_blocks(req)
             left -= hit_tokens
-            n = self._fit(req, min(left, budget, cap), hit_blocks)
+            n = self._fit(req, min(left, budget, self._cap(left > threshold, req.num_computed_tokens + hit_tokens)),
+                          hit_blocks)
             if not self.kv.allocate_slots(req, n, hit_blocks):
                 break                                  # wait for running requests to free blocks
             self.waiting.remove(req)
@@ -134,6 +148,36 @@ class Scheduler:
             self._add_to_batch(out, req, n, in_flight)
             budget -= n
         return out
+
+    MIN_DEEP_CHUNK = 16       # prefill_depth_cost shrinks a chunk to no fewer tokens (the steps' fixed cost)
+
+    def _cap(self, long: bool, depth: int) -> int:
+        """The most tokens a request computes in a step from `depth` on: the threshold (else the budget); for a long
+        prompt with prefill_depth_cost, what costs as much as half the threshold at the start (a newcomer waits on
+        average half the step in progress: so about a short prompt's own step)."""
+        c = self.config
+        t = c.long_prefill_token_threshold
+        if not t:
+            return c.max_num_batched_tokens
+        if c.prefill_depth_cost and long:
+            return max(min(t, self.MIN_DEEP_CHUNK), int(t / (2 * (1 + depth * c.prefill_depth_cost))))
+        return t
+
+    def _long_prefill(self, req: Request, left: int) -> bool:
+        """Whether req, running with `left` tokens to compute, is a long prompt: more than the threshold left, or the
+        rest of a prompt that was long when it started (its last chunks are as deep as any)."""
+        t = self.config.long_prefill_token_threshold
+        return left > t or (req.num_computed_tokens < req.num_prompt_tokens
+                            and req.num_prompt_tokens - max(req.num_cached_tokens, 0) > t)
+
+    def _short_prompt_waits(self, scan: int = 64) -> bool:
+        """short_prompts_first: whether a prompt within the threshold waits with a seat free for it, and the last
+        step did not leave long prompts out already (they lose at most every other step)."""
+        c = self.config
+        if not c.short_prompts_first or self._deferred or len(self.running) >= c.max_num_seqs:
+            return False
+        return any(r.status is RequestStatus.WAITING and r.num_tokens - r.num_computed_tokens
+                   <= c.long_prefill_token_threshold for r in itertools.islice(self.waiting, scan))
 
     @staticmethod
     def _target(req: Request) -> int:
