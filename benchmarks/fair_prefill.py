@@ -10,7 +10,9 @@ the long prompt's own latency, the load average around each arm (other processes
 
 Arms: "before" is the old rule, a prompt takes every step's whole budget (--long-prefill-token-threshold equal to
 --max-num-batched-tokens, --max-num-partial-prefills 1: the scheduler does exactly what it did before the knobs);
-"after" is the defaults. --arm NAME=FLAGS adds one (e.g. t32="--long-prefill-token-threshold 32").
+"after" is the defaults. --arm NAME=FLAGS adds one (e.g. t32="--long-prefill-token-threshold 32"); --tree NAME=DIR
+runs an arm's server from another checkout (an earlier commit, its kernels built: `git worktree add`, then its
+tokenmill/executor/kernels/build.py), so a change and its parent are measured side by side.
 
   .venv/bin/python benchmarks/fair_prefill.py [--rounds 3] [--out benchmarks/results/NAME.json]
 """
@@ -120,6 +122,8 @@ def main() -> int:
     ap.add_argument("--idle", type=int, default=5, help="idle chats per arm and round")
     ap.add_argument("--arm", action="append", default=[], metavar="NAME=FLAGS",
                     help="an arm's extra `tokenmill serve` flags (repeatable; replaces one of the same name)")
+    ap.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
+                    help="run arm NAME's server from the checkout DIR (repeatable)")
     ap.add_argument("--only", nargs="*", default=None, help="run only these arms")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--summarize", type=Path, default=None, help="recompute a saved result's medians, run nothing")
@@ -136,6 +140,7 @@ def main() -> int:
     for a in args.arm:
         name, _, flags = a.partition("=")
         arms[name] = shlex.split(flags)
+    trees = {name: Path(d).resolve() for name, _, d in (t.partition("=") for t in args.tree)}
     if args.only:
         arms = {k: v for k, v in arms.items() if k in args.only}
     r = random.Random(0)
@@ -147,9 +152,9 @@ def main() -> int:
         for arm in (names if i % 2 == 0 else names[::-1]):      # alternate the order against drift
             flags = ["--max-model-len", "8192", *arms[arm]]
             load0 = os.getloadavg()[0]
-            with start(flags) as (url, _):
+            with start(flags, trees.get(arm)) as (url, _):
                 res = asyncio.run(measure(url, long_ids, args.idle, seq))
-            res.update(round=i + 1, flags=flags, loadavg_1m=[load0, os.getloadavg()[0]])
+            res.update(round=i + 1, flags=flags, tree=str(trees.get(arm, "")), loadavg_1m=[load0, os.getloadavg()[0]])
             rows[arm].append(res)
             idle = statistics.median(res["idle_ttft_s"])
             d = [x["ttft_s"] for x in res["during"]]
@@ -167,6 +172,7 @@ def main() -> int:
     res = {"date": time.strftime("%Y-%m-%d %H:%M"), **machine_record(), "model": Path(default_model_path()).name,
            "max_model_len": 8192, "max_num_batched_tokens": BUDGET, "long_prompt_tokens": args.long_tokens,
            "send_after_s": SEND_AFTER_S, "arms": {a: ["--max-model-len", "8192", *f] for a, f in arms.items()},
+           "trees": {a: str(t) for a, t in trees.items()},
            "rounds": rows, "medians": med}
     if args.out:
         args.out.write_text(json.dumps(res, indent=1) + "\n")
