@@ -5,6 +5,9 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two workers share the cores: OpenMP threads that wait sleep instead of spinning on the other worker's core
+    os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 import pytest
 import torch

@@ -347,6 +347,7 @@ def _chat_ttft(url: str, i: int) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_short_chat_during_a_long_prefill(long_server):
     """The issue's case: an 8k-token completion, then short chats while it prefills: their TTFT (median) within
     MAX_RATIO of the idle server's (before the fix the first one waited for the whole prefill)."""

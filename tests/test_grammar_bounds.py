@@ -201,6 +201,7 @@ def hostile_server(chat_model_dir: str) -> Iterator[Any]:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_chat_latency_holds_while_hostile_grammars_compile(hostile_server: Any) -> None:
     """A steady client's 16-token chats, idle and then while four clients keep sending 900-deep schemas (each one
     new, each refused after TIMEOUT_S): the median latency stays within 1.2x of idle. Other processes share the
