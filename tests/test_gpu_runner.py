@@ -107,6 +107,7 @@ def test_speculative_verification_replays_graphs(llama, method, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_structured_outputs_under_graphs(tiny_text_model):
     from tokenmill import StructuredOutputsParams
     path, _ = tiny_text_model

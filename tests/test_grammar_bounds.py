@@ -20,6 +20,9 @@ from tokenmill.engine.structured_output import StructuredOutputManager, Structur
 
 pytest_plugins = ["tests.server_fixtures"]
 
+# compiles grammars in workers at the idle CPU priority, which a second test worker's load would starve: alone
+pytestmark = pytest.mark.serial
+
 TIMEOUT_S = 1.5
 SLACK_S = 1.0           # a timeout's answer comes this soon after the deadline, at the latest
 
@@ -201,7 +204,6 @@ def hostile_server(chat_model_dir: str) -> Iterator[Any]:
 
 
 @pytest.mark.slow
-@pytest.mark.serial
 def test_chat_latency_holds_while_hostile_grammars_compile(hostile_server: Any) -> None:
     """A steady client's 16-token chats, idle and then while four clients keep sending 900-deep schemas (each one
     new, each refused after TIMEOUT_S): the median latency stays within 1.2x of idle. Other processes share the

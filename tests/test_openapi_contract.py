@@ -21,6 +21,9 @@ from tokenmill.server.schemas import document, errors
 
 pytest_plugins = ["tests.server_fixtures"]
 
+# compiles grammars in workers at the idle CPU priority, which a second test worker's load would starve: alone
+pytestmark = pytest.mark.serial
+
 API_KEY = "test-key"              # the shared live_server's
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 load_all_checks()

@@ -17,6 +17,9 @@ from tokenmill.server.responses import ResponsesRequest, ResponseStore, _Builder
 pytest_plugins = ["tests.server_fixtures"]
 openai = pytest.importorskip("openai")
 
+# compiles grammars in workers at the idle CPU priority, which a second test worker's load would starve: alone
+pytestmark = pytest.mark.serial
+
 MODEL = "tiny-chat"
 AUTH = {"Authorization": "Bearer test-key"}      # the shared live_server's key
 GREEDY = dict(model=MODEL, temperature=0)

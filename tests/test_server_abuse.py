@@ -15,6 +15,9 @@ from tests.test_server import AUTH, MODEL, _expect, post
 
 pytest_plugins = ["tests.server_fixtures"]
 
+# compiles grammars in workers at the idle CPU priority, which a second test worker's load would starve: alone
+pytestmark = pytest.mark.serial
+
 CHAT = "/v1/chat/completions"
 MSG = [{"role": "user", "content": "Hi"}]
 

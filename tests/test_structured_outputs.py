@@ -14,6 +14,9 @@ from tokenmill import LLM, SamplingParams, StructuredOutputsParams
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.structured_output import StructuredOutputsConfig
 
+# compiles grammars in workers at the idle CPU priority, which a second test worker's load would starve: alone
+pytestmark = pytest.mark.serial
+
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 99},
                                            "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},

@@ -18,6 +18,9 @@ jsonschema = pytest.importorskip("jsonschema")
 
 pytest_plugins = ["tests.server_fixtures"]
 
+# compiles grammars in workers at the idle CPU priority, which a second test worker's load would starve: alone
+pytestmark = pytest.mark.serial
+
 MODEL = "smollm2"
 
 

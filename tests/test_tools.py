@@ -24,6 +24,9 @@ from tokenmill.tool_parsers import ToolCall, get_tool_parser, parser_for_templat
 pytest_plugins = ["tests.server_fixtures"]
 openai = pytest.importorskip("openai")
 
+# compiles grammars in workers at the idle CPU priority, which a second test worker's load would starve: alone
+pytestmark = pytest.mark.serial
+
 MODEL = "tiny-chat"
 API_KEY = "test-key"              # the shared live_server's
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
