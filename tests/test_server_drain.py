@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Optional
 
 import httpx
 import pytest
@@ -30,9 +30,11 @@ skip_windows = pytest.mark.skipif(sys.platform == "win32", reason="signals to a 
 class Serve:
     """`tokenmill serve` on the tiny chat model in a subprocess, its output collected in .log."""
 
-    def __init__(self, model_dir: str, *args: str):
+    def __init__(self, model_dir: Optional[str], *args: str):
+        """model_dir None: the model is among args (as --model gives it)."""
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tokenmill.cli", "serve", model_dir, "--port", "0", "--dtype", "float32",
+            [sys.executable, "-m", "tokenmill.cli", "serve", *([model_dir] if model_dir else []), "--port", "0",
+             "--dtype", "float32",
              "--device", "cpu", "--max-model-len", "512", "--kv-cache-memory-gb", "0.05",
              "--served-model-name", MODEL, *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -14,7 +14,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine options with vLLM's names, shared by every command that builds an engine."""
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (GPU)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-model-len", "-c", "--ctx-size", type=int, default=None,
+                   help="the context length (-c, --ctx-size: llama.cpp's names)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--long-prefill-token-threshold", type=int, default=None,
@@ -28,6 +29,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "prompts start ahead of a long one held back (default: 1)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="the share of the device's whole memory (on a CPU, of RAM) the engine may hold, as vLLM "
+                        "sizes it: the KV cache gets what is left after the memory in use (default: a share of free "
+                        "memory; --kv-cache-memory-gb wins)")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     from tokenmill.config import KV_CACHE_DTYPES
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
@@ -84,7 +89,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 structured_outputs_config=args.structured_outputs_config,
                 speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size,
                 enforce_eager=args.enforce_eager, compilation_config=args.compilation_config,
-                async_scheduling=args.async_scheduling)
+                async_scheduling=args.async_scheduling, gpu_memory_utilization=args.gpu_memory_utilization)
 
 
 def _json_object(text: str) -> dict:

@@ -324,6 +324,9 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory_gb: Optional[float] = None   # None: a share of free memory
     memory_utilization: float = 0.3              # the share of free memory used when no size is given
+    # vLLM's gpu_memory_utilization: the share of the device's whole memory this engine may hold; the KV cache gets
+    # what it leaves after the memory already in use (the weights, the runner's own). None: memory_utilization
+    gpu_memory_utilization: Optional[float] = None
     enable_prefix_caching: bool = True
     # vLLM's kv_cache_dtype: "auto" stores K/V in the model's dtype (token-exact with the float32 reference);
     # "bfloat16" halves the cache's bytes (twice the tokens in the same memory, half the bytes decode reads),
@@ -340,6 +343,8 @@ class CacheConfig:
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 @dataclass(frozen=True)

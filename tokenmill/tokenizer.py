@@ -47,6 +47,19 @@ def load_tokenizer(model_path: str | os.PathLike[str]) -> PreTrainedTokenizerBas
         raise ValueError(f"could not load a tokenizer from {str(path)!r}: {e}") from e
 
 
+def check_chat_template(template: str) -> None:
+    """A ValueError that says what is wrong when `template` is not a Jinja chat template (a path that is not there
+    reads as one without a single tag)."""
+    import jinja2
+    if "{{" not in template and "{%" not in template:
+        raise ValueError(f"chat template {template[:80]!r} is neither a file nor a Jinja template (it has no {{{{ }}}} "
+                         f"or {{% %}} tags)")
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"the chat template is not valid Jinja (line {e.lineno}: {e.message})") from None
+
+
 def apply_chat_template(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[dict[str, Any]],

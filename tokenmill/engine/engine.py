@@ -186,7 +186,8 @@ class LLMEngine:
                  tensor_parallel_size: int = 1, enforce_eager: bool = False,
                  compilation_config: Union[CompilationConfig, dict, None] = None,
                  async_scheduling: bool = False, long_prefill_token_threshold: Optional[int] = None,
-                 max_num_partial_prefills: int = 1, max_long_partial_prefills: int = 1):
+                 max_num_partial_prefills: int = 1, max_long_partial_prefills: int = 1,
+                 gpu_memory_utilization: Optional[float] = None):
         # pooling_type: which prompt rows a PoolingParams request pools (vLLM's pooler config): LAST or MEAN
         self.pooling_type = check_pooling_type(pooling_type)
         spec_config = SpeculativeConfig.of(speculative_config)
@@ -217,7 +218,7 @@ class LLMEngine:
                                     prefill_depth_cost=mc.attention_cost_per_position if cpu_fair else 0.0,
                                     short_prompts_first=cpu_fair)
         cache_cfg = CacheConfig(block_size, kv_cache_memory_gb, enable_prefix_caching=enable_prefix_caching,
-                                cache_dtype=kv_cache_dtype)
+                                cache_dtype=kv_cache_dtype, gpu_memory_utilization=gpu_memory_utilization)
         # tensor parallelism (executor/parallel.py): this process is rank 0 and holds its share of the model; the
         # runner's config is that share's (its heads, its KV cache), the engine's model_config the whole model's
         check_tensor_parallel(mc, tensor_parallel_size, dev, path, quantized_kernels)

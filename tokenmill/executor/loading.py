@@ -56,6 +56,16 @@ def available_memory_bytes(device: torch.device) -> int:
     return 8 * 2 ** 30
 
 
+def total_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no MemTotal in /proc/meminfo")
+
+
 def default_kv_budget(device: torch.device, share: float) -> int:
     """The KV cache's bytes when no size is given: a share of the free memory (on CPU at most 4 GiB: plenty for
     CPU batch sizes, and it keeps start-up fast)."""
@@ -71,6 +81,12 @@ def size_kv_cache(config: EngineConfig, per_block: int, min_blocks: int, reserve
     if cc.kv_cache_memory_gb is not None:
         budget = int(cc.kv_cache_memory_gb * 2 ** 30)
         origin = f"kv_cache_memory_gb={cc.kv_cache_memory_gb}"
+    elif cc.gpu_memory_utilization is not None:      # vLLM's rule: a share of the whole, less what is in use
+        total = total_memory_bytes(config.device)
+        in_use = total - available_memory_bytes(config.device)
+        budget = max(int(total * cc.gpu_memory_utilization) - in_use - reserved, 0) // ranks
+        origin = (f"gpu_memory_utilization={cc.gpu_memory_utilization}: {cc.gpu_memory_utilization:.0%} of "
+                  f"{total / 2 ** 30:.1f} GiB less {in_use / 2 ** 30:.1f} GiB in use")
     else:
         share = 0.8 if config.device.type == "cuda" else cc.memory_utilization
         budget = max(default_kv_budget(config.device, share) - reserved, 0) // ranks
@@ -81,5 +97,6 @@ def size_kv_cache(config: EngineConfig, per_block: int, min_blocks: int, reserve
         raise ValueError(
             f"the KV cache ({origin}: {num_blocks} blocks of {cc.block_size} tokens) cannot hold even one request of "
             f"max_model_len={config.scheduler_config.max_model_len} tokens ({min_blocks} blocks, "
-            f"{min_blocks * per_block / 2 ** 30:.3f} GiB); raise kv_cache_memory_gb or lower max_model_len")
+            f"{min_blocks * per_block / 2 ** 30:.3f} GiB); raise kv_cache_memory_gb (or gpu_memory_utilization) or "
+            f"lower max_model_len")
     return int(num_blocks)

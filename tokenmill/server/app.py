@@ -33,9 +33,10 @@ from tokenmill.server.protocol import (ApiError, ChatCompletionRequest, Completi
                                        TokenizeRequest)
 from tokenmill.server.responses import ResponsesRequest, ResponseStore, create_response
 from tokenmill.server.schemas import (ChatCompletionChunk, ChatCompletionResponse, CompletionChunk,
-                                      CompletionResponse, DetokenizeResponse, EmbeddingResponse, Health, ModelList,
-                                      ResponseObject, ResponseStreamEvent, TokenizeResponse, Version, document, errors,
-                                      stream_or)
+                                      CompletionResponse, DetokenizeResponse, EmbeddingResponse, Health, ModelCard,
+                                      ModelList, ResponseObject, ResponseStreamEvent, TokenizeResponse, Version,
+                                      document, errors, stream_or)
+from tokenmill.tokenizer import check_chat_template
 from tokenmill.tool_parsers import get_tool_parser
 
 log = logging.getLogger("tokenmill.server")
@@ -136,14 +137,16 @@ def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional
               api_key: Optional[str] = None, max_queue: Optional[int] = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: Optional[str] = None,
               reasoning_parser: Optional[str] = None, enable_shutdown_endpoint: bool = False,
-              max_prompts_per_request: int = MAX_PROMPTS, report_cached_tokens: bool = True) -> FastAPI:
+              max_prompts_per_request: int = MAX_PROMPTS, report_cached_tokens: bool = True,
+              chat_template: Optional[str] = None) -> FastAPI:
     """An app serving the engine. max_queue: 503 once that many requests wait; max_body_bytes: 413 above it.
     tool_call_parser: how chat replies' tool calls are read (default: from the chat template); reasoning_parser:
     thinking goes to reasoning_content (default: the engine's). Given an LLMEngine the app owns the AsyncLLM it
     wraps it in, and stops it at shutdown. enable_shutdown_endpoint: POST /shutdown drains the engine as SIGTERM
     does (llm.drain(): 503 to new requests); `tokenmill serve` then exits once the requests in flight are done.
     max_prompts_per_request: a completions request with more prompts is a 400; report_cached_tokens: False reports
-    usage's cached_tokens as 0, so a client cannot learn what other clients sent."""
+    usage's cached_tokens as 0, so a client cannot learn what other clients sent. chat_template: a Jinja template in
+    place of the tokenizer's (vLLM's --chat-template)."""
     if max_prompts_per_request < 1:
         raise ValueError(f"max_prompts_per_request must be >= 1, got {max_prompts_per_request}")
     if tool_call_parser is not None:
@@ -155,6 +158,11 @@ def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional
     if max_queue is not None:
         llm.max_waiting = max_queue
     eng = llm.engine
+    if chat_template is not None:
+        if llm.tokenizer is None:
+            raise ValueError("--chat-template needs a model with a tokenizer")
+        check_chat_template(chat_template)
+        llm.tokenizer.chat_template = chat_template
     so_config = getattr(getattr(eng, "structured_outputs", None), "config", None)
     ctx = ServerContext(llm, model_name or default_model_name(eng.config.model),
                         eng.config.scheduler_config.max_model_len, tool_call_parser=tool_call_parser,
@@ -257,11 +265,19 @@ def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         return await create_response(ctx, response_store, body, request)
 
+    def model_card() -> dict[str, Any]:
+        return {"id": ctx.model_name, "object": "model", "created": now(), "owned_by": "tokenmill",
+                "root": ctx.model_name, "max_model_len": ctx.max_model_len}
+
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": ctx.model_name, "object": "model", "created": now(),
-                                            "owned_by": "tokenmill", "root": ctx.model_name,
-                                            "max_model_len": ctx.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    # a served name may hold slashes (org/name), as OpenAI's ids do not
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=errors(404))
+    async def model(model_id: str) -> dict[str, Any]:
+        ctx.check_model(model_id)
+        return model_card()
 
     # ---- vLLM's extras ----
     @app.post("/tokenize", response_model=TokenizeResponse, responses=errors(400, 404))

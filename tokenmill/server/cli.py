@@ -15,6 +15,20 @@ def register(subparsers: Any) -> None:
                                             "playground page")
     p.add_argument("model", nargs="?", default=None,
                    help="HF folder or .gguf (default: bundled SmolLM2-135M-Instruct)")
+    # the habits users paste from vLLM and llama-server
+    p.add_argument("--model", "-m", dest="model_option", default=None,
+                   help="the model, as the positional argument (vLLM's --model, llama-server's -m)")
+    p.add_argument("-hf", "--hf-repo", dest="hf_repo", default=None,
+                   help="llama-server's hub repository (user/repo[:QUANT]); hub names are not served yet")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template, or a file holding one, in place of the model's (vLLM's flag)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM's command lines: tool calls are always parsed when a request sends tools")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM's command lines: tokenmill runs no code from model folders")
+    p.add_argument("--enable-lora", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--lora-modules", nargs="+", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--lora", action="append", default=None, help=argparse.SUPPRESS)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
@@ -101,6 +115,36 @@ def _join_nodes(args: argparse.Namespace) -> bool:
     return True
 
 
+NO_EFFECT = {"enable_auto_tool_choice": "tool calls are always parsed when a request sends tools (the parser: "
+                                       "--tool-call-parser, else the chat template's)",
+             "trust_remote_code": "tokenmill runs no code from model folders; the architectures it knows are built "
+                                  "in"}
+
+
+def _habits(args: argparse.Namespace) -> None:
+    """vLLM's and llama-server's spellings: --model and -m as the positional; flags that mean nothing here said
+    once; what is not served yet refused with what to do instead."""
+    if args.model_option is not None:
+        if args.model is not None and args.model != args.model_option:
+            raise ValueError(f"two models given: {args.model!r} and --model {args.model_option!r}; give one")
+        args.model = args.model_option
+    if args.hf_repo is not None:
+        raise ValueError(f"-hf {args.hf_repo}: tokenmill does not download from the Hugging Face hub yet; fetch the "
+                         f"repository (huggingface-cli download) and give its folder or .gguf file as the model")
+    if args.enable_lora or args.lora_modules or args.lora:
+        raise ValueError("LoRA adapters are not served yet; merge the adapter into the base model (peft's "
+                         "merge_and_unload) and serve the merged folder")
+    for name, why in NO_EFFECT.items():
+        if getattr(args, name):
+            print(f"tokenmill: --{name.replace('_', '-')} has no effect here: {why}", flush=True)
+    if args.chat_template is not None:
+        from tokenmill.tokenizer import check_chat_template
+        if os.path.isfile(args.chat_template):
+            with open(args.chat_template, encoding="utf-8") as f:
+                args.chat_template = f.read()
+        check_chat_template(args.chat_template)      # before the model loads
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -109,6 +153,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tokenmill.engine.data_parallel import DataParallelLLM
     from tokenmill.server.app import build_app
 
+    _habits(args)
     if args.nnodes > 1 and _join_nodes(args):
         return 0
     if args.max_queue is not None and args.max_queue < 0:
@@ -131,7 +176,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser,
                     reasoning_parser=args.reasoning_parser, enable_shutdown_endpoint=args.enable_shutdown_endpoint,
                     max_prompts_per_request=args.max_prompts_per_request,
-                    report_cached_tokens=args.report_cached_tokens)
+                    report_cached_tokens=args.report_cached_tokens, chat_template=args.chat_template)
     timeout = args.shutdown_timeout
 
     class Server(uvicorn.Server):

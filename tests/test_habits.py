@@ -1,0 +1,107 @@
+"""The command lines users paste from vLLM and llama-server: accepted and mapped where the engine can honour them,
+said once where they mean nothing here, refused with what to do instead where they ask for what is not served yet.
+And GET /v1/models/{id}."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.test_server_drain import MODEL, Serve
+from tokenmill.cli import build_parser, engine_kwargs, main
+
+pytest_plugins = ["tests.server_fixtures"]
+openai = pytest.importorskip("openai")
+
+TEMPLATE = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}{% if add_generation_prompt %}=>{% endif %}"
+
+
+def _serve_args(*argv: str) -> Any:
+    from tokenmill.server.cli import _habits
+    args = build_parser().parse_args(["serve", *argv])
+    _habits(args)
+    return args
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform == "win32", reason="a server subprocess")
+def test_a_vllm_command_line_serves(chat_model_dir: str, tmp_path: Path) -> None:
+    """`vllm serve`'s flags: --model, --chat-template from a file, --enable-auto-tool-choice and
+    --trust-remote-code (each said once to mean nothing here); the openai client then chats and retrieves the model."""
+    from transformers import AutoTokenizer
+    template = tmp_path / "template.jinja"
+    template.write_text(TEMPLATE)
+    s = Serve(None, "--model", chat_model_dir, "--chat-template", str(template), "--enable-auto-tool-choice",
+              "--trust-remote-code", "--tool-call-parser", "hermes")
+    try:
+        s.wait_ready()
+        log = "".join(s.log)
+        assert "--enable-auto-tool-choice has no effect here" in log and "--trust-remote-code has no effect" in log
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        assert client.models.retrieve(MODEL).id == MODEL
+        with pytest.raises(openai.NotFoundError, match=f"serves '{MODEL}'"):
+            client.models.retrieve("org/other-model")
+        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=3, temperature=0)
+        assert reply.choices[0].finish_reason == "length"
+        # the template from the file renders the prompt: its tokens are those of the text it writes
+        import httpx
+        got = httpx.post(s.url + "/tokenize", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+                         timeout=30).json()["tokens"]
+        tok = AutoTokenizer.from_pretrained(chat_model_dir)
+        assert got == tok.encode("<<hi>>=>", add_special_tokens=True) or got == tok.encode("<<hi>>=>")
+        assert reply.usage.prompt_tokens == len(got)
+    finally:
+        s.close()
+
+
+def test_a_llama_server_command_line_is_mapped() -> None:
+    """llama-server's -m, -c and -t: the model, the context length, the threads."""
+    args = _serve_args("-m", "some/model.gguf", "-c", "2048", "-t", "2")
+    kw = engine_kwargs(args)
+    assert (args.model, kw["max_model_len"], kw["num_threads"]) == ("some/model.gguf", 2048, 2)
+    assert _serve_args("m.gguf", "--model", "m.gguf").model == "m.gguf"       # the same model twice is one
+    kw = engine_kwargs(_serve_args("--gpu-memory-utilization", "0.5", "--ctx-size", "512"))
+    assert (kw["gpu_memory_utilization"], kw["max_model_len"]) == (0.5, 512)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["-hf", "org/repo:Q4_K_M"], "does not download from the Hugging Face hub yet"),
+    (["--lora", "adapter.gguf"], "LoRA adapters are not served yet"),
+    (["--enable-lora", "--lora-modules", "a=/x"], "LoRA adapters are not served yet"),
+    (["a.gguf", "--model", "b.gguf"], "two models given"),
+    (["--chat-template", "no/such/template.jinja"], "neither a file nor a Jinja template"),
+    (["--chat-template", "{% if %}"], "not valid Jinja"),
+])
+def test_what_is_not_served_says_what_to_do(argv: list[str], says: str, capsys) -> None:
+    """Each refused before anything loads, with what to do instead."""
+    assert main(["serve", *argv]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_a_bad_chat_template_is_refused(chat_model_dir: str, server_factory: Any) -> None:
+    with pytest.raises(ValueError, match=r"not valid Jinja \(line 1"):
+        server_factory(chat_model_dir, chat_template="{% for m in messages %}")
+
+
+def test_gpu_memory_utilization_sizes_the_kv_cache_as_vllm_does(tiny_llama) -> None:
+    """The share of the whole memory, less what is in use: set just above what is in use, the cache gets about the
+    difference (other processes move the figure a little); set below it, the engine says what to change."""
+    import torch
+
+    from tokenmill.engine.engine import LLMEngine
+    from tokenmill.executor.loading import available_memory_bytes, total_memory_bytes
+    cpu = torch.device("cpu")
+    total = total_memory_bytes(cpu)
+    in_use = total - available_memory_bytes(cpu)
+    eng = LLMEngine(tiny_llama[0], dtype="float32", max_model_len=64,
+                    gpu_memory_utilization=min(1.0, (in_use + 256 * 2 ** 20) / total))
+    kv_bytes = eng.kv.num_blocks * eng.kv_bytes_per_block()
+    assert 0 < kv_bytes <= 1024 * 2 ** 20
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.001: .* raise kv_cache_memory_gb \(or "
+                                         r"gpu_memory_utilization\)"):
+        LLMEngine(tiny_llama[0], dtype="float32", max_model_len=64, gpu_memory_utilization=0.001)
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\], got 1.5"):
+        LLMEngine(tiny_llama[0], dtype="float32", max_model_len=64, gpu_memory_utilization=1.5)
