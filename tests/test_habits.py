@@ -1,6 +1,6 @@
-"""The command lines users paste from vLLM and llama-server: accepted and mapped where the engine can honour them,
-said once where they mean nothing here, refused with what to do instead where they ask for what is not served yet.
-And GET /v1/models/{id}."""
+"""The habits users bring from vLLM and llama-server. Command lines: accepted and mapped where the engine can honour
+them, said once where they mean nothing here, refused with what to do instead where they ask for what is not served
+yet. Requests: unknown fields ignored and named (log, x-ignored-fields), as vLLM ignores them. GET /v1/models/{id}."""
 from __future__ import annotations
 
 import sys
@@ -105,3 +105,35 @@ def test_gpu_memory_utilization_sizes_the_kv_cache_as_vllm_does(tiny_llama) -> N
         LLMEngine(tiny_llama[0], dtype="float32", max_model_len=64, gpu_memory_utilization=0.001)
     with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\], got 1.5"):
         LLMEngine(tiny_llama[0], dtype="float32", max_model_len=64, gpu_memory_utilization=1.5)
+
+
+def test_unknown_request_fields_are_ignored_and_named(live_server: Any, openai_client: Any, caplog) -> None:
+    """The openai client with reasoning_effort and a field of its own: an answer, the fields named in the response's
+    x-ignored-fields header and the server's log; nested ones by their path; known fields never named."""
+    import httpx
+
+    from tests.server_fixtures import API_KEY
+    raw = openai_client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, reasoning_effort="low",
+        extra_body={"frobnicate": {"x": 1}})
+    assert raw.parse().choices[0].finish_reason == "length"
+    assert raw.headers["x-ignored-fields"] == '"reasoning_effort", "frobnicate"'
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi", "nickname": "a\nb"}], "max_tokens": 2,
+            "stream_options": None}
+    with caplog.at_level("WARNING", logger="tokenmill.server"):
+        r = httpx.post(live_server.url + "/v1/chat/completions", json=body, timeout=30,
+                       headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-ignored-fields"] == '"messages.0.nickname"'
+    assert 'ignored the fields tokenmill does not know: "messages.0.nickname"' in caplog.text
+    odd = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "": 1, " x ": 2, "a\r\nSet-Cookie: y": 3,
+           **{f"k{i}": i for i in range(30)}}
+    r = httpx.post(live_server.url + "/v1/completions", json=odd, timeout=30,
+                   headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-ignored-fields"].startswith('"", " x ", "a\\r\\nSet-Cookie: y", "k0"')
+    assert r.headers["x-ignored-fields"].endswith(", and 13 more") and "set-cookie" not in r.headers
+    known = httpx.post(live_server.url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                                                   "user": "u", "top_k": 3}, timeout=30,
+                       headers={"Authorization": f"Bearer {API_KEY}"})
+    assert known.status_code == 200 and "x-ignored-fields" not in known.headers

@@ -29,8 +29,8 @@ from tokenmill.server.common import MAX_PROMPTS, ServerContext, now
 from tokenmill.server.completions import create_completion
 from tokenmill.server.embeddings import EmbeddingRequest, create_embedding
 from tokenmill.server.metrics import ServerMetrics
-from tokenmill.server.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                       TokenizeRequest)
+from tokenmill.server.protocol import (IGNORED_FIELDS, IGNORED_FIELDS_HEADER, ApiError, ChatCompletionRequest,
+                                       CompletionRequest, DetokenizeRequest, TokenizeRequest)
 from tokenmill.server.responses import ResponsesRequest, ResponseStore, create_response
 from tokenmill.server.schemas import (ChatCompletionChunk, ChatCompletionResponse, CompletionChunk,
                                       CompletionResponse, DetokenizeResponse, EmbeddingResponse, Health, ModelCard,
@@ -130,7 +130,23 @@ class GuardMiddleware:
                 return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
             return await receive()     # later calls: the disconnect watchers see http.disconnect
 
-        await self.app(scope, replay, send)
+        ignored: list[str] = []
+        IGNORED_FIELDS.set(ignored)       # the request models name their unknown fields here
+
+        async def send_naming_ignored(message: Message) -> None:
+            if message["type"] == "http.response.start" and ignored:
+                # escaped to ASCII (a key may hold a newline) and bounded (a body may hold thousands of keys)
+                # each name as a JSON string: ASCII, quoted (a key may be empty or hold spaces or a newline), and
+                # at most 20 of them (a body may hold thousands)
+                names = ", ".join(json.dumps(n) for n in ignored[:20])
+                value = (names + (f", and {len(ignored) - 20} more" if len(ignored) > 20 else "")).encode()
+                log.warning("%s %s: ignored the fields tokenmill does not know: %s", scope["method"], scope["path"],
+                            value.decode("ascii"))
+                message = {**message, "headers": [*message.get("headers", []), (IGNORED_FIELDS_HEADER.encode(),
+                                                                                 value)]}
+            await send(message)
+
+        await self.app(scope, replay, send_naming_ignored)
 
 
 def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional[str] = None,
@@ -203,9 +219,7 @@ def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional
         where = ".".join(loc)
         msg = err.get("msg", "invalid request").removeprefix("Value error, ")
         kind = err.get("type")
-        if kind == "extra_forbidden":
-            msg = f"unknown field {where!r}: tokenmill does not support it (it would otherwise be ignored)"
-        elif kind == "missing" and not where:
+        if kind == "missing" and not where:
             route = request.scope.get("route")
             body = getattr(getattr(getattr(route, "body_field", None), "field_info", None), "annotation", None)
             need = [n for n, f in getattr(body, "model_fields", {}).items() if f.is_required()]

@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and their translation into SamplingParams.
 
-Unknown fields are rejected (400) rather than dropped, so a client never believes an option took effect
-when it did not; OpenAI's fields that change nothing a model computes (IGNORED) are accepted and ignored, as vLLM
-does. vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ...) are accepted as well. Numbers are
+Unknown fields are ignored, as vLLM ignores them, so that clients sending newer fields (reasoning_effort, ...) keep
+working; the server's log and the response's x-ignored-fields header name them, so a client can see that an option
+took no effect. OpenAI's fields that change nothing a model computes (IGNORED) are accepted and ignored silently. vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ...) are accepted as well. Numbers are
 strict (JSON true is not 1) and held to OpenAI's ranges and SamplingParams' rules, so that /openapi.json shows them.
 Responses are plain dicts built in completions.py / chat.py, described for /openapi.json in schemas.py.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Optional, Union
 
@@ -32,8 +33,26 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+# the unknown fields of the request being read (set per request by the app's middleware): they are ignored, as vLLM
+# ignores them, so clients that send newer fields keep working; the log and a response header name them
+IGNORED_FIELDS: ContextVar[Optional[list[str]]] = ContextVar("ignored_fields", default=None)
+IGNORED_FIELDS_HEADER = "x-ignored-fields"
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
+
+
+def unknown_fields(obj: Any, prefix: str = "") -> list[str]:
+    """The dotted paths of the fields no model of a validated request knows (messages.0.foo)."""
+    if isinstance(obj, BaseModel):
+        out = [prefix + k for k in obj.model_extra or {}]
+        for name in type(obj).model_fields:
+            out += unknown_fields(getattr(obj, name), f"{prefix}{name}.")
+        return out
+    if isinstance(obj, (list, tuple)):
+        return [p for i, x in enumerate(obj) for p in unknown_fields(x, f"{prefix}{i}.")]
+    return []
 
 
 class _Request(_Strict):
@@ -47,6 +66,14 @@ class _Request(_Strict):
         if found is not None:
             raise ApiError(400, f"{found[0]}: {found[1]}", found[0])
         return data
+
+    @model_validator(mode="after")
+    def _note_unknown(self) -> Any:
+        # on the request as validated: a union's losing branch may have taken the winner's fields as extras
+        found = IGNORED_FIELDS.get()
+        if found is not None:
+            found.extend(unknown_fields(self))
+        return self
 
 
 Int = Annotated[int, Strict()]        # JSON true is not 1, nor 2.0 an integer
@@ -205,6 +232,15 @@ class _Sampling(_Request):
     guided_regex: Optional[NonEmpty] = None
     guided_choice: Optional[Choices] = None
     guided_grammar: Optional[NonEmpty] = None
+    # vLLM's, not served: refused rather than ignored, since the output would differ from what vLLM gives
+    guided_whitespace_pattern: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _unserved(self) -> Any:
+        if self.guided_whitespace_pattern is not None:
+            raise ApiError(400, "guided_whitespace_pattern is not supported: JSON output takes xgrammar's whitespace; "
+                                "structured_outputs.disable_any_whitespace removes it", "guided_whitespace_pattern")
+        return self
 
     def to_sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
                            prompt_logprobs: Optional[int] = None) -> SamplingParams:
