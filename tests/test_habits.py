@@ -63,12 +63,12 @@ def test_a_llama_server_command_line_is_mapped() -> None:
     kw = engine_kwargs(args)
     assert (args.model, kw["max_model_len"], kw["num_threads"]) == ("some/model.gguf", 2048, 2)
     assert _serve_args("m.gguf", "--model", "m.gguf").model == "m.gguf"       # the same model twice is one
+    assert _serve_args("-hf", "org/repo:Q4_K_M").model == "org/repo:Q4_K_M"   # a hub name (tests/test_hub.py)
     kw = engine_kwargs(_serve_args("--gpu-memory-utilization", "0.5", "--ctx-size", "512"))
     assert (kw["gpu_memory_utilization"], kw["max_model_len"]) == (0.5, 512)
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["-hf", "org/repo:Q4_K_M"], "does not download from the Hugging Face hub yet"),
     (["--lora", "adapter.gguf"], "LoRA adapters are not served yet"),
     (["--enable-lora", "--lora-modules", "a=/x"], "LoRA adapters are not served yet"),
     (["a.gguf", "--model", "b.gguf"], "two models given"),

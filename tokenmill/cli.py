@@ -28,6 +28,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with --max-num-partial-prefills > 1: at most this many of them long; later, shorter "
                         "prompts start ahead of a long one held back (default: 1)")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--revision", default=None, help="a hub model's branch, tag or commit (default: main)")
     p.add_argument("--kv-cache-memory-gb", type=float, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="the share of the device's whole memory (on a CPU, of RAM) the engine may hold, as vLLM "
@@ -89,7 +90,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 structured_outputs_config=args.structured_outputs_config,
                 speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size,
                 enforce_eager=args.enforce_eager, compilation_config=args.compilation_config,
-                async_scheduling=args.async_scheduling, gpu_memory_utilization=args.gpu_memory_utilization)
+                async_scheduling=args.async_scheduling, gpu_memory_utilization=args.gpu_memory_utilization,
+                revision=args.revision)
 
 
 def _json_object(text: str) -> dict:
@@ -235,6 +237,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_download(args: argparse.Namespace) -> int:
+    from tokenmill.executor.loader.hub import resolve_hub_name
+    print(resolve_hub_name(args.name, args.revision))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tokenmill", description="A readable LLM inference engine.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -271,6 +279,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "q4_k_m, q5_k_m, q6_k, ... (llama.cpp's mixes, made by llama-cpp-python)")
     q.add_argument("--force", action="store_true", help="overwrite the output if it exists")
     q.set_defaults(func=cmd_quantize)
+
+    d = sub.add_parser("download", help="fetch a hub model into the Hugging Face cache without serving it; prints "
+                                        "its local path")
+    d.add_argument("name", help="org/name, or org/name:QUANT for one GGUF of a repository of GGUFs")
+    d.add_argument("--revision", default=None, help="a branch, tag or commit (default: main)")
+    d.set_defaults(func=cmd_download)
 
     for mod in ("tokenmill.server.cli", "tokenmill.bench.cli"):
         try:

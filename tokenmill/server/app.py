@@ -48,6 +48,11 @@ _OPEN_WHILE_DRAINING = ("/health", "/metrics", "/stats", "/version")
 
 
 def default_model_name(model_path: str) -> str:
+    """The name clients send: a hub model's org/name, else the folder's or file's name."""
+    from tokenmill.executor.loader.hub import hub_name_of
+    hub = hub_name_of(model_path)
+    if hub is not None:
+        return hub
     name = os.path.basename(os.path.normpath(model_path))
     return name[:-5] if name.endswith(".gguf") else name
 

@@ -19,7 +19,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--model", "-m", dest="model_option", default=None,
                    help="the model, as the positional argument (vLLM's --model, llama-server's -m)")
     p.add_argument("-hf", "--hf-repo", dest="hf_repo", default=None,
-                   help="llama-server's hub repository (user/repo[:QUANT]); hub names are not served yet")
+                   help="llama-server's hub repository (user/repo[:QUANT]), as the model")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or a file holding one, in place of the model's (vLLM's flag)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -124,13 +124,11 @@ NO_EFFECT = {"enable_auto_tool_choice": "tool calls are always parsed when a req
 def _habits(args: argparse.Namespace) -> None:
     """vLLM's and llama-server's spellings: --model and -m as the positional; flags that mean nothing here said
     once; what is not served yet refused with what to do instead."""
-    if args.model_option is not None:
-        if args.model is not None and args.model != args.model_option:
-            raise ValueError(f"two models given: {args.model!r} and --model {args.model_option!r}; give one")
-        args.model = args.model_option
-    if args.hf_repo is not None:
-        raise ValueError(f"-hf {args.hf_repo}: tokenmill does not download from the Hugging Face hub yet; fetch the "
-                         f"repository (huggingface-cli download) and give its folder or .gguf file as the model")
+    for given in (args.model_option, args.hf_repo):
+        if given is not None:
+            if args.model is not None and args.model != given:
+                raise ValueError(f"two models given: {args.model!r} and {given!r}; give one")
+            args.model = given
     if args.enable_lora or args.lora_modules or args.lora:
         raise ValueError("LoRA adapters are not served yet; merge the adapter into the base model (peft's "
                          "merge_and_unload) and serve the merged folder")

@@ -25,11 +25,20 @@ def default_model_path() -> str:
     return os.path.join(os.path.dirname(spec.origin), DEFAULT_GGUF)
 
 
-def resolve_model_path(model: str | None) -> str:
+def resolve_model_path(model: str | None, revision: str | None = None) -> str:
+    """The local path of `model`: a folder or .gguf file, or a hub name (org/name, org/name:QUANT) resolved into the
+    Hugging Face cache (loader/hub.py); None: the bundled model."""
+    from tokenmill.executor.loader.hub import in_hub_cache, looks_like_hub_name, resolve_hub_name
     path = default_model_path() if model is None else os.path.expanduser(str(model))
+    if model is not None and looks_like_hub_name(str(model)):
+        if os.path.exists(path) and in_hub_cache(str(model)):
+            raise ValueError(f"{model!r} is both a local path and a model in the Hugging Face cache; write "
+                             f"./{model} for the local one")
+        if not os.path.exists(path):
+            path = resolve_hub_name(str(model), revision)
     if not os.path.exists(path):
         raise ValueError(f"model path {path!r} does not exist; pass a Hugging Face folder (config.json + "
-                         f"*.safetensors) or a .gguf file (tokenmill does not download from a model hub)")
+                         f"*.safetensors), a .gguf file, or a hub name (org/name, or org/name:QUANT for one GGUF)")
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ValueError(f"model folder {path!r} has no config.json; is it a Hugging Face model folder?")
