@@ -141,11 +141,13 @@ def test_errors_are_documented_as_400_in_openais_shape(live_server: Any) -> None
     error = doc["components"]["schemas"]["ErrorDetail"]
     assert set(error["required"]) == {"message", "type", "param", "code"}
     posts = {path: ops["post"] for path, ops in doc["paths"].items() if path.startswith("/v1/") and "post" in ops}
-    assert set(posts) == {"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses"}
+    assert set(posts) == {"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses",
+                          "/v1/messages"}
     for path, op in posts.items():
+        shape = "AnthropicError" if path == "/v1/messages" else "ErrorResponse"     # each API's own error shape
         for status in ("400", "401", "404", "413", "503"):
             content = op["responses"][status]["content"]
-            assert content == {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}, path
+            assert content == {"application/json": {"schema": {"$ref": f"#/components/schemas/{shape}"}}}, path
         assert op["security"] == [{"bearer": []}]
     assert doc["components"]["securitySchemes"]["bearer"] == {"type": "http", "scheme": "bearer"}
 

@@ -28,14 +28,15 @@ from tokenmill.server.chat import create_chat_completion, render_messages
 from tokenmill.server.common import MAX_PROMPTS, ServerContext, now
 from tokenmill.server.completions import create_completion
 from tokenmill.server.embeddings import EmbeddingRequest, create_embedding
+from tokenmill.server.messages import MessagesRequest, create_message
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.protocol import (IGNORED_FIELDS, IGNORED_FIELDS_HEADER, ApiError, ChatCompletionRequest,
                                        CompletionRequest, DetokenizeRequest, TokenizeRequest)
 from tokenmill.server.responses import ResponsesRequest, ResponseStore, create_response
-from tokenmill.server.schemas import (ChatCompletionChunk, ChatCompletionResponse, CompletionChunk,
-                                      CompletionResponse, DetokenizeResponse, EmbeddingResponse, Health, ModelCard,
-                                      ModelList, ResponseObject, ResponseStreamEvent, TokenizeResponse, Version,
-                                      document, errors, stream_or)
+from tokenmill.server.schemas import (AnthropicError, AnthropicMessage, ChatCompletionChunk, ChatCompletionResponse,
+                                      CompletionChunk, CompletionResponse, DetokenizeResponse, EmbeddingResponse,
+                                      Health, ModelCard, ModelList, ResponseObject, ResponseStreamEvent,
+                                      TokenizeResponse, Version, anthropic_stream_or, document, errors, stream_or)
 from tokenmill.tokenizer import check_chat_template
 from tokenmill.tool_parsers import get_tool_parser
 
@@ -72,7 +73,17 @@ def _json_type(value: Any) -> str:
     return f"{kind} ({json.dumps(value)[:40]})" if isinstance(value, (bool, int, float, str)) else kind
 
 
-def _error_response(e: ApiError, headers: Optional[dict[str, str]] = None) -> JSONResponse:
+# Anthropic's error types by status, for the Messages API's errors
+_ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                     404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def _error_response(e: ApiError, headers: Optional[dict[str, str]] = None, path: str = "") -> JSONResponse:
+    """The error in OpenAI's shape, or in Anthropic's on the Messages API."""
+    if path.startswith("/v1/messages"):
+        body = {"type": "error", "error": {"type": _ANTHROPIC_ERRORS.get(e.status, "api_error"),
+                                           "message": e.message}}
+        return JSONResponse(body, status_code=e.status, headers=headers)
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
@@ -91,10 +102,13 @@ class GuardMiddleware:
                                 "ones; retry (another instance can take it)", code="shutting_down",
                            type="service_unavailable")
             # Retry-After: behind a load balancer another instance can take the request at once
-            return await _error_response(err, {"Retry-After": "1", "Connection": "close"})(scope, receive, send)
+            return await _error_response(err, {"Retry-After": "1", "Connection": "close"},
+                                         scope["path"])(scope, receive, send)
         headers = dict(scope["headers"])
         if self.api_key and scope["path"].startswith(_PROTECTED):
             auths = [v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"]
+            if scope["path"].startswith("/v1/messages"):      # Anthropic's clients send the key as x-api-key
+                auths += [f"Bearer {v.decode('latin-1')}" for k, v in scope["headers"] if k == b"x-api-key"]
             if len(auths) > 1:      # proxies and frameworks differ on which one they read: refuse, do not guess
                 why = f"the request has {len(auths)} Authorization headers; send exactly one"
             elif not auths or not auths[0]:
@@ -107,14 +121,15 @@ class GuardMiddleware:
                 # RFC 6750's challenge: error="invalid_token" only when a credential was sent
                 challenge = 'Bearer error="invalid_token"' if any(auths) else "Bearer"
                 err = ApiError(401, why, code="invalid_api_key")
-                return await _error_response(err, {"WWW-Authenticate": challenge})(scope, receive, send)
+                return await _error_response(err, {"WWW-Authenticate": challenge},
+                                             scope["path"])(scope, receive, send)
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         too_big = ApiError(413, f"the request body is larger than {self.max_body_bytes} bytes",
                            code="request_too_large")
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
-            return await _error_response(too_big)(scope, receive, send)
+            return await _error_response(too_big, path=scope["path"])(scope, receive, send)
         chunks, size = [], 0
         while True:
             msg = await receive()
@@ -123,7 +138,7 @@ class GuardMiddleware:
             chunks.append(msg.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_body_bytes:
-                return await _error_response(too_big)(scope, receive, send)
+                return await _error_response(too_big, path=scope["path"])(scope, receive, send)
             if not msg.get("more_body", False):
                 break
         replayed = False
@@ -206,7 +221,7 @@ def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional
     # ---- errors in OpenAI's shape ----
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError) -> Response:
-        return _error_response(e)
+        return _error_response(e, path=request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError) -> Response:
@@ -220,7 +235,8 @@ def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional
         if err.get("type") == "json_invalid":
             why, pos = err.get("ctx", {}).get("error", ""), err.get("loc", ())[-1:]
             at = f" at character {pos[0]}" if pos and isinstance(pos[0], int) else ""
-            return _error_response(ApiError(400, f"the request body is not valid JSON: {why.removesuffix(' at')}{at}"))
+            return _error_response(ApiError(400, f"the request body is not valid JSON: {why.removesuffix(' at')}{at}"),
+                                   path=request.url.path)
         where = ".".join(loc)
         msg = err.get("msg", "invalid request").removeprefix("Value error, ")
         kind = err.get("type")
@@ -234,7 +250,7 @@ def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional
             msg = f"{where or 'the body'} must be {_TYPE_NAMES[kind]}, not {_json_type(err.get('input'))}"
         elif where:
             msg = f"{where}: {msg}"
-        return _error_response(ApiError(400, msg, where or None))
+        return _error_response(ApiError(400, msg, where or None), path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> Response:
@@ -249,7 +265,7 @@ def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional
         elif e.status_code == 405:
             allowed = (e.headers or {}).get("Allow", "another method")
             msg, code = f"{what} is not allowed; {request.url.path} takes {allowed}", "method_not_allowed"
-        return _error_response(ApiError(e.status_code, msg, code=code), e.headers)
+        return _error_response(ApiError(e.status_code, msg, code=code), e.headers, request.url.path)
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, e: ClientDisconnected) -> Response:
@@ -258,7 +274,7 @@ def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception) -> Response:
         log.exception("unhandled error")
-        return _error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}"))
+        return _error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}"), path=request.url.path)
 
     # ---- OpenAI endpoints ----
     @app.post("/v1/completions", response_model=CompletionResponse,
@@ -270,6 +286,12 @@ def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional
               responses={**stream_or(ChatCompletionResponse, ChatCompletionChunk), **errors(400, 404, 503)})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(ctx, body, request)
+
+    @app.post("/v1/messages", response_model=AnthropicMessage,
+              responses={**anthropic_stream_or(), **errors(400, 404, 503, model=AnthropicError)})
+    async def messages(body: MessagesRequest, request: Request) -> Response:
+        """Anthropic's Messages API: the chat route in Anthropic's request, answer, event and error shapes."""
+        return await create_message(ctx, body, request)
 
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=errors(400, 404, 503))
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Literal, Optional, Union
 
 from fastapi import FastAPI
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic.json_schema import models_json_schema
 
 
@@ -36,9 +36,50 @@ WHY = {
 }
 
 
-def errors(*statuses: int, why: Optional[dict[int, str]] = None) -> dict[Union[int, str], dict[str, Any]]:
-    """FastAPI `responses=` entries for these statuses, each an ErrorResponse; `why` overrides WHY's text."""
-    return {s: {"model": ErrorResponse, "description": (why or {}).get(s, WHY[s])} for s in statuses}
+def errors(*statuses: int, why: Optional[dict[int, str]] = None,
+           model: Optional[type[BaseModel]] = None) -> dict[Union[int, str], dict[str, Any]]:
+    """FastAPI `responses=` entries for these statuses, each an ErrorResponse (or `model`); `why` overrides WHY's
+    text."""
+    return {s: {"model": model or ErrorResponse, "description": (why or {}).get(s, WHY[s])} for s in statuses}
+
+
+# ---- Anthropic's Messages API (server/messages.py) -------------------------------------------------------------
+class AnthropicErrorDetail(BaseModel):
+    type: str = Field(description="invalid_request_error, authentication_error, not_found_error, ...")
+    message: str
+
+
+class AnthropicError(BaseModel):
+    """An error on /v1/messages (Anthropic's shape)."""
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+class AnthropicMessage(BaseModel):
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[dict[str, Any]] = Field(description="thinking, text and tool_use blocks")
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+    stop_sequence: Optional[str]
+    usage: dict[str, int]
+
+
+class AnthropicEvent(BaseModel):
+    """One streamed event: message_start, content_block_start / _delta / _stop, message_delta, message_stop, or
+    error."""
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+def anthropic_stream_or() -> dict[int, dict[str, Any]]:
+    """The Messages API's 200: a message, or with stream=true Anthropic's named server-sent events."""
+    sse = {"type": "object", "required": ["data"], "properties": {
+        "event": {"type": "string"},
+        "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": _ref(AnthropicEvent)}}}
+    return {200: {"model": AnthropicMessage, "description": "The message; with stream=true, server-sent events",
+                  "content": {"text/event-stream": {"schema": sse}}}}
 
 
 def _ref(model: type[BaseModel]) -> dict[str, str]:
@@ -62,18 +103,20 @@ def document(app: FastAPI, *, api_key: bool, protected: tuple[str, ...]) -> None
     key is set) and drop the 422s: the middleware answers before any route, so its rules are applied by path."""
     generate = app.openapi
     error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    anthropic = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/AnthropicError"}}}}
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is not None:
             return app.openapi_schema
         schema = generate()
         for path, operations in schema["paths"].items():
+            shaped = anthropic if path.startswith("/v1/messages") else error
             for method, op in operations.items():
                 op["responses"].pop("422", None)
                 if method in ("post", "put", "patch"):
-                    op["responses"]["413"] = {"description": WHY[413], **error}
+                    op["responses"]["413"] = {"description": WHY[413], **shaped}
                 if api_key and path.startswith(protected):
-                    op["responses"]["401"] = {"description": WHY[401], **error}
+                    op["responses"]["401"] = {"description": WHY[401], **shaped}
                     op["security"] = [{"bearer": []}]
                 op["responses"] = dict(sorted(op["responses"].items()))
         components = schema.setdefault("components", {})
@@ -380,4 +423,4 @@ class ResponseStreamEvent(BaseModel):
     logprobs: Optional[list[TokenLogprob]] = None
 
 
-STREAMED = (CompletionChunk, ChatCompletionChunk, ResponseStreamEvent)     # what stream_or's events refer to
+STREAMED = (CompletionChunk, ChatCompletionChunk, ResponseStreamEvent, AnthropicEvent)     # what stream_or's events refer to
