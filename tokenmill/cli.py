@@ -286,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--revision", default=None, help="a branch, tag or commit (default: main)")
     d.set_defaults(func=cmd_download)
 
-    for mod in ("tokenmill.server.cli", "tokenmill.bench.cli", "tokenmill.chat_cli"):
+    for mod in ("tokenmill.server.cli", "tokenmill.bench.cli", "tokenmill.chat_cli", "tokenmill.explain"):
         try:
             module = __import__(mod, fromlist=["register"])
         except ImportError:
