@@ -219,7 +219,7 @@ def test_a_data_parallel_server_answers_the_openai_client(chat_model_dir):
 
 def test_serve_across_two_nodes_on_loopback(tiny_llama):
     """`tokenmill serve --nnodes 2`: node 1 joins the rendezvous and runs its half of the model, node 0 serves;
-    the tokens are transformers' (README: Tensor parallelism)."""
+    the tokens are transformers' (docs/parallelism.md)."""
     import subprocess
     import sys
     import httpx

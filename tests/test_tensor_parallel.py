@@ -140,7 +140,7 @@ if __name__ == "__main__":
 
 
 def test_two_torchrun_nodes_on_loopback(tiny_llama, tmp_path):
-    """Two torchrun invocations joining one rendezvous, as two machines would (README: Tensor parallelism): node 0
+    """Two torchrun invocations joining one rendezvous, as two machines would (docs/parallelism.md): node 0
     runs the engine, node 1 `python -m tokenmill.executor.parallel`; the tokens are transformers'."""
     import json
     import subprocess

@@ -40,9 +40,9 @@ class LLM:
     keeps them float32, exact against the dequantised model);
     cpu_kernels picks the CPU kernel variant (auto, avx512, avx2, neon, generic) or "reference" (plain torch);
     pooling_type ("LAST" or "MEAN") is what embed() pools over the prompt; tensor_parallel_size splits the model over
-    that many ranks on this machine (README: Tensor parallelism); on a GPU, enforce_eager turns the decode steps'
+    that many ranks on this machine (docs/parallelism.md); on a GPU, enforce_eager turns the decode steps'
     CUDA graphs off, compilation_config picks their sizes ({"cudagraph_capture_sizes": [...]}) and
-    async_scheduling launches each step before the last one's tokens are back (README: GPU)."""
+    async_scheduling launches each step before the last one's tokens are back (docs/gpu.md)."""
 
     def __init__(self, model: Optional[str] = None, **engine_args: Any):
         if engine_args.pop("data_parallel_size", 1) != 1:

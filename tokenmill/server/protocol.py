@@ -88,7 +88,7 @@ Stop = Optional[Union[StopString, list[StopString]]]
 LogitBias = Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[Float, Field(ge=-100, le=100)]],
                       Field(json_schema_extra={"additionalProperties": False})]
 MAX_N = 128                           # OpenAI's cap on n: one request cannot take the whole engine
-# OpenAI request fields that are accepted and have no effect here (README: "OpenAI fields")
+# OpenAI request fields that are accepted and have no effect here (docs/serving.md: "OpenAI fields")
 # (parallel_tool_calls matters only beside tools: tool_choice required, server/tools.py)
 IGNORED = ("metadata", "store", "service_tier", "prediction", "parallel_tool_calls", "user")
 
