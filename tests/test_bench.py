@@ -192,6 +192,51 @@ def _serve_result(ttft: float, e2e: float, n_out: int = 50) -> dict:
     return {"kind": "serve", **stats.serving_summary(recs, 10.0), "per_request": [r.to_dict() for r in recs]}
 
 
+def _decode_run(**over) -> dict:
+    """A decode-bound offline result (engine counters), with the record fields that decide the levers."""
+    r = {"kind": "throughput", "requests": 64, "prompt_tokens": 6400, "generated_tokens": 16000,
+         "ttft_ms": {"mean": 40.0}, "itl_ms": {"mean": 20.0}, "weights": "float32", "kv_cache_dtype": "float32",
+         "max_num_seqs": 256, "max_num_batched_tokens": 2048,
+         "engine_stats": {"prefill_time_s": 1.0, "decode_time_s": 30.0, "num_preemptions": 0,
+                          "mean_batch_size": 8.0, "kv_blocks_total": 100, "max_kv_blocks_used": 20,
+                          "prefix_cache_queries": 100, "prefix_cache_hits": 80}}
+    stats_over = over.pop("engine_stats", {})
+    r.update(over)
+    r["engine_stats"] = {**r["engine_stats"], **stats_over}
+    return r
+
+
+def test_diagnose_offers_only_the_levers_that_can_help():
+    """Runs of each kind: a lever the run already pulls (4-bit weights, an int8 cache), or one its evidence rules
+    out (a batch at its limit, prompts within the chunk budget, a prefix cache that hits), is not offered."""
+    def levers(r: dict) -> str:
+        d = dg.diagnose(dg.evidence_from_result(r))
+        return d.verdict + " | " + " | ".join(d.levers)
+    # 4-bit weights, an int8 cache, a small batch well under its limit: more concurrency is the lever
+    got = levers(_decode_run(weights="Q4_1, Q8_0", kv_cache_dtype="int8"))
+    assert got.startswith("decode-bound") and "send more concurrent requests" in got
+    assert "quantisation" not in got and "KV dtype" not in got and "shorter outputs" in got
+    # float weights and cache, memory tight: no batch-size lever (more sequences would not fit), the cache's
+    # dtype both ways
+    got = levers(_decode_run(engine_stats={"mean_batch_size": 250.0, "num_preemptions": 5, "max_kv_blocks_used": 98}))
+    assert "batch size" not in got and "8- or 4-bit weights" in got and "KV dtype fp8/int8: halves" in got
+    assert "KV memory is tight" in got and "KV dtype fp8/int8, or a lower max_num_seqs" in got
+    # int8 weights, the batch at max_num_seqs, the cache mostly empty: raise the limit; 4-bit halves the bytes;
+    # the cache's dtype would save little
+    got = levers(_decode_run(weights="int8", max_num_seqs=8, engine_stats={"mean_batch_size": 8.0}))
+    assert "raise max_num_seqs: the batch stayed at its limit" in got and "4-bit weights halve" in got
+    assert "KV dtype" not in got
+    # prefill-bound: prompts within the chunk budget, quantised weights, a prefix cache that hits
+    pre = _decode_run(weights="Q4_1", engine_stats={"prefill_time_s": 30.0, "decode_time_s": 1.0})
+    got = levers(pre)
+    assert got.startswith("prefill-bound") and "shorter prompts" in got
+    assert "chunked-prefill" not in got and "precision" not in got and "prefix caching" not in got
+    # prompts past the budget, float32 weights, few hits: each of those levers comes back
+    got = levers({**pre, "prompt_tokens": 64 * 4000, "weights": "float32",
+                  "engine_stats": {**pre["engine_stats"], "prefix_cache_hits": 5}})
+    assert "chunked-prefill budget" in got and "bfloat16 over float32" in got and "prefix caching" in got
+
+
 def test_diagnose_synthetic_results(tmp_path, capsys):
     pre = dg.diagnose(dg.evidence_from_result(_serve_result(ttft=3.0, e2e=3.5)))
     assert pre.verdict == dg.PREFILL_BOUND and pre.prefill_share > 0.8
@@ -381,6 +426,8 @@ def test_bench_throughput_cli(tiny_model, tmp_path, capsys):
     r = json.loads(out.read_text())
     assert (r["requests"], r["prompt_tokens"], r["generated_tokens"]) == (6, *wl.totals(w))
     assert r["generated_tok_s"] > 0 and r["total_tok_s"] > r["generated_tok_s"]
+    # what diagnose weighs its levers against (the tiny float model, the engine flags ENGINE gave)
+    assert r["weights"] == "float32" and r["max_num_seqs"] >= 1 and r["max_num_batched_tokens"] >= 1
     assert cli(["bench", "throughput", "--model", tiny_model, "--preset", "offline-64", "--num-requests", "1",
                 "--json", *ENGINE]) == 0
     j = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

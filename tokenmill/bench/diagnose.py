@@ -30,6 +30,9 @@ class Evidence:
     prefix_cache_hit_rate: Optional[float] = None
     kv_cache_dtype: Optional[str] = None   # the cache's dtype and its bytes per token (all layers, K and V)
     kv_bytes_per_token: Optional[int] = None
+    weights: Optional[str] = None          # how the matrices are stored: "Q4_1", "int8", "float32", ...
+    max_num_seqs: Optional[int] = None     # the batch limits the run had
+    max_num_batched_tokens: Optional[int] = None
     snapshot: bool = False                 # batch size and KV usage read at one instant (live /metrics)
 
 
@@ -135,14 +138,17 @@ def evidence_from_result(r: dict[str, Any]) -> Evidence:
             num_requests=r.get("requests"), mean_batch_size=st.get("mean_batch_size"),
             kv_usage=_ratio(st.get("max_kv_blocks_used"), blocks), preemptions=st.get("num_preemptions"),
             prefix_cache_hit_rate=_ratio(st.get("prefix_cache_hits"), st.get("prefix_cache_queries")),
-            kv_cache_dtype=r.get("kv_cache_dtype"), kv_bytes_per_token=r.get("kv_bytes_per_token"))
+            kv_cache_dtype=r.get("kv_cache_dtype"), kv_bytes_per_token=r.get("kv_bytes_per_token"),
+            weights=r.get("weights"), max_num_seqs=r.get("max_num_seqs"),
+            max_num_batched_tokens=r.get("max_num_batched_tokens"))
     if kind == "latency":
         steps = r.get("step_latencies_s") or []
         return Evidence(source="latency result (single stream)", prefill_s=r["ttft_ms"] / 1000,
                         decode_s=sum(steps), ttft_ms=r["ttft_ms"], itl_ms=_mean(r.get("itl_ms")),
                         prompt_tokens=r.get("input_len"), output_tokens=r.get("output_len"), num_requests=1,
                         mean_batch_size=1.0, kv_cache_dtype=r.get("kv_cache_dtype"),
-                        kv_bytes_per_token=r.get("kv_bytes_per_token"))
+                        kv_bytes_per_token=r.get("kv_bytes_per_token"), weights=r.get("weights"),
+                        max_num_seqs=r.get("max_num_seqs"), max_num_batched_tokens=r.get("max_num_batched_tokens"))
     raise ValueError(f"not a tokenmill bench result (kind={kind!r}); expected throughput, latency, serve or metrics")
 
 
@@ -176,28 +182,52 @@ def diagnose(ev: Evidence, prefill_threshold: float = 0.5) -> Diagnosis:
     if ev.prefix_cache_hit_rate is not None:
         e.append(f"prefix cache hit rate: {ev.prefix_cache_hit_rate:.0%}")
 
+    if ev.weights is not None:
+        e.append(f"weights: {ev.weights}")
+    # each lever is offered only where the evidence says it can help (and not where the run already uses it)
+    quantised_weights = ev.weights is not None and not ev.weights.startswith(("float", "bfloat16"))
+    low_bit_weights = ev.weights is not None and any(_bits(f) <= 4 for f in ev.weights.split(", "))
+    quantised_kv = (ev.kv_cache_dtype or "").startswith(("int", "fp8"))
+    kv_tight = (ev.preemptions or 0) > 0 or (ev.kv_usage or 0) > 0.9
+    at_limit = ev.max_num_seqs is not None and ev.mean_batch_size is not None and \
+        ev.mean_batch_size >= 0.9 * ev.max_num_seqs
     if ev.queue_s and first and ev.queue_s / first > 0.5:
         lv.append("most of TTFT is queueing: the server is past capacity; lower the arrival rate, raise "
                   "max_num_seqs, or give the KV cache more memory")
     if verdict == PREFILL_BOUND:
-        lv.append("chunked-prefill budget: raise max_num_batched_tokens so prompts finish in fewer steps "
-                  "(lower it instead if streams stall while long prompts are prefilled)")
+        mean_prompt = ev.prompt_tokens / ev.num_requests if ev.prompt_tokens and ev.num_requests else None
+        if ev.max_num_batched_tokens is None or mean_prompt is None or mean_prompt > ev.max_num_batched_tokens:
+            lv.append("chunked-prefill budget: raise max_num_batched_tokens so prompts finish in fewer steps "
+                      "(lower it instead if streams stall while long prompts are prefilled)")
         if ev.prefix_cache_hit_rate is None or ev.prefix_cache_hit_rate < 0.5:
             lv.append("prefix caching: keep it on and put shared text (system prompt, few-shot examples) first "
                       "so repeated prefixes are computed once")
         lv.append("shorter prompts: prefill work grows with prompt length, attention quadratically")
-        lv.append("quantisation: prefill is compute-bound; bf16 over fp32, int8/fp8 matmuls raise FLOP/s")
+        if ev.weights is None or ev.weights == "float32":
+            lv.append("precision: prefill is compute-bound; bfloat16 over float32, int8/fp8 matmuls raise FLOP/s")
     else:
-        if ev.mean_batch_size is None or ev.mean_batch_size < 32:
+        if (ev.mean_batch_size is None or ev.mean_batch_size < 32) and not kv_tight:
             lv.append("batch size: a decode step reads every weight once whatever the batch; run more sequences "
-                      "at once (raise max_num_seqs, send more concurrent requests)")
-        lv.append("quantisation: decode is memory-bandwidth-bound; 8- or 4-bit weights cut the bytes read per step")
-        lv.append("KV dtype fp8/int8: halves KV bytes read per step and fits twice the sequences")
+                      "at once (" + ("raise max_num_seqs: the batch stayed at its limit" if at_limit else
+                                     "send more concurrent requests") + ")")
+        if not low_bit_weights:
+            lv.append("quantisation: decode is memory-bandwidth-bound; " +
+                      ("4-bit weights halve the bytes the current ones read per step" if quantised_weights else
+                       "8- or 4-bit weights cut the bytes read per step"))
+        if not quantised_kv and (ev.kv_usage is None or ev.kv_usage > 0.5 or kv_tight):
+            lv.append("KV dtype fp8/int8: halves KV bytes read per step and fits twice the sequences")
         lv.append("shorter outputs: cap max_tokens; each generated token is a full pass")
-    if (ev.preemptions or 0) > 0 or (ev.kv_usage or 0) > 0.9:
-        lv.append("KV memory is tight (preemptions recompute work): more KV memory, KV dtype fp8/int8, "
-                  "or a lower max_num_seqs")
+    if kv_tight:
+        lv.append("KV memory is tight (preemptions recompute work): more KV memory" +
+                  ("" if quantised_kv else ", KV dtype fp8/int8,") + " or a lower max_num_seqs")
     return d
+
+
+def _bits(fmt: str) -> int:
+    """The bits a weight format stores per value, roughly (Q4_K -> 4, int8 -> 8, float32 -> 32)."""
+    import re
+    m = re.search(r"(\d+)", fmt)
+    return int(m.group(1)) if m else 16
 
 
 def diagnose_file(path: str | Path) -> Diagnosis:

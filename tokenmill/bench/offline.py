@@ -56,15 +56,39 @@ def _warmup(llm: Any, vocab: int) -> None:
     llm.generate([{"prompt_token_ids": req["prompt_token_ids"]}], [_sampling(4)], use_tqdm=False)
 
 
+def weights_label(model: Any, dtype: Any) -> str:
+    """How the matrices are stored: their quantised formats (PackedWeight bits, a GGUF's block types), else the
+    float dtype."""
+    from tokenmill.executor.layers.quant import GGMLWeight, PackedWeight, RowParts
+    formats: set[str] = set()
+
+    def add(q: Any) -> None:
+        if isinstance(q, RowParts):
+            for part in q.parts:
+                add(part)
+        elif isinstance(q, GGMLWeight):
+            formats.add(q.type_name)
+        elif isinstance(q, PackedWeight):
+            formats.add(f"int{q.bits}")
+        elif q is not None:
+            formats.add(type(q).__name__)
+    for m in model.modules():
+        add(getattr(m, "quant", None))
+    return ", ".join(sorted(formats)) if formats else str(dtype).removeprefix("torch.")
+
+
 def kv_record(llm: Any) -> dict[str, Any]:
-    """The KV cache's dtype and bytes per token (all layers, K and V, scales included), for the phase report."""
+    """What the diagnosis weighs its levers against: the KV cache's dtype and bytes per token (all layers, K and V,
+    scales included), how the weights are stored, and the batch limits."""
     eng = getattr(llm, "llm_engine", None)
     if eng is None:
         return {}
     cfg = eng.config
     # a hybrid cache's block holds one group's layers: a token within every window costs a block of each group
     return {"kv_cache_dtype": cfg.kv_cache_dtype,
-            "kv_bytes_per_token": eng.runner.kv_bytes_per_block(cfg) * eng.kv.num_groups // cfg.cache_config.block_size}
+            "kv_bytes_per_token": eng.runner.kv_bytes_per_block(cfg) * eng.kv.num_groups // cfg.cache_config.block_size,
+            "weights": weights_label(eng.model, cfg.dtype), "max_num_seqs": cfg.scheduler_config.max_num_seqs,
+            "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens}
 
 
 def run_throughput(llm: Any, workload: Workload, warmup: bool = True, use_tqdm: bool = True,
