@@ -32,7 +32,8 @@ class ServerContext:
     tool_call_parser: Optional[str] = None    # --tool-call-parser; None: the one the chat template's syntax asks for
     reasoning_parser: Optional[str] = None    # --reasoning-parser: thinking goes to reasoning_content
     max_prompts_per_request: int = MAX_PROMPTS
-    report_cached_tokens: bool = True         # usage.prompt_tokens_details.cached_tokens (docs/serving.md: what it reveals)
+    # usage.prompt_tokens_details.cached_tokens (docs/serving.md: what it reveals)
+    report_cached_tokens: bool = True
     _token_text: dict[int, str] = field(default_factory=dict)
 
     @property

@@ -2,8 +2,9 @@
 
 Unknown fields are ignored, as vLLM ignores them, so that clients sending newer fields (reasoning_effort, ...) keep
 working; the server's log and the response's x-ignored-fields header name them, so a client can see that an option
-took no effect. OpenAI's fields that change nothing a model computes (IGNORED) are accepted and ignored silently. vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ...) are accepted as well. Numbers are
-strict (JSON true is not 1) and held to OpenAI's ranges and SamplingParams' rules, so that /openapi.json shows them.
+took no effect. OpenAI's fields that change nothing a model computes (IGNORED) are accepted and ignored silently.
+vLLM's extra sampling fields (top_k, min_p, repetition_penalty, ...) are accepted as well. Numbers are strict (JSON
+true is not 1) and held to OpenAI's ranges and SamplingParams' rules, so that /openapi.json shows them.
 Responses are plain dicts built in completions.py / chat.py, described for /openapi.json in schemas.py.
 """
 from __future__ import annotations

@@ -423,4 +423,5 @@ class ResponseStreamEvent(BaseModel):
     logprobs: Optional[list[TokenLogprob]] = None
 
 
-STREAMED = (CompletionChunk, ChatCompletionChunk, ResponseStreamEvent, AnthropicEvent)     # what stream_or's events refer to
+# what the streamed responses' events refer to
+STREAMED = (CompletionChunk, ChatCompletionChunk, ResponseStreamEvent, AnthropicEvent)
