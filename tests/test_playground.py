@@ -40,11 +40,10 @@ def browser():
     driver.quit()
 
 
-def test_playground_streams_a_reply(browser, live_server):
+def _ready(browser, live_server, max_tokens: int, prompt: str):
+    """Once /stats has answered: the API key and max tokens filled in, the prompt typed. Returns the wait."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
-
-    browser.get(live_server.url + "/")
     wait = WebDriverWait(browser, 30)
     wait.until(lambda d: "tiny-chat" in d.find_element(By.ID, "model").text)       # /stats answered
     key = browser.find_element(By.ID, "api-key")
@@ -52,8 +51,16 @@ def test_playground_streams_a_reply(browser, live_server):
     key.send_keys(live_server.api_key)
     browser.execute_script("document.getElementById('api-key').dispatchEvent(new Event('change'))")
     browser.find_element(By.ID, "max-tokens").clear()
-    browser.find_element(By.ID, "max-tokens").send_keys("24")
-    browser.find_element(By.ID, "prompt").send_keys("Hello, who are you?")
+    browser.find_element(By.ID, "max-tokens").send_keys(str(max_tokens))
+    browser.find_element(By.ID, "prompt").send_keys(prompt)
+    return wait
+
+
+def test_playground_streams_a_reply(browser, live_server):
+    from selenium.webdriver.common.by import By
+
+    browser.get(live_server.url + "/")
+    wait = _ready(browser, live_server, 24, "Hello, who are you?")
     # pace the engine: the tiny model could make all 24 tokens before the page reads the first chunk, and a
     # reply that arrives in one piece has no decode time to show
     with live_server.hold(lambda state: 0.005):
@@ -74,24 +81,16 @@ def test_markdown_history_regenerate_and_thinking(browser, live_server):
     """Replies render markdown (escaped first: no HTML of the model's gets through); a new chat starts empty and
     the old one comes back from the history; the last reply regenerates in place; thinking shows folded."""
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import Select, WebDriverWait
+    from selenium.webdriver.support.ui import Select
 
     browser.get(live_server.url + "/")
     browser.execute_script("localStorage.removeItem('tokenmill-chats'); location.reload()")
-    wait = WebDriverWait(browser, 30)
-    wait.until(lambda d: "tiny-chat" in d.find_element(By.ID, "model").text)
+    wait = _ready(browser, live_server, 6, "First chat")
     html = browser.execute_script(
         "return renderMarkdown('**b** and `c`\\n\\n- x\\n- y\\n\\n```\\n<i>raw</i>\\n```\\n<img src=x onerror=1>')")
     assert "<strong>b</strong> and <code>c</code>" in html and "<ul><li>x</li><li>y</li></ul>" in html
     assert "<pre><code>&lt;i&gt;raw&lt;/i&gt;</code></pre>" in html and "<img" not in html
 
-    key = browser.find_element(By.ID, "api-key")
-    key.clear()
-    key.send_keys(live_server.api_key)
-    browser.execute_script("document.getElementById('api-key').dispatchEvent(new Event('change'))")
-    browser.find_element(By.ID, "max-tokens").clear()
-    browser.find_element(By.ID, "max-tokens").send_keys("6")
-    browser.find_element(By.ID, "prompt").send_keys("First chat")
     browser.find_element(By.ID, "send").click()
     wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant .stats"))
     # the reply went through the markdown renderer: its text sits in block elements, not bare
