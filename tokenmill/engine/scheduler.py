@@ -89,13 +89,13 @@ class Scheduler:
                 i += 1
                 continue
             left = self._target(req) - req.num_computed_tokens
-            if defer and self._long_prefill(req, left):     # a long prompt sits this step out for a short one
+            long = self._long_prefill(req, left)
+            if defer and long:                       # a long prompt sits this step out for a short one
                 partial.append((req, req.num_computed_tokens, True))
                 self._deferred = True
                 i += 1
                 continue
-            n = self._fit(req, min(left + len(req.spec_token_ids), budget,
-                                   self._cap(self._long_prefill(req, left), req.num_computed_tokens)))
+            n = self._fit(req, min(left + len(req.spec_token_ids), budget, self._cap(long, req.num_computed_tokens)))
             while not self.kv.allocate_slots(req, n):
                 if req.spec_token_ids:               # guesses give way before any request is preempted for them
                     n = min(n, req.num_tokens - req.num_computed_tokens)
