@@ -98,6 +98,14 @@ def test_a_short_prompt_goes_first_but_never_two_steps_running():
     s.add(_req("d", 3))
     assert _step(s) == {"a": 1, "b": 1, "d": 3}                 # both long prompts sit out
     assert _step(s) == {"long": 16, "a": 1, "b": 1, "c": 16, "d": 1}
+    # a long prompt still waiting, ahead of the short one, does not start in the short one's step either
+    s = _sched(budget=64, long_prefill_token_threshold=16, short_prompts_first=True)
+    s.add(_req("long", 200))
+    _step(s)
+    s.add(_req("w", 100))
+    s.add(_req("s", 5))
+    assert _step(s) == {"s": 5}
+    assert _step(s) == {"long": 16, "s": 1, "w": 16}
 
 
 def test_attention_cost_per_position():

@@ -103,8 +103,6 @@ class RemoteChat:
                 if not line.startswith("data:") or line.strip() == "data: [DONE]":
                     continue
                 chunk = json.loads(line[5:])
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
                 for c in chunk.get("choices") or []:
                     delta = c["delta"].get("content") or ""
                     if delta:
@@ -191,7 +189,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"(unknown command; {HELP})", flush=True)
             continue
         conv.turns.append({"role": "user", "content": line})
-        reply = _reply(chat, conv.messages())
+        try:
+            reply = _reply(chat, conv.messages())
+        except ValueError as e:        # e.g. the conversation outgrew the context: say so, keep the session
+            conv.turns.pop()
+            print(f"\n(error: {e})", flush=True)
+            continue
         conv.turns.append({"role": "assistant", "content": reply.text})
         print(f"\n[{'stopped: ' if reply.stopped else ''}{_rate(reply)}]", flush=True)
 

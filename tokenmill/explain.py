@@ -173,13 +173,13 @@ def print_model(model: Optional[str], prompt: str, steps: int, head: int, layer:
             out["steps"].append({"token": word, "max_abs_diff": diff, "weights_sum": weights.sum().item(),
                                  "same_next": int(cached_logits.argmax()) == int(full_logits.argmax())})
             next_id = step.logits[:, -1].argmax(-1, keepdim=True)
-    if plot:
-        _plot(plot, step.attentions[layer][0, head].numpy(), context, cache, cfg)
+    if plot and steps:
+        _plot(plot, step.attentions[layer][0, head].numpy(), context, per_token)
         print(f"\nattention map and cache growth: {plot}")
     return out
 
 
-def _plot(path: str, weights: Any, context: list[str], cache: Any, cfg: Any) -> None:
+def _plot(path: str, weights: Any, context: list[str], per_token: int) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -187,8 +187,6 @@ def _plot(path: str, weights: Any, context: list[str], cache: Any, cfg: Any) -> 
     a.bar(range(len(context)), weights[-1])
     a.set_xticks(range(len(context)), context, rotation=90, fontsize=7)
     a.set_title("the last token's attention weights (one head)")
-    k = cache.layers[0].keys
-    per_token = 2 * cfg.num_hidden_layers * k.shape[1] * k.shape[3] * k.element_size()
     n = list(range(1, len(context) + 1))
     b.plot(n, [per_token * i / 1024 for i in n])
     b.set_xlabel("tokens")

@@ -6,6 +6,7 @@ with the prompt). Slow to stream = decode-bound (memory: every step reads all we
 cache for one token per sequence, so batch size is the lever)."""
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -225,7 +226,6 @@ def diagnose(ev: Evidence, prefill_threshold: float = 0.5) -> Diagnosis:
 
 def _bits(fmt: str) -> int:
     """The bits a weight format stores per value, roughly (Q4_K -> 4, int8 -> 8, float32 -> 32)."""
-    import re
     m = re.search(r"(\d+)", fmt)
     return int(m.group(1)) if m else 16
 

@@ -17,7 +17,7 @@ from tokenmill.config import CacheConfig
 from tokenmill.engine.async_engine import (AsyncLLM, DrainingError, EngineState, IterationHook, QueueFullError,
                                            RequestStream)
 from tokenmill.engine.engine import LLMEngine, PromptType, prompt_cache_salt
-from tokenmill.executor.loading import available_memory_bytes, default_kv_budget, total_memory_bytes
+from tokenmill.executor.loading import default_kv_budget, utilization_budget
 from tokenmill.engine.replica import RemoteReplica
 from tokenmill.engine.router import Router, check_routing
 from tokenmill.executor.cpus import available_cpus
@@ -64,9 +64,10 @@ class DataParallelLLM:
                 args.pop("gpu_memory_utilization", None)
             if engine_args.get("kv_cache_memory_gb") is None and util is not None:
                 # vLLM's rule over the RAM the replicas share: a share of the whole, less what is in use, split
-                cpu = torch.device("cpu")
-                in_use = total_memory_bytes(cpu) - available_memory_bytes(cpu)
-                share = max(total_memory_bytes(cpu) * util - in_use, 0) / size / 2 ** 30
+                share = utilization_budget(torch.device("cpu"), util)[0] / size / 2 ** 30
+                if share <= 0:
+                    raise ValueError(f"gpu_memory_utilization={util} leaves no memory for the KV caches after what "
+                                     f"is in use; raise it, or give kv_cache_memory_gb")
             elif engine_args.get("kv_cache_memory_gb") is None:
                 share = default_kv_budget(torch.device("cpu"), CacheConfig(16).memory_utilization) / size / 2 ** 30
             for c, args in zip(cores, per_replica):

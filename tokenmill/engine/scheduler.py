@@ -81,6 +81,7 @@ class Scheduler:
         partial: list[tuple[Request, int, bool]] = []    # prompts this step leaves part-computed: (request, its
         # tokens computed by the end of the step, whether it is long)
         defer, self._deferred = self._short_prompt_waits(), False
+        shaped = self.config.short_prompts_first or self.config.prefill_depth_cost > 0   # the CPU rules are on
         # 1. running requests: their next token (decode) or their next prompt chunk
         i = 0
         while i < len(self.running) and budget > 0:
@@ -89,7 +90,7 @@ class Scheduler:
                 i += 1
                 continue
             left = self._target(req) - req.num_computed_tokens
-            long = self._long_prefill(req, left)
+            long = shaped and self._long_prefill(req, left)
             if defer and long:                       # a long prompt sits this step out for a short one
                 partial.append((req, req.num_computed_tokens, True))
                 self._deferred = True
@@ -113,8 +114,8 @@ class Scheduler:
             budget -= n
             i += 1
         # 2. waiting requests, in arrival order (preempted ones were put back at the front), groups taking turns;
-        # a prompt held back (the partial-prefill limits, or a shared prefix still being computed) keeps its place
-        # while later ones are considered
+        # a prompt held back (the partial-prefill limits, a step left to short prompts, or a shared prefix still being
+        # computed) keeps its place while later ones are considered
         seats = Counter(r.group_id for r in self.running) if self.waiting else Counter()
         held: set[str] = set()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
@@ -124,7 +125,7 @@ class Scheduler:
                 break
             left = self._target(req) - req.num_computed_tokens     # (a prefix-cache hit aside, as vLLM counts)
             if (left > min(budget, cap) and not self._may_start_partial(partial, left)) \
-                    or self._prefix_in_progress(req, partial):
+                    or (defer and left > threshold) or self._prefix_in_progress(req, partial):
                 held.add(req.request_id)
                 continue
             hit_blocks, hit_tokens = ([], 0)

@@ -66,6 +66,14 @@ def total_memory_bytes(device: torch.device) -> int:
     raise OSError("no MemTotal in /proc/meminfo")
 
 
+def utilization_budget(device: torch.device, utilization: float) -> tuple[int, int, int]:
+    """vLLM's gpu_memory_utilization rule: (bytes a share of the whole memory leaves after what is in use, the
+    whole, what is in use)."""
+    total = total_memory_bytes(device)
+    in_use = total - available_memory_bytes(device)
+    return max(int(total * utilization) - in_use, 0), total, in_use
+
+
 def default_kv_budget(device: torch.device, share: float) -> int:
     """The KV cache's bytes when no size is given: a share of the free memory (on CPU at most 4 GiB: plenty for
     CPU batch sizes, and it keeps start-up fast)."""
@@ -82,9 +90,8 @@ def size_kv_cache(config: EngineConfig, per_block: int, min_blocks: int, reserve
         budget = int(cc.kv_cache_memory_gb * 2 ** 30)
         origin = f"kv_cache_memory_gb={cc.kv_cache_memory_gb}"
     elif cc.gpu_memory_utilization is not None:      # vLLM's rule: a share of the whole, less what is in use
-        total = total_memory_bytes(config.device)
-        in_use = total - available_memory_bytes(config.device)
-        budget = max(int(total * cc.gpu_memory_utilization) - in_use - reserved, 0) // ranks
+        budget, total, in_use = utilization_budget(config.device, cc.gpu_memory_utilization)
+        budget = max(budget - reserved, 0) // ranks
         origin = (f"gpu_memory_utilization={cc.gpu_memory_utilization}: {cc.gpu_memory_utilization:.0%} of "
                   f"{total / 2 ** 30:.1f} GiB less {in_use / 2 ** 30:.1f} GiB in use")
     else:

@@ -142,8 +142,18 @@ def _blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
         out.append({"type": "text", "text": message["content"]})
     for call in message.get("tool_calls") or []:
         out.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
-                    "input": json.loads(call["function"]["arguments"] or "{}")})
+                    "input": _tool_input(call["function"]["arguments"])})
     return out
+
+
+def _tool_input(arguments: Optional[str]) -> dict[str, Any]:
+    """A call's arguments as Anthropic's input object. A model's own text may not be a JSON object (an unconstrained
+    call): then it is kept whole under "arguments" rather than failing the reply."""
+    try:
+        value = json.loads(arguments or "{}")
+    except ValueError:
+        return {"arguments": arguments}
+    return value if isinstance(value, dict) else {"arguments": value}
 
 
 def _stop(choice: dict[str, Any], req: MessagesRequest) -> tuple[str, Optional[str]]:

@@ -49,15 +49,23 @@ def resolve_hub_name(name: str, revision: Optional[str] = None) -> str:
     from huggingface_hub import HfApi, hf_hub_download, snapshot_download
     from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
                                         RevisionNotFoundError)
-    cache_dir = os.environ.get("HF_HUB_CACHE") or None
+    cache_dir = os.environ.get("HF_HUB_CACHE") or None    # read per call: the library reads it once, at import
     offline = _offline()
+
+    def from_cache() -> str:
+        folder = snapshot_download(repo, revision=revision, cache_dir=cache_dir, local_files_only=True)
+        files = [os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs]
+        gguf = _pick_gguf(repo, files, quant)
+        return folder if gguf is None else os.path.join(folder, gguf)
     try:
         if offline:
-            folder = snapshot_download(repo, revision=revision, cache_dir=cache_dir, local_files_only=True)
-            files = [os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs]
-            gguf = _pick_gguf(repo, files, quant)
-            return folder if gguf is None else os.path.join(folder, gguf)
-        files = HfApi().list_repo_files(repo, revision=revision)
+            return from_cache()
+        try:
+            files = HfApi().list_repo_files(repo, revision=revision)
+        except (GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError):
+            raise
+        except Exception:     # no network (whichever HTTP library the hub client uses), or the hub failed: the cache
+            return from_cache()
         gguf = _pick_gguf(repo, files, quant)
         if gguf is not None:          # one file of a repository of GGUFs: only that file
             return hf_hub_download(repo, gguf, revision=revision, cache_dir=cache_dir)
