@@ -1,4 +1,5 @@
 """tokenmill: a readable LLM inference engine (paged KV cache, continuous batching, OpenAI-compatible server)."""
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
@@ -17,4 +18,4 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredOutputsParams", "PoolingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics"]
+__all__ = ["LLM", "LLMEngine", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "PoolingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestMetrics"]

@@ -373,6 +373,9 @@ class SchedulerConfig:
     # never two steps running, so the short one's first token costs it one step of its own.
     prefill_depth_cost: float = 0.0
     short_prompts_first: bool = False
+    # LoRA: the most adapters the running requests may use at once (0: no adapters); a request whose adapter
+    # would be one more waits
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_num_partial_prefills"):
@@ -476,6 +479,23 @@ class CompilationConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """vLLM's engine options: adapters in one step (max_loras, each in a slot of the stacks), their largest rank
+    (max_lora_rank: the stacks' width), and adapters kept loaded in host memory (max_cpu_loras)."""
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: Optional[int] = None
+
+    def __post_init__(self):
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be at least 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str
     model_config: ModelConfig
@@ -497,6 +517,7 @@ class EngineConfig:
     # the graph captures ("NONE": every step eager) and their sizes (rows)
     cudagraph_mode: str = "NONE"
     cudagraph_capture_sizes: tuple[int, ...] = ()
+    lora_config: Optional[LoRAConfig] = None      # None: no adapters (enable_lora=False)
 
     @property
     def kv_cache_dtype(self) -> str:

@@ -5,12 +5,14 @@ import itertools
 from typing import Any, Iterator, NamedTuple, Optional, Sequence, Union
 
 from tokenmill.engine.engine import LLMEngine, PromptType
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import EmbeddingRequestOutput, RequestOutput
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 ParamsArg = Union[SamplingParams, Sequence[SamplingParams], None]
 PoolingArg = Union[PoolingParams, Sequence[PoolingParams], None]
+LoRAArg = Union[LoRARequest, Sequence[Optional[LoRARequest]], None]
 
 
 class StreamOutput(NamedTuple):
@@ -67,7 +69,7 @@ class LLM:
 
     # ---- submission ------------------------------------------------------------------------------------------
     def _submit(self, prompts: Union[PromptType, Sequence[PromptType]], params: Union[ParamsArg, PoolingArg],
-                kind: type = SamplingParams) -> list[str]:
+                kind: type = SamplingParams, lora_request: LoRAArg = None) -> list[str]:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -83,11 +85,14 @@ class LLM:
             use = ("embed() takes PoolingParams (generate() generates)" if kind is PoolingParams
                    else "generate() takes SamplingParams (embed() pools)")
             raise ValueError(f"{use}; got a {type(wrong).__name__}")
+        loras = lora_request if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts; pass one, or one per prompt")
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, lora in zip(prompts, params, loras):
                 rid = str(next(self._ids))
-                self.llm_engine.add_request(rid, prompt, p)
+                self.llm_engine.add_request(rid, prompt, p, lora_request=lora)
                 ids.append(rid)
         except Exception:
             self.llm_engine.abort_request(ids)     # all or nothing: leave the engine as it was
@@ -95,9 +100,10 @@ class LLM:
         return ids
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]], sampling_params: ParamsArg = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Outputs in input order. A progress bar shows for more than a few prompts (use_tqdm=False: none)."""
-        return self._run(self._submit(prompts, sampling_params), use_tqdm)
+                 use_tqdm: bool = True, lora_request: LoRAArg = None) -> list[RequestOutput]:
+        """Outputs in input order. A progress bar shows for more than a few prompts (use_tqdm=False: none).
+        lora_request: a LoRARequest for every prompt, or one per prompt (None: the base model)."""
+        return self._run(self._submit(prompts, sampling_params, lora_request=lora_request), use_tqdm)
 
     def embed(self, prompts: Union[PromptType, Sequence[PromptType]], pooling_params: PoolingArg = None,
               use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:

@@ -22,6 +22,7 @@ class NewRequestData:
     params: Optional[SamplingParams]          # None: a pooling request
     pooling_type: Optional[str] = None        # LAST or MEAN, for a pooling request
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    lora: Any = None                          # its LoRA adapter (lora/adapter.py's LoRAAdapter), None: the base
 
 
 @dataclass(frozen=True)

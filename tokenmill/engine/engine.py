@@ -10,13 +10,14 @@ import logging
 import os
 import time
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Union
 
 import torch
 
-from tokenmill.config import CacheConfig, CompilationConfig, EngineConfig, SchedulerConfig, resolve_dtype
+from tokenmill.config import (CacheConfig, CompilationConfig, EngineConfig, LoRAConfig, SchedulerConfig,
+                              resolve_dtype)
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.draft_model import DraftModelProposer, check_draft_config, check_draft_tokenizer
 from tokenmill.engine.kv_cache_manager import blocks_for, make_kv_manager
@@ -34,6 +35,8 @@ from tokenmill.executor.parallel import (TensorParallelRunner, TPGroup, WorkerSp
 from tokenmill.executor.gpu_runner import GpuRunner
 from tokenmill.executor.runner import CpuRunner, ModelRunner, RunnerOutput
 from tokenmill.executor.sampler import bad_words_to_token_ids, check_params_for_vocab
+from tokenmill.lora.adapter import LoRAAdapter, load_adapter, lora_model_error
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
 from tokenmill.pooling_params import PoolingParams, check_pooling_type
 from tokenmill.sampling_params import SamplingParams
@@ -187,7 +190,9 @@ class LLMEngine:
                  compilation_config: Union[CompilationConfig, dict, None] = None,
                  async_scheduling: bool = False, long_prefill_token_threshold: Optional[int] = None,
                  max_num_partial_prefills: int = 1, max_long_partial_prefills: int = 1,
-                 gpu_memory_utilization: Optional[float] = None, revision: Optional[str] = None):
+                 gpu_memory_utilization: Optional[float] = None, revision: Optional[str] = None,
+                 enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
+                 max_cpu_loras: Optional[int] = None):
         # pooling_type: which prompt rows a PoolingParams request pools (vLLM's pooler config): LAST or MEAN
         self.pooling_type = check_pooling_type(pooling_type)
         spec_config = SpeculativeConfig.of(speculative_config)
@@ -207,6 +212,7 @@ class LLMEngine:
                              f"({mc.max_position_embeddings}); lower it")
         if not use_kv_cache:
             enable_prefix_caching = False
+        lora_cfg = self._lora_config(enable_lora, max_loras, max_lora_rank, max_cpu_loras, mc, tensor_parallel_size)
         if long_prefill_token_threshold is None:    # fair prefill: the device's default (SchedulerConfig)
             long_prefill_token_threshold = SchedulerConfig.default_long_prefill_token_threshold(dev.type, use_kv_cache)
         # on a CPU a step costs what it computes: fair prefill there also weighs a chunk's depth, short prompts first
@@ -216,7 +222,8 @@ class LLMEngine:
                                                            spec_config, tensor_parallel_size),
                                     long_prefill_token_threshold, max_num_partial_prefills, max_long_partial_prefills,
                                     prefill_depth_cost=mc.attention_cost_per_position if cpu_fair else 0.0,
-                                    short_prompts_first=cpu_fair)
+                                    short_prompts_first=cpu_fair,
+                                    max_loras=lora_cfg.max_loras if lora_cfg is not None else 0)
         cache_cfg = CacheConfig(block_size, kv_cache_memory_gb, enable_prefix_caching=enable_prefix_caching,
                                 cache_dtype=kv_cache_dtype, gpu_memory_utilization=gpu_memory_utilization)
         # tensor parallelism (executor/parallel.py): this process is rank 0 and holds its share of the model; the
@@ -232,13 +239,18 @@ class LLMEngine:
             num_threads = local_threads(num_threads, tensor_parallel_size)
         comp = CompilationConfig.of(compilation_config)
         graph_mode = comp.mode(dev, enforce_eager)
+        if lora_cfg is not None and graph_mode != "NONE":
+            # a step's rows take their adapters by a mapping whose shapes change step to step
+            log.info("LoRA adapters: the decode steps run eagerly (no CUDA graphs)")
+            graph_mode = "NONE"
         if graph_mode != "NONE" and dev.type == "cpu" and attention_backend not in DEVICE_BATCH_BACKENDS:
             raise ValueError("graphs on a CPU are the GPU runner's traced stand-in, for tests: use "
                              "attention_backend='padded' or 'triton' (under TRITON_INTERPRET=1) with "
                              "cpu_kernels='reference' or 'triton', or leave compilation_config's cudagraph_mode unset")
         self.config = EngineConfig(path, part, cache_cfg, sched_cfg, torch_dtype, dev, attention_backend,
                                    quantized_kernels, cpu_kernels, seed, num_threads, graph_mode,
-                                   comp.capture_sizes(max_num_seqs) if graph_mode != "NONE" else ())
+                                   comp.capture_sizes(max_num_seqs) if graph_mode != "NONE" else (),
+                                   lora_cfg)
         if tensor_parallel_size > 1:
             # rank 0's kernel variant, not "auto": ranks that compute alike route alike (a Mixture-of-Experts'
             # top-k flips on the last bits), and a node that cannot run it says so
@@ -257,7 +269,7 @@ class LLMEngine:
         torch.manual_seed(seed)
 
         self.model = load_model(path, part, torch_dtype, dev, max_model_len, ckpt, quantized_kernels, cpu_kernels,
-                                int8_activations, tp)
+                                int8_activations, tp, lora_cfg)
         # a draft model (speculative decoding) shares the KV budget: both caches get num_blocks blocks
         self.draft_config: Optional[EngineConfig] = None
         if spec_config is not None and spec_config.method == "draft_model" and use_kv_cache:
@@ -265,7 +277,8 @@ class LLMEngine:
             draft_ckpt, draft_mc = open_model(draft_path, quantization, dev)
             # the draft's passes (last_logits) take host lists, eagerly: no graphs to capture for it
             self.draft_config = dataclasses.replace(self.config, model=draft_path, model_config=draft_mc,
-                                                    cudagraph_mode="NONE", cudagraph_capture_sizes=())
+                                                    cudagraph_mode="NONE", cudagraph_capture_sizes=(),
+                                                    lora_config=None)
             check_draft_config(mc, self.draft_config.model_config, max_model_len)
             draft_model = load_model(draft_path, self.draft_config.model_config, torch_dtype, dev, max_model_len,
                                      draft_ckpt, quantized_kernels, cpu_kernels, int8_activations)
@@ -305,6 +318,7 @@ class LLMEngine:
         elif spec_config is not None and use_kv_cache:
             self.proposer = NgramProposer(spec_config, max_model_len)
         self.requests: dict[str, Request] = {}
+        self.adapters: "OrderedDict[int, LoRAAdapter]" = OrderedDict()   # loaded LoRA adapters, by id
         self.parents: dict[str, list[str]] = {}        # n > 1: parent id -> child ids
         self.child_parent: dict[str, str] = {}
         self.stats = EngineStats(kv_blocks_total=num_blocks)
@@ -313,6 +327,17 @@ class LLMEngine:
         self.step_history: deque[tuple[float, SchedulerStats]] = deque(maxlen=4096)
 
     # ---- construction helpers ------------------------------------------------------------------------------
+    @staticmethod
+    def _lora_config(enable: bool, max_loras: int, max_rank: int, max_cpu_loras: Optional[int], mc,
+                     tp_size: int) -> Optional[LoRAConfig]:
+        if not enable:
+            return None
+        why = lora_model_error(mc)
+        if why is None and tp_size > 1:
+            why = "adapters with tensor_parallel_size > 1 are not implemented"
+        if why is not None:
+            raise ValueError(f"enable_lora=True cannot run here: {why}; leave it off")
+        return LoRAConfig(max_loras, max_rank, max_cpu_loras)
     @staticmethod
     def _load_tokenizer(path: str) -> Any:
         if os.path.isdir(path) and not os.path.exists(os.path.join(path, "tokenizer.json")) \
@@ -412,11 +437,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: Union[SamplingParams, PoolingParams, None] = None,
-                    arrival_time: Optional[float] = None) -> None:
-        """Queue a request: to generate (SamplingParams, the default) or to pool its prompt (PoolingParams)."""
+                    arrival_time: Optional[float] = None, lora_request: Optional[LoRARequest] = None) -> None:
+        """Queue a request: to generate (SamplingParams, the default) or to pool its prompt (PoolingParams);
+        lora_request: with that LoRA adapter (enable_lora=True)."""
         params = params or SamplingParams()
+        lora = self._adapter(lora_request)
         if isinstance(params, PoolingParams):
-            return self._add_pooling_request(request_id, prompt, params, arrival_time)
+            return self._add_pooling_request(request_id, prompt, params, arrival_time, lora)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams or a PoolingParams, got {type(params).__name__}")
         text, ids = self._checked_prompt(request_id, prompt)
@@ -447,7 +474,8 @@ class LLMEngine:
             p = params if params.n == 1 else dataclasses.replace(
                 params, n=1, seed=None if params.seed is None else params.seed + i)
             # every child carries the salt: they share their prompt's blocks with each other and no one else
-            req = Request(cid, ids, p, arrival, max_tokens, mc.eos_token_ids, text, bad_words, cache_salt=salt)
+            req = Request(cid, ids, p, arrival, max_tokens, mc.eos_token_ids, text, bad_words, cache_salt=salt,
+                          lora=lora)
             req.group_id = request_id
             if so is not None:
                 req.grammar = self.structured_outputs.new_request_grammar(so, ids)
@@ -460,7 +488,7 @@ class LLMEngine:
             self.child_parent.update((c, request_id) for c in children)
 
     def _add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams,
-                             arrival_time: Optional[float]) -> None:
+                             arrival_time: Optional[float], lora: Optional[LoRAAdapter] = None) -> None:
         text, ids = self._checked_prompt(request_id, prompt)
         mc, max_len = self.model_config, self.config.scheduler_config.max_model_len
         if len(ids) > max_len:      # no new token follows, so the prompt may fill max_model_len
@@ -475,9 +503,45 @@ class LLMEngine:
                              f"{self.kv.num_blocks}; shorten the prompt or raise kv_cache_memory_gb")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         req = Request(request_id, ids, None, arrival, 0, mc.eos_token_ids, text, pooling_params=params,
-                      pooling_type=self.pooling_type, cache_salt=prompt_cache_salt(prompt))
+                      pooling_type=self.pooling_type, cache_salt=prompt_cache_salt(prompt), lora=lora)
         self.requests[request_id] = req
         self.scheduler.add(req)
+
+    # ---- LoRA adapters ----------------------------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter (vLLM's add_lora): read and checked now, so a request naming it does not fail later."""
+        self._adapter(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget a loaded adapter; requests running with it finish with it."""
+        return self.adapters.pop(lora_id, None) is not None
+
+    def list_loras(self) -> set[int]:
+        return set(self.adapters)
+
+    def _adapter(self, lora_request: Optional[LoRARequest]) -> Optional[LoRAAdapter]:
+        """The request's adapter, loaded (and checked against the model) on first use."""
+        if lora_request is None:
+            return None
+        lc = self.config.lora_config
+        if lc is None:
+            raise ValueError(f"lora_request {lora_request.lora_name!r}: this engine was started without adapters; "
+                             f"start it with enable_lora=True (--enable-lora)")
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        adapter = self.adapters.get(lora_request.lora_int_id)
+        if adapter is not None and adapter.request != lora_request:
+            raise ValueError(f"lora_int_id {lora_request.lora_int_id} is already adapter "
+                             f"{adapter.request.lora_name!r} ({adapter.request.lora_path}); give each adapter its "
+                             f"own id, or remove_lora() it first")
+        if adapter is None:
+            adapter = load_adapter(lora_request, self.model_config, lc.max_lora_rank)
+            self.adapters[lora_request.lora_int_id] = adapter
+            if lc.max_cpu_loras is not None and len(self.adapters) > lc.max_cpu_loras:
+                self.adapters.popitem(last=False)
+        self.adapters.move_to_end(lora_request.lora_int_id)
+        return adapter
 
     def abort_request(self, request_ids: Union[str, Iterable[str]]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)

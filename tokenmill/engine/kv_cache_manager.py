@@ -85,10 +85,12 @@ class KVCacheManager:
 
     # ---- prefix cache --------------------------------------------------------------------------------------
     def _block_key(self, req: Request, i: int, parent: Optional[int]) -> tuple:
-        """Block i of req's key: (parent hash, its token ids, extra keys). The cache salt is an extra key of the
-        first block only (as in vLLM): every later block inherits it through its parent hash."""
+        """Block i of req's key: (parent hash, its token ids, extra keys). The cache salt and the LoRA adapter are
+        extra keys of the first block only (as in vLLM): every later block inherits them through its parent hash."""
         bs = self.block_size
-        extra = (req.cache_salt,) if i == 0 and req.cache_salt is not None else None
+        extra = None
+        if i == 0 and (req.cache_salt is not None or req.lora is not None):     # an adapter's KV is its own
+            extra = (req.cache_salt, req.lora_key)
         return (parent, tuple(req.all_token_ids[i * bs:(i + 1) * bs]), extra)
 
     def _hashes(self, req: Request, num_full_blocks: int) -> list[int]:

@@ -29,7 +29,7 @@ class Request:
                  arrival_time: float, max_tokens: int, eos_token_ids: tuple[int, ...], prompt: Optional[str] = None,
                  bad_words_token_ids: Optional[list[list[int]]] = None,
                  pooling_params: Optional[PoolingParams] = None, pooling_type: str = "LAST",
-                 cache_salt: Optional[str] = None):
+                 cache_salt: Optional[str] = None, lora: Any = None):
         self.request_id = request_id
         self.group_id = request_id        # the user's request this sequence is one of (n > 1: the parent's id)
         self.prompt = prompt
@@ -48,6 +48,8 @@ class Request:
         # vLLM's cache_salt: joins the first block's hash, so only requests with the same salt share cached blocks
         # (one client cannot learn from cached_tokens what another sent)
         self.cache_salt = cache_salt
+        # its LoRA adapter (lora/adapter.py's LoRAAdapter; None: the base model): keys its prefix-cache blocks too
+        self.lora = lora
         self.status = RequestStatus.WAITING
         self.stop_reason: Optional[int | str] = None
         self.num_preemptions = 0
@@ -70,6 +72,10 @@ class Request:
         # async scheduling: tokens sampled by launched steps whose results are not back yet (at most two: the step
         # on the device and the one just scheduled)
         self.num_in_flight = 0
+
+    @property
+    def lora_key(self) -> Optional[tuple]:
+        return None if self.lora is None else self.lora.cache_key
 
     @property
     def num_tokens(self) -> int:

@@ -117,6 +117,7 @@ class Scheduler:
         # a prompt held back (the partial-prefill limits, a step left to short prompts, or a shared prefix still being
         # computed) keeps its place while later ones are considered
         seats = Counter(r.group_id for r in self.running) if self.waiting else Counter()
+        adapters = {r.lora_key for r in self.running if r.lora is not None} if self.config.max_loras else set()
         held: set[str] = set()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
                 and not out.preempted_req_ids:
@@ -125,7 +126,8 @@ class Scheduler:
                 break
             left = self._target(req) - req.num_computed_tokens     # (a prefix-cache hit aside, as vLLM counts)
             if (left > min(budget, cap) and not self._may_start_partial(partial, left)) \
-                    or (defer and left > threshold) or self._prefix_in_progress(req, partial):
+                    or (defer and left > threshold) or self._prefix_in_progress(req, partial) \
+                    or self._one_adapter_too_many(req, adapters):
                 held.add(req.request_id)
                 continue
             hit_blocks, hit_tokens = ([], 0)
@@ -145,6 +147,8 @@ class Scheduler:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.monotonic()
             self.running.append(req)
+            if req.lora is not None:
+                adapters.add(req.lora_key)
             self._count_partial(partial, req, left, n)
             self._add_to_batch(out, req, n, in_flight)
             budget -= n
@@ -213,6 +217,11 @@ class Scheduler:
                     break
         return best
 
+    def _one_adapter_too_many(self, req: Request, adapters: set) -> bool:
+        """Whether the request's LoRA adapter would be one more than max_loras among the running requests' (it
+        waits for one of them to finish; never refused)."""
+        return req.lora is not None and req.lora_key not in adapters and len(adapters) >= self.config.max_loras
+
     def _count_partial(self, partial: list, req: Request, left: int, n: int) -> None:
         """req, with `left` tokens to compute, got n of them this step (before they are counted): a prompt it leaves
         part-computed?"""
@@ -266,7 +275,7 @@ class Scheduler:
             req.runner_knows = True
             new = NewRequestData(req.request_id, tuple(req.prompt_token_ids), req.params,
                                  req.pooling_type if req.is_pooling else None,
-                                 tuple(tuple(w) for w in req.bad_words_token_ids))
+                                 tuple(tuple(w) for w in req.bad_words_token_ids), req.lora)
         out.scheduled.append(ScheduledRequest(
             req.request_id, n, req.num_computed_tokens, deltas, tuple(req.spec_token_ids[:guesses]),
             tuple(req.spec_draft_probs[:guesses]) if guesses and req.spec_draft_probs is not None else None, new))

@@ -9,7 +9,7 @@ what changed) to its device."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -34,6 +34,7 @@ class RequestState:
     all_token_ids: list[int] = field(default_factory=list)
     tables: list[list[int]] = field(default_factory=list)      # each KV group's block table
     num_computed_tokens: int = 0
+    lora: Any = None                            # its LoRA adapter (LoRAAdapter), None: the base model
 
     @property
     def num_tokens(self) -> int:
@@ -142,7 +143,7 @@ class BatchBuilder:
         generator = make_generator(n.params.seed, self.device) if n.params is not None else None
         st = RequestState(n.req_id, list(n.prompt_token_ids), n.params, n.pooling_type,
                           [list(w) for w in n.bad_words_token_ids], generator, [], list(n.prompt_token_ids),
-                          [[] for _ in range(self.num_groups)])
+                          [[] for _ in range(self.num_groups)], lora=n.lora)
         self.states[n.req_id] = st
         return st
 

@@ -6,16 +6,19 @@ from typing import Any, Optional
 
 import torch
 
-from tokenmill.config import EngineConfig, ModelConfig
+from tokenmill.config import EngineConfig, LoRAConfig, ModelConfig
 from tokenmill.executor.loader import Checkpoint, open_checkpoint, quantized_at_load
+from tokenmill.executor.lora import attach_lora
 from tokenmill.executor.models.decoder import DecoderForCausalLM
 from tokenmill.executor.ops import make_ops
 
 
 def load_model(path: str, mc: ModelConfig, dtype: torch.dtype, device: torch.device, max_len: int,
                ckpt: Checkpoint, quantized_kernels: bool = True, cpu_kernels: str = "auto",
-               int8_activations: bool = True, tp: Optional[Any] = None) -> DecoderForCausalLM:
-    """tp: the tensor-parallel group of a rank's share of a split model (mc and ckpt are that share's)."""
+               int8_activations: bool = True, tp: Optional[Any] = None,
+               lora: Optional[LoRAConfig] = None) -> DecoderForCausalLM:
+    """tp: the tensor-parallel group of a rank's share of a split model (mc and ckpt are that share's). lora: its
+    projections take adapters (executor/lora.py)."""
     ops = make_ops(device, dtype, cpu_kernels, int8_activations)     # the execution plan: what serves each op, chosen once
     ops.tp = tp
     with torch.device("meta"):
@@ -26,6 +29,7 @@ def load_model(path: str, mc: ModelConfig, dtype: torch.dtype, device: torch.dev
     keep_blocks = quantized_kernels
     model.load_weights(ckpt.tensors(keep_blocks=keep_blocks), dtype, device)
     model.finalize()
+    model.lora_step = None if lora is None else attach_lora(model, lora, dtype, device)
     ops.prepare(model)
     ckpt.release()
     return model.eval()

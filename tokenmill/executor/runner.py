@@ -14,6 +14,7 @@ from tokenmill.executor.attention import AttentionMetadata, get_backend
 from tokenmill.executor.batch import BatchBuilder, ForwardBatch, StepPlan, sampling_inputs
 from tokenmill.executor.cpus import FixedThreads, ThreadGovernor
 from tokenmill.executor.kv_cache import LayerKV
+from tokenmill.executor.lora import LoRASlots
 from tokenmill.executor.memory import PageToucher, advise_huge_pages, keep_freed_memory
 from tokenmill.executor.models.decoder import DecoderForCausalLM
 from tokenmill.executor.sampler import PendingSample, Sampler, compute_prompt_logprobs
@@ -78,6 +79,8 @@ class ModelRunner:
         vocab = mc.vocab_size * (model.ops.tp.size if model.ops.tp is not None else 1)
         self.sampler = Sampler(vocab, set(mc.eos_token_ids), model.ops.argmax)
         self.builder = BatchBuilder(self.block_size, len(self.groups.windows), self.device)
+        lora = getattr(model, "lora_step", None)
+        self.lora_slots = None if lora is None else LoRASlots(model, config.lora_config)
 
     def memory_reserved(self) -> int:
         """Bytes this runner needs on its device besides the weights and the KV cache (a GPU's graphs), counted
@@ -155,6 +158,9 @@ class ModelRunner:
         supports_async may launch the next step first; its rows whose tokens are this step's take them on the
         device."""
         plan = self._plan(sched)
+        if self.lora_slots is not None:
+            self.model.lora_step.mapping = self.model.ops.lora_mapping(self.lora_slots.row_slots(plan), self.device,
+                                                                       self.config.dtype)
         hidden = self._run(plan)
         out = RunnerOutput({})
         dev = self.device

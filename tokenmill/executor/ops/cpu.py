@@ -149,7 +149,8 @@ class CpuKernelOps(ReferenceOps):
             return None
         if self.tp is not None:          # the one-call layer has no all-reduce after o_proj and down_proj
             return None
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        # an adapted projection's base (the layer steps aside for the plain one while rows have adapters)
+        linears = tuple(getattr(m, "base", m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if self.dtype not in _LAYER_DTYPES or attn.q_norm is not None or norms[0].eps != norms[1].eps \
                 or attn.rotary_dim != attn.head_dim:
@@ -169,7 +170,7 @@ class CpuKernelOps(ReferenceOps):
                 return None
         weights = tuple(n.weight.detach().float().contiguous() for n in norms)
         desc = self.kernels.struct("layer", input_norm=weights[0], post_norm=weights[1], eps=norms[0].eps,
-                                   hidden=attn.qkv_proj.quant.shape[1], heads=attn.num_heads,
+                                   hidden=linears[0].quant.shape[1], heads=attn.num_heads,
                                    kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, inter=mlp.inter,
                                    scale=attn.scale, qkv=matrices[0], o=matrices[1], gate_up=matrices[2],
                                    down=matrices[3])
@@ -296,6 +297,9 @@ class CpuKernelOps(ReferenceOps):
         float32 from its bfloat16 inputs and rounds what it returns to bfloat16."""
         entry = self._layers.get(id(layer))
         step = getattr(meta, "decode_step", None)
+        lora = getattr(layer, "lora_step", None)
+        if lora is not None and lora.mapping is not None:
+            entry = None
         if entry is None or step is None or not meta.all_decode or x.shape[0] > entry.max_rows \
                 or x.dtype != self.dtype or (residual is not None and residual.dtype != self.dtype):
             return layer(x, residual, rope, backend, meta)

@@ -2,6 +2,7 @@
 interface every other implementation keeps. One implementation serves a model, chosen at load (ops/__init__.py)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -15,6 +16,33 @@ from tokenmill.executor.layers.rotary import apply_rotary
 # to run near the machine's peak (BENCHMARKS.md, run v)
 TILE_BYTES = 4 << 20
 MIN_TILE_ROWS = 128
+
+
+@dataclass(frozen=True)
+class LoRASegments:
+    """A step's rows grouped by adapter slot: index [n * L] each group's rows padded to L with its first row, keep
+    [n * L, 1] zero on the padding, slots [n] the slots in use (None: the first n, in order)."""
+    index: torch.Tensor
+    keep: torch.Tensor
+    slots: Optional[torch.Tensor]
+    num_slots: int
+    length: int
+
+    @classmethod
+    def of(cls, row_slots: list[int], device: torch.device, dtype: torch.dtype) -> Optional["LoRASegments"]:
+        groups: dict[int, list[int]] = {}
+        for row, slot in enumerate(row_slots):
+            if slot >= 0:
+                groups.setdefault(slot, []).append(row)
+        if not groups:
+            return None
+        order = sorted(groups)
+        length = max(len(g) for g in groups.values())
+        index = [r for s in order for r in groups[s] + [groups[s][0]] * (length - len(groups[s]))]
+        keep = [float(i < len(groups[s])) for s in order for i in range(length)]
+        first = order == list(range(len(order)))        # slots 0..n-1: the stacks' leading slots, no gather
+        return cls(torch.tensor(index, device=device), torch.tensor(keep, dtype=dtype, device=device)[:, None],
+                   None if first else torch.tensor(order, device=device), len(order), length)
 
 
 class ReferenceOps:
@@ -151,6 +179,25 @@ class ReferenceOps:
         ys = (ys * topk_weights.flatten()[order, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, rows, ys)
 
+    def lora_mapping(self, row_slots: list[int], device: torch.device, dtype: torch.dtype
+                     ) -> Optional["LoRASegments"]:
+        """A step's rows' adapter slots (-1: the base model) in the form lora() reads: here the rows grouped by
+        slot, each group padded to the longest (None: no row has an adapter)."""
+        return LoRASegments.of(row_slots, device, dtype)
+
+    def lora(self, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mapping) -> torch.Tensor:
+        """y += (x @ a[slot]) @ b[slot], each row with its own slot (a: [S, in, R], b: [S, R, out]): the Punica
+        shrink-expand as two batched GEMMs over the slots in use, each slot's rows gathered (padding rows are
+        zeros) and the products added back to their rows."""
+        m: LoRASegments = mapping
+        rows = x.index_select(0, m.index) * m.keep                           # [n * L, in]
+        if m.slots is not None:
+            a, b = a.index_select(0, m.slots), b.index_select(0, m.slots)
+        elif a.shape[0] != m.num_slots:
+            a, b = a[:m.num_slots], b[:m.num_slots]
+        h = torch.bmm(rows.view(m.num_slots, m.length, -1), a)             # [n, L, R]
+        return y.index_add_(0, m.index, torch.bmm(h, b).view(-1, y.shape[-1]))
+
     def decoder_layer(self, layer, x: torch.Tensor, residual: Optional[torch.Tensor], rope, backend,
                       meta) -> tuple[torch.Tensor, torch.Tensor]:
         """One decoder layer of a step (an implementation may run a whole layer as one kernel)."""
@@ -160,4 +207,5 @@ class ReferenceOps:
         """op -> what serves it, for `tokenmill info` and the server's start log."""
         ops = ("linear", "embedding", "rms_norm", "rotary", "silu_mul", "argmax", "decoder_layer", "fused_moe",
                "gelu_tanh_mul")
-        return {**{op: "torch" for op in ops}, "attention": "torch (batched SDPA)"}
+        return {**{op: "torch" for op in ops}, "attention": "torch (batched SDPA)",
+                "lora": "torch (each adapter's rows gathered, shrink and expand as two batched GEMMs)"}

@@ -26,6 +26,7 @@ class TritonOps(ReferenceOps):
         self.q = triton_quant
         self.dtype = dtype
         self.norm_kernel = self.act_kernel = False
+        self.lora_kernel = None           # ops/triton_lora.py where the model's adapted projections fit it
         # MoE blocks' experts stacked for the fused kernel (ops/triton_moe.py), by id(block.experts); and how many
         # MoE blocks the kernel does not take (those run the reference's fused_moe, which syncs with the host)
         self.moe: dict[int, object] = {}
@@ -33,6 +34,7 @@ class TritonOps(ReferenceOps):
 
     def prepare(self, model) -> None:
         self._stack_experts(model)
+        self._check_lora(model)
         cfg = model.config
         why_norm = self.k.rms_norm_fits(cfg.hidden_size, self.dtype)
         why_act = self.k.act_mul_fits(self.dtype)
@@ -40,6 +42,29 @@ class TritonOps(ReferenceOps):
         for op, why in (("rms_norm", why_norm), ("silu_mul", why_act)):
             if why is not None:
                 log.info("%s runs on torch: the Triton kernel does not take %s", op, why)
+
+    def _check_lora(self, model) -> None:
+        """LoRA's shrink-expand runs as the Triton kernels where every adapted projection fits them."""
+        from tokenmill.executor.lora import adapted_layers
+        from tokenmill.executor.ops import triton_lora
+        layers = adapted_layers(model)
+        why = next((w for _, m in layers if (w := triton_lora.lora_fits(m.a.dtype, m.a.shape[1], m.a.shape[2]))),
+                   None)
+        self.lora_kernel = triton_lora if layers and why is None else None
+        if why is not None:
+            log.info("LoRA runs on torch: the Triton kernel does not take %s", why)
+
+    def lora_mapping(self, row_slots: list[int], device: torch.device, dtype: torch.dtype):
+        if self.lora_kernel is None:
+            return super().lora_mapping(row_slots, device, dtype)
+        # each row's slot as the kernels read it (-1: none)
+        return torch.tensor(row_slots, dtype=torch.int32, device=device) if row_slots else None
+
+    def lora(self, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mapping) -> torch.Tensor:
+        if self.lora_kernel is None:
+            return super().lora(x, y, a, b, mapping)
+        self.lora_kernel.lora_shrink_expand(x, y, a, b, mapping)
+        return y
 
     def rms_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,6 +127,8 @@ class TritonOps(ReferenceOps):
         if self.moe:
             d["fused_moe"] = "triton (expert-sorted grouped GEMM, no host sync)" + \
                 (f"; {self.moe_fallbacks} MoE layers torch" if self.moe_fallbacks else "")
+        if self.lora_kernel is not None:
+            d["lora"] = "triton (shrink, then expand: each row reads its own adapter's slot)"
         d["rotary"] = "triton, fused with the KV-cache write where the attention backend is Triton's and the cache " \
                       "a float one (else torch)"
         return d
