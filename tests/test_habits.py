@@ -68,9 +68,23 @@ def test_a_llama_server_command_line_is_mapped() -> None:
     assert (kw["gpu_memory_utilization"], kw["max_model_len"]) == (0.5, 512)
 
 
+def test_lora_command_lines_are_mapped() -> None:
+    """vLLM's --lora-modules (name=path and its JSON form) and llama-server's --lora (a PEFT folder, named by it)
+    become numbered adapters, and turn --enable-lora on."""
+    args = _serve_args("--lora-modules", "a=/x/a", '{"name": "b", "path": "/x/b"}', "--lora", "/y/c/",
+                       "--max-loras", "2", "--max-lora-rank", "32")
+    assert [(r.lora_name, r.lora_int_id, r.lora_path) for r in args.lora_requests] == \
+        [("a", 1, "/x/a"), ("b", 2, "/x/b"), ("c", 3, "/y/c/")]
+    kw = engine_kwargs(args)
+    assert (kw["enable_lora"], kw["max_loras"], kw["max_lora_rank"]) == (True, 2, 32)
+    assert engine_kwargs(_serve_args())["enable_lora"] is False
+
+
 @pytest.mark.parametrize("argv, says", [
-    (["--lora", "adapter.gguf"], "LoRA adapters are not served yet"),
-    (["--enable-lora", "--lora-modules", "a=/x"], "LoRA adapters are not served yet"),
+    (["--lora", "adapter.gguf"], "a GGUF adapter is llama.cpp's format"),
+    (["--lora-modules", "just-a-name"], "give name=path"),
+    (["--lora-modules", "a=/x", "a=/y"], "given twice"),
+    (["--enable-lora", "--data-parallel-size", "2"], "not implemented"),
     (["a.gguf", "--model", "b.gguf"], "two models given"),
     (["--chat-template", "no/such/template.jinja"], "neither a file nor a Jinja template"),
     (["--chat-template", "{% if %}"], "not valid Jinja"),

@@ -142,10 +142,10 @@ def test_errors_are_documented_as_400_in_openais_shape(live_server: Any) -> None
     assert set(error["required"]) == {"message", "type", "param", "code"}
     posts = {path: ops["post"] for path, ops in doc["paths"].items() if path.startswith("/v1/") and "post" in ops}
     assert set(posts) == {"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses",
-                          "/v1/messages"}
+                          "/v1/messages", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
     for path, op in posts.items():
         shape = "AnthropicError" if path == "/v1/messages" else "ErrorResponse"     # each API's own error shape
-        for status in ("400", "401", "404", "413", "503"):
+        for status in ("400", "401", "413", "503") + (() if path == "/v1/load_lora_adapter" else ("404",)):
             content = op["responses"][status]["content"]
             assert content == {"application/json": {"schema": {"$ref": f"#/components/schemas/{shape}"}}}, path
         assert op["security"] == [{"bearer": []}]

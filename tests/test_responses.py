@@ -226,7 +226,7 @@ def test_a_stream_that_fails_ends_with_response_failed():
             pass
 
     async def collect() -> list[dict]:
-        b = _Builder(SimpleNamespace(model_name=MODEL), ResponsesRequest(input="hi"))
+        b = _Builder(SimpleNamespace(model_name=MODEL, answer_name=lambda name: name or MODEL), ResponsesRequest(input="hi"))
         kept: list[str] = []
         evs = [json.loads(e.split("data: ", 1)[1]) async for e in _stream(b, Dead(), kept.append)]
         assert kept == []            # a failed response cannot be continued

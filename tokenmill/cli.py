@@ -28,6 +28,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with --max-num-partial-prefills > 1: at most this many of them long; later, shorter "
                         "prompts start ahead of a long one held back (default: 1)")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (PEFT folders) over the base model, mixed in one batch")
+    p.add_argument("--max-loras", type=int, default=1,
+                   help="with --enable-lora: adapters in use at once; requests for one more wait (vLLM's default 1)")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="with --enable-lora: the largest adapter rank")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="with --enable-lora: adapters kept loaded in memory (default: every one loaded)")
     p.add_argument("--revision", default=None, help="a hub model's branch, tag or commit (default: main)")
     p.add_argument("--kv-cache-memory-gb", type=float, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
@@ -91,7 +98,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size,
                 enforce_eager=args.enforce_eager, compilation_config=args.compilation_config,
                 async_scheduling=args.async_scheduling, gpu_memory_utilization=args.gpu_memory_utilization,
-                revision=args.revision)
+                revision=args.revision, enable_lora=args.enable_lora, max_loras=args.max_loras,
+                max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
 
 
 def _json_object(text: str) -> dict:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar, Union
 
 from tokenmill.engine.engine import LLMEngine, PromptType
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
@@ -198,9 +199,11 @@ class AsyncLLM:
 
     # ---- the event loop's side ---------------------------------------------------------------------------------
     async def add_request(self, prompt: PromptType, params: Union[SamplingParams, PoolingParams],
-                          request_id: Optional[str] = None) -> RequestStream:
-        """Queue a request; returns its stream once the engine accepted it. Raises ValueError (bad input, from
-        the engine), QueueFullError or EngineDeadError (DrainingError once drain() was called)."""
+                          request_id: Optional[str] = None, lora_request: Optional[LoRARequest] = None
+                          ) -> RequestStream:
+        """Queue a request (with a LoRA adapter, lora_request); returns its stream once the engine accepted it.
+        Raises ValueError (bad input, from the engine), QueueFullError or EngineDeadError (DrainingError once
+        drain() was called)."""
         if not self.is_running:
             raise EngineDeadError(self.error or "the engine loop is not running")
         if self.draining:
@@ -218,7 +221,7 @@ class AsyncLLM:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._pending += 1
         try:
-            self._submit(("add", rid, prompt, params, stream, fut, time.monotonic()))
+            self._submit(("add", rid, prompt, params, stream, fut, time.monotonic(), lora_request))
             await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
             stream.abort()        # queued after the add, so the engine thread drops it right after adding
@@ -333,11 +336,11 @@ class AsyncLLM:
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, prompt, params, stream, fut, arrival = cmd
+            _, rid, prompt, params, stream, fut, arrival, lora = cmd
             if not fut.set_running_or_notify_cancel():
                 return                  # the caller gave up before the engine got to it
             try:
-                self.engine.add_request(rid, prompt, params, arrival_time=arrival)
+                self.engine.add_request(rid, prompt, params, arrival_time=arrival, lora_request=lora)
             except Exception as e:      # ValueError for bad input; the handler turns it into a 400
                 fut.set_exception(e)
                 return

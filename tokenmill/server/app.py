@@ -5,12 +5,13 @@ build_app(engine_or_asyncllm) is all a caller needs; `tokenmill serve` (server/c
 from __future__ import annotations
 
 import hmac
+import itertools
 import json
 import logging
 import os
 from contextlib import asynccontextmanager
 from dataclasses import asdict
-from typing import Any, AsyncIterator, Optional, Union
+from typing import Any, AsyncIterator, Optional, Sequence, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,18 +21,20 @@ from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, R
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import tokenmill
-from tokenmill.engine.async_engine import AsyncLLM, ClientDisconnected
+from tokenmill.engine.async_engine import AsyncLLM, ClientDisconnected, EngineDeadError
 from tokenmill.engine.engine import LLMEngine
+from tokenmill.lora.request import LoRARequest
 from tokenmill.reasoning import get_reasoning_parser
 from tokenmill.server.bodies import explain_unparsable
 from tokenmill.server.chat import create_chat_completion, render_messages
-from tokenmill.server.common import MAX_PROMPTS, ServerContext, now
+from tokenmill.server.common import MAX_PROMPTS, ServerContext, now, unavailable
 from tokenmill.server.completions import create_completion
 from tokenmill.server.embeddings import EmbeddingRequest, create_embedding
 from tokenmill.server.messages import MessagesRequest, create_message
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.protocol import (IGNORED_FIELDS, IGNORED_FIELDS_HEADER, ApiError, ChatCompletionRequest,
-                                       CompletionRequest, DetokenizeRequest, TokenizeRequest)
+                                       CompletionRequest, DetokenizeRequest, LoadLoRAAdapterRequest, TokenizeRequest,
+                                       UnloadLoRAAdapterRequest)
 from tokenmill.server.responses import ResponsesRequest, ResponseStore, create_response
 from tokenmill.server.schemas import (AnthropicError, AnthropicMessage, ChatCompletionChunk, ChatCompletionResponse,
                                       CompletionChunk, CompletionResponse, DetokenizeResponse, EmbeddingResponse,
@@ -174,7 +177,7 @@ def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_call_parser: Optional[str] = None,
               reasoning_parser: Optional[str] = None, enable_shutdown_endpoint: bool = False,
               max_prompts_per_request: int = MAX_PROMPTS, report_cached_tokens: bool = True,
-              chat_template: Optional[str] = None) -> FastAPI:
+              chat_template: Optional[str] = None, lora_modules: Sequence[LoRARequest] = ()) -> FastAPI:
     """An app serving the engine. max_queue: 503 once that many requests wait; max_body_bytes: 413 above it.
     tool_call_parser: how chat replies' tool calls are read (default: from the chat template); reasoning_parser:
     thinking goes to reasoning_content (default: the engine's). Given an LLMEngine the app owns the AsyncLLM it
@@ -182,7 +185,8 @@ def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional
     does (llm.drain(): 503 to new requests); `tokenmill serve` then exits once the requests in flight are done.
     max_prompts_per_request: a completions request with more prompts is a 400; report_cached_tokens: False reports
     usage's cached_tokens as 0, so a client cannot learn what other clients sent. chat_template: a Jinja template in
-    place of the tokenizer's (vLLM's --chat-template)."""
+    place of the tokenizer's (vLLM's --chat-template). lora_modules: adapters served under their names (loaded
+    already, or at their first request), beside those loaded later through /v1/load_lora_adapter."""
     if max_prompts_per_request < 1:
         raise ValueError(f"max_prompts_per_request must be >= 1, got {max_prompts_per_request}")
     if tool_call_parser is not None:
@@ -204,6 +208,12 @@ def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional
                         eng.config.scheduler_config.max_model_len, tool_call_parser=tool_call_parser,
                         reasoning_parser=reasoning_parser or getattr(so_config, "reasoning_parser", None),
                         max_prompts_per_request=max_prompts_per_request, report_cached_tokens=report_cached_tokens)
+    for lora in lora_modules:
+        if lora.lora_name == ctx.model_name:
+            raise ValueError(f"the LoRA adapter {lora.lora_name!r} has the base model's served name; rename it")
+        eng.add_lora(lora)       # read and checked at start: a bad adapter stops the server before it serves
+        ctx.loras[lora.lora_name] = lora
+    lora_ids = itertools.count(max((r.lora_int_id for r in lora_modules), default=0) + 1)
     metrics = ServerMetrics(ctx.model_name, eng.kv_cache_info())
     llm.hooks.append(metrics.on_iteration)
 
@@ -306,19 +316,70 @@ def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         return await create_response(ctx, response_store, body, request)
 
-    def model_card() -> dict[str, Any]:
-        return {"id": ctx.model_name, "object": "model", "created": now(), "owned_by": "tokenmill",
-                "root": ctx.model_name, "max_model_len": ctx.max_model_len}
+    def model_card(name: str) -> dict[str, Any]:
+        base = name == ctx.model_name
+        return {"id": name, "object": "model", "created": now(), "owned_by": "tokenmill", "root": name,
+                "parent": None if base else ctx.model_name, "max_model_len": ctx.max_model_len}
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(n) for n in ctx.served_names]}
 
     # a served name may hold slashes (org/name), as OpenAI's ids do not
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=errors(404))
     async def model(model_id: str) -> dict[str, Any]:
         ctx.check_model(model_id)
-        return model_card()
+        return model_card(model_id)
+
+    # ---- LoRA adapters at run time (vLLM's routes) ----
+    def lora_enabled() -> None:
+        if getattr(eng.config, "lora_config", None) is None:
+            raise ApiError(400, "this server was started without LoRA adapters; start it with --enable-lora",
+                           "lora_name")
+
+    def json_errors(*statuses: int) -> dict:
+        """errors() for a route whose success is plain text (vLLM's): the errors stay JSON."""
+        return {s: {"description": e["description"], "content": {"application/json": {"schema": {
+            "$ref": "#/components/schemas/ErrorResponse"}}}} for s, e in errors(*statuses).items()}
+
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=json_errors(400, 503))
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+        lora_enabled()
+        name = body.lora_name
+        if name in ctx.served_names:
+            raise ApiError(400, f"the LoRA adapter {name!r} has already been loaded; unload it first, or choose "
+                                f"another name", "lora_name")
+        lora = LoRARequest(name, next(lora_ids), body.lora_path)
+        ctx.loras[name] = lora         # held while it loads, so two loads of one name cannot race
+        try:
+            await llm.call(lambda engine: engine.add_lora(lora))
+        except ValueError as e:        # the adapter does not fit: named by the loader
+            del ctx.loras[name]
+            raise ApiError(400, str(e), "lora_path")
+        except EngineDeadError as e:
+            del ctx.loras[name]
+            raise unavailable(e)
+        except BaseException:
+            del ctx.loras[name]
+            raise
+        log.info("LoRA adapter %r loaded", name)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=json_errors(400, 404, 503))
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+        lora_enabled()
+        lora = ctx.loras.get(body.lora_name)
+        if lora is None:
+            served = ", ".join(map(repr, ctx.loras)) or "none"
+            raise ApiError(404, f"the LoRA adapter {body.lora_name!r} cannot be found (loaded: {served})",
+                           "lora_name", "model_not_found")
+        del ctx.loras[body.lora_name]     # new requests no longer find it; those running finish with it
+        try:
+            await llm.call(lambda engine: engine.remove_lora(lora.lora_int_id))
+        except EngineDeadError as e:
+            raise unavailable(e)
+        log.info("LoRA adapter %r unloaded", body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     # ---- vLLM's extras ----
     @app.post("/tokenize", response_model=TokenizeResponse, responses=errors(400, 404))

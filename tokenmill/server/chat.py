@@ -176,7 +176,7 @@ def _params(ctx: ServerContext, req: ChatCompletionRequest, plan: ToolPlan, k: O
 
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, request: Request) -> Response:
-    ctx.check_model(req.model)
+    lora = ctx.check_model(req.model)
     if req.top_logprobs and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
     plan = plan_tools(req, tool_parser(ctx))
@@ -187,7 +187,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     length_field = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
     ctx.check_length(len(ids), params.max_tokens, length_field, "messages", "the messages")
     rid = new_id("chatcmpl")
-    stream = await submit(ctx, ctx.prompt(ids, req.cache_salt), params, rid)
+    stream = await submit(ctx, ctx.prompt(ids, req.cache_salt), params, rid, lora)
     if req.stream:
         parsers = [ChoiceParser(reasoning, plan) for _ in range(req.num_choices)]
         return SSEResponse(_stream(ctx, req, rid, stream, k, parsers), [stream])
@@ -200,7 +200,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
                         "finish_reason": finish_reason(c.finish_reason, parser), "stop_reason": c.stop_reason,
                         **({"token_ids": c.token_ids} if req.return_token_ids else {})})
     return JSONResponse({
-        "id": rid, "object": "chat.completion", "created": now(), "model": ctx.model_name, "choices": choices,
+        "id": rid, "object": "chat.completion", "created": now(), "model": ctx.answer_name(req.model), "choices": choices,
         "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs),
                        ctx.cached(out.num_cached_tokens))})
 
@@ -212,7 +212,7 @@ async def _stream(ctx: ServerContext, req: ChatCompletionRequest, rid: str, stre
     created = now()
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-        return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
+        return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.answer_name(req.model),
                     "choices": choices, **extra})
 
     def choice(i: int, delta: dict[str, Any], lps: Any = None, finish: Optional[str] = None,

@@ -26,9 +26,11 @@ def register(subparsers: Any) -> None:
                    help="accepted for vLLM's command lines: tool calls are always parsed when a request sends tools")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for vLLM's command lines: tokenmill runs no code from model folders")
-    p.add_argument("--enable-lora", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--lora-modules", nargs="+", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--lora", action="append", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters to serve, each as name=path or vLLM's JSON {\"name\": ..., \"path\": ...}; "
+                        "a request's model field picks one by name (implies --enable-lora)")
+    p.add_argument("--lora", action="append", default=None, metavar="PATH",
+                   help="llama-server's spelling: a LoRA adapter (a PEFT folder), served under its folder's name")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
@@ -121,6 +123,37 @@ NO_EFFECT = {"enable_auto_tool_choice": "tool calls are always parsed when a req
                                   "in"}
 
 
+def lora_requests(modules: list[str], paths: list[str]) -> list:
+    """--lora-modules (name=path, or vLLM's JSON) and llama-server's --lora (a PEFT folder, named by it) as
+    LoRARequests, numbered from 1."""
+    import json
+
+    from tokenmill.lora.request import LoRARequest
+    named: list[tuple[str, str]] = []
+    for m in modules:
+        if m.lstrip().startswith("{"):
+            try:
+                d = json.loads(m)
+                named.append((d["name"], d["path"]))
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"--lora-modules {m!r}: a JSON module needs \"name\" and \"path\"") from None
+        elif "=" in m:
+            name, path = m.split("=", 1)
+            named.append((name, path))
+        else:
+            raise ValueError(f"--lora-modules {m!r}: give name=path (or JSON with name and path)")
+    for path in paths:
+        if path.endswith(".gguf"):
+            raise ValueError(f"--lora {path!r}: a GGUF adapter is llama.cpp's format; tokenmill reads PEFT folders "
+                             f"(adapter_config.json and adapter_model.safetensors): give the folder peft saved")
+        named.append((os.path.basename(os.path.normpath(path)), path))
+    names = [n for n, _ in named]
+    dup = next((n for n in names if names.count(n) > 1 or not n), None)
+    if dup is not None:
+        raise ValueError(f"LoRA adapter name {dup!r} is empty or given twice; give each adapter its own name")
+    return [LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(named)]
+
+
 def _habits(args: argparse.Namespace) -> None:
     """vLLM's and llama-server's spellings: --model and -m as the positional; flags that mean nothing here said
     once; what is not served yet refused with what to do instead."""
@@ -129,9 +162,13 @@ def _habits(args: argparse.Namespace) -> None:
             if args.model is not None and args.model != given:
                 raise ValueError(f"two models given: {args.model!r} and {given!r}; give one")
             args.model = given
-    if args.enable_lora or args.lora_modules or args.lora:
-        raise ValueError("LoRA adapters are not served yet; merge the adapter into the base model (peft's "
-                         "merge_and_unload) and serve the merged folder")
+    args.lora_requests = lora_requests(args.lora_modules or [], args.lora or [])
+    if args.lora_requests and not args.enable_lora:
+        print("tokenmill: --lora-modules/--lora given: adapters enabled (--enable-lora)", flush=True)
+        args.enable_lora = True
+    if args.enable_lora and args.data_parallel_size != 1:
+        raise ValueError("--enable-lora with --data-parallel-size > 1 is not implemented; serve the adapters from "
+                         "one replica")
     for name, why in NO_EFFECT.items():
         if getattr(args, name):
             print(f"tokenmill: --{name.replace('_', '-')} has no effect here: {why}", flush=True)
@@ -174,7 +211,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser,
                     reasoning_parser=args.reasoning_parser, enable_shutdown_endpoint=args.enable_shutdown_endpoint,
                     max_prompts_per_request=args.max_prompts_per_request,
-                    report_cached_tokens=args.report_cached_tokens, chat_template=args.chat_template)
+                    report_cached_tokens=args.report_cached_tokens, chat_template=args.chat_template,
+                    lora_modules=args.lora_requests)
     timeout = args.shutdown_timeout
 
     class Server(uvicorn.Server):

@@ -14,6 +14,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from tokenmill.engine.async_engine import AsyncLLM, DrainingError, EngineDeadError, QueueFullError, RequestStream
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import Logprob, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.protocol import ApiError, constraint_error, invalid_params
@@ -34,16 +35,33 @@ class ServerContext:
     max_prompts_per_request: int = MAX_PROMPTS
     # usage.prompt_tokens_details.cached_tokens (docs/serving.md: what it reveals)
     report_cached_tokens: bool = True
+    # LoRA adapters served under their own names (--lora-modules, /v1/load_lora_adapter), beside the base model
+    loras: dict[str, LoRARequest] = field(default_factory=dict)
     _token_text: dict[int, str] = field(default_factory=dict)
 
     @property
     def tokenizer(self) -> Any:
         return self.llm.tokenizer
 
-    def check_model(self, name: Optional[str]) -> None:
-        if name is not None and name != self.model_name:
-            raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
-                           "model", "model_not_found")
+    @property
+    def served_names(self) -> list[str]:
+        return [self.model_name, *self.loras]
+
+    def check_model(self, name: Optional[str]) -> Optional[LoRARequest]:
+        """The request's model: the base (None) or a LoRA adapter; a name served by no one is a 404 listing the
+        served names."""
+        if name is None or name == self.model_name:
+            return None
+        lora = self.loras.get(name)
+        if lora is None:
+            served = ", ".join(map(repr, self.served_names))
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {served}", "model",
+                           "model_not_found")
+        return lora
+
+    def answer_name(self, name: Optional[str]) -> str:
+        """The model a reply names: the adapter the request asked for (checked on arrival), else the base."""
+        return name if name else self.model_name
 
     def prompt(self, prompt: Union[str, list[int]], cache_salt: Optional[str]) -> dict[str, Any]:
         """The engine's prompt dict, tokenized here so that its length can be checked against the context before
@@ -104,9 +122,11 @@ def unavailable(e: EngineDeadError) -> ApiError:
 
 
 async def submit(ctx: ServerContext, prompt: Union[str, list[int], dict], params: SamplingParams,
-                 request_id: str) -> RequestStream:
+                 request_id: str, lora: Optional[LoRARequest] = None) -> RequestStream:
     try:
-        return await ctx.llm.add_request(prompt, params, request_id)
+        if lora is None:
+            return await ctx.llm.add_request(prompt, params, request_id)
+        return await ctx.llm.add_request(prompt, params, request_id, lora_request=lora)
     except QueueFullError as e:
         raise ApiError(503, f"the server is busy: {e}", code="queue_full", type="service_unavailable")
     except DrainingError as e:      # it passed the middleware just before the drain began
@@ -123,12 +143,12 @@ async def submit(ctx: ServerContext, prompt: Union[str, list[int], dict], params
 
 
 async def submit_all(ctx: ServerContext, prompts: list[Any], params: SamplingParams,
-                     base_id: str) -> list[RequestStream]:
+                     base_id: str, lora: Optional[LoRARequest] = None) -> list[RequestStream]:
     """All or nothing: if one prompt is refused, the ones already queued are aborted."""
     streams: list[RequestStream] = []
     try:
         for i, p in enumerate(prompts):
-            streams.append(await submit(ctx, p, params, base_id if len(prompts) == 1 else f"{base_id}-{i}"))
+            streams.append(await submit(ctx, p, params, base_id if len(prompts) == 1 else f"{base_id}-{i}", lora))
     except BaseException:
         for s in streams:
             s.abort()

@@ -6,6 +6,7 @@ from typing import Any, AsyncIterator, Optional
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import Logprob, RequestOutput
 from tokenmill.server.common import (DONE, ServerContext, SSEResponse, clamp, final_outputs, merged, new_id, now,
                                      sse, stream_error, submit_all, usage)
@@ -47,17 +48,18 @@ def _concat(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     return {k: a[k] + b[k] for k in a}
 
 
-def _check(ctx: ServerContext, req: CompletionRequest) -> None:
-    ctx.check_model(req.model)
+def _check(ctx: ServerContext, req: CompletionRequest) -> Optional[LoRARequest]:
+    lora = ctx.check_model(req.model)
     if req.suffix:
         raise ApiError(400, "suffix (insertion) is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.num_choices:
         raise ApiError(400, "best_of must be left out or equal n (tokenmill returns n independent samples)",
                        "best_of")
+    return lora
 
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest, request: Request) -> Response:
-    _check(ctx, req)
+    lora = _check(ctx, req)
     prompt_lps = req.logprobs if req.echo and req.logprobs is not None else None
     params = req.to_sampling_params(16 if req.max_tokens is None else req.max_tokens, req.logprobs, prompt_lps)
     prompts = req.prompts()
@@ -69,7 +71,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, request:
         ctx.check_length(len(p["prompt_token_ids"]), params.max_tokens, "max_tokens", "prompt",
                          "the prompt" if len(inputs) == 1 else f"prompt {i}")
     rid = new_id("cmpl")
-    streams = await submit_all(ctx, inputs, params, rid)
+    streams = await submit_all(ctx, inputs, params, rid, lora)
     if req.stream:
         return SSEResponse(_stream(ctx, req, rid, streams), streams)
     finals = await final_outputs(streams, request)
@@ -90,7 +92,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, request:
                 choice.update(prompt_token_ids=out.prompt_token_ids, token_ids=c.token_ids)
             choices.append(choice)
     cached = sum(o.num_cached_tokens for o in finals)
-    return JSONResponse({"id": rid, "object": "text_completion", "created": now(), "model": ctx.model_name,
+    return JSONResponse({"id": rid, "object": "text_completion", "created": now(), "model": ctx.answer_name(req.model),
                          "choices": choices, "usage": usage(n_prompt, n_out, ctx.cached(cached))})
 
 
@@ -102,7 +104,7 @@ async def _stream(ctx: ServerContext, req: CompletionRequest, rid: str, streams:
     last: dict[int, RequestOutput] = {}
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-        return sse({"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
+        return sse({"id": rid, "object": "text_completion", "created": created, "model": ctx.answer_name(req.model),
                     "choices": choices, **extra})
 
     try:

@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tokenmill.engine.async_engine import RequestStream
+from tokenmill.lora.request import LoRARequest
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.server.common import ServerContext, final_outputs, new_id, now, submit
 from tokenmill.server.protocol import ApiError, Bool, CacheSalt, Int, _Request, prompt_schema
@@ -62,14 +63,15 @@ def encode(v: torch.Tensor, encoding_format: str) -> Union[list[float], str]:
     return base64.b64encode(v.numpy().astype("<f4").tobytes()).decode("ascii")
 
 
-async def _submit_inputs(ctx: ServerContext, inputs: list, params: PoolingParams, rid: str) -> list[RequestStream]:
+async def _submit_inputs(ctx: ServerContext, inputs: list, params: PoolingParams, rid: str,
+                         lora: Optional[LoRARequest] = None) -> list[RequestStream]:
     """All or nothing, as submit_all; the engine's refusal (too long, a token outside the vocabulary) names the
     input it refused."""
     streams: list[RequestStream] = []
     try:
         for i, p in enumerate(inputs):
             try:
-                streams.append(await submit(ctx, p, params, f"{rid}-{i}"))  # type: ignore[arg-type]
+                streams.append(await submit(ctx, p, params, f"{rid}-{i}", lora))  # type: ignore[arg-type]
             except ApiError as e:
                 if e.status != 400:
                     raise
@@ -83,7 +85,7 @@ async def _submit_inputs(ctx: ServerContext, inputs: list, params: PoolingParams
 
 
 async def create_embedding(ctx: ServerContext, req: EmbeddingRequest, request: Request) -> Response:
-    ctx.check_model(req.model)
+    lora = ctx.check_model(req.model)
     hidden = ctx.llm.engine.model_config.hidden_size
     if req.dimensions is not None and req.dimensions != hidden:
         raise ApiError(400, f"dimensions={req.dimensions}: this model's embeddings have {hidden} dimensions and it "
@@ -91,10 +93,10 @@ async def create_embedding(ctx: ServerContext, req: EmbeddingRequest, request: R
                        "dimensions")
     params = PoolingParams(normalize=True if req.normalize is None else req.normalize)
     rid = new_id("embd")
-    streams = await _submit_inputs(ctx, [ctx.prompt(p, req.cache_salt) for p in req.inputs()], params, rid)
+    streams = await _submit_inputs(ctx, [ctx.prompt(p, req.cache_salt) for p in req.inputs()], params, rid, lora)
     finals = await final_outputs(streams, request)
     data = [{"object": "embedding", "index": i, "embedding": encode(o.outputs.data, req.encoding_format)}
             for i, o in enumerate(finals)]
     n = sum(len(o.prompt_token_ids) for o in finals)
-    return JSONResponse({"id": rid, "object": "list", "created": now(), "model": ctx.model_name, "data": data,
+    return JSONResponse({"id": rid, "object": "list", "created": now(), "model": ctx.answer_name(req.model), "data": data,
                          "usage": {"prompt_tokens": n, "total_tokens": n}})

@@ -179,7 +179,7 @@ async def create_message(ctx: ServerContext, req: MessagesRequest, request: Requ
         choice = body["choices"][0]
         reason, sequence = _stop(choice, req)
         return JSONResponse({"id": body["id"].replace("chatcmpl", "msg", 1), "type": "message", "role": "assistant",
-                             "model": ctx.model_name, "content": _blocks(choice["message"]), "stop_reason": reason,
+                             "model": ctx.answer_name(req.model), "content": _blocks(choice["message"]), "stop_reason": reason,
                              "stop_sequence": sequence, "usage": _usage(body.get("usage"))})
     assert isinstance(resp, SSEResponse)
     return SSEResponse(_events(ctx, req, resp.body_iterator), resp.streams)
@@ -194,7 +194,7 @@ async def _events(ctx: ServerContext, req: MessagesRequest, chunks: AsyncIterato
     (thinking, text, each tool_use), then message_delta with the stop reason and usage, and message_stop."""
     msg_id = new_id("msg")
     yield _event("message_start", {"message": {
-        "id": msg_id, "type": "message", "role": "assistant", "model": ctx.model_name, "content": [],
+        "id": msg_id, "type": "message", "role": "assistant", "model": ctx.answer_name(req.model), "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": _usage(None)}})
     index, open_kind, calls = -1, None, {}
     stop: tuple[str, Optional[str]] = ("end_turn", None)

@@ -451,6 +451,18 @@ class ChatCompletionRequest(_Sampling):
         return "auto" if self.tools else "none"
 
 
+class LoadLoRAAdapterRequest(_Request):
+    """vLLM's POST /v1/load_lora_adapter."""
+    lora_name: NonEmpty
+    lora_path: NonEmpty
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """vLLM's POST /v1/unload_lora_adapter."""
+    lora_name: NonEmpty
+    lora_int_id: Optional[Int] = None
+
+
 class TokenizeRequest(_Request):
     # exactly one of prompt and messages, not null (the handler checks it)
     model_config = ConfigDict(json_schema_extra={"oneOf": [

@@ -219,7 +219,7 @@ class _Builder:
             "completed_at": now() if status == "completed" else None, "background": False, "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "metadata": r.metadata or {},
-            "model": self.ctx.model_name, "output": output, "parallel_tool_calls": _or(r.parallel_tool_calls, True),
+            "model": self.ctx.answer_name(r.model), "output": output, "parallel_tool_calls": _or(r.parallel_tool_calls, True),
             "previous_response_id": r.previous_response_id, "reasoning": None, "store": r.store is not False,
             "temperature": _or(r.temperature, 1.0), "text": {"format": {"type": "text"}},
             "tool_choice": r.tool_choice or "auto", "tools": r.tools or [], "top_p": _or(r.top_p, 1.0),
@@ -237,7 +237,7 @@ class _Builder:
 
 async def create_response(ctx: ServerContext, store: ResponseStore, req: ResponsesRequest,
                           request: Request) -> Response:
-    ctx.check_model(req.model)
+    lora = ctx.check_model(req.model)
     _refuse(req)
     history: list[ChatMessage] = []
     if req.previous_response_id is not None:
@@ -256,7 +256,7 @@ async def create_response(ctx: ServerContext, store: ResponseStore, req: Respons
     params = req.to_sampling_params()
     ctx.check_length(len(ids), params.max_tokens, "max_output_tokens", "input", "the input")
     b = _Builder(ctx, req)
-    stream = await submit(ctx, ctx.prompt(ids, req.cache_salt), params, b.id)
+    stream = await submit(ctx, ctx.prompt(ids, req.cache_salt), params, b.id, lora)
 
     def keep(text: str) -> None:
         if req.store is not False:

@@ -143,6 +143,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     root: str = Field(description="the served model's name (no filesystem path is shown)")
+    parent: Optional[str] = Field(None, description="a LoRA adapter's base model (vLLM's field); null for the base")
     max_model_len: int
 
 
