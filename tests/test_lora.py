@@ -171,6 +171,36 @@ def test_speculation(lora_setup, oracle):
     assert llm.get_stats()["spec_num_drafts"] > 0
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantised_base_one_call_layer(tmp_path, quantization):
+    """Quantised base weights: the CPU plan's one-call decode layer adds each row's adapter after each of its four
+    products; it equals the same kernels called layer by layer (greedy ids, logprobs within 1e-4), and the adapters
+    change the tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.1)
+    base = LlamaForCausalLM(cfg)
+    base.save_pretrained(tmp_path / "base")
+    names = [None, "all", "qv_rslora"] * 2
+    paths = {n: make_adapter(base, tmp_path / n, i + 1, **ADAPTERS[n]) for i, n in enumerate(["all", "qv_rslora"])}
+    reqs = requests(paths, names)
+    llm = LLM(str(tmp_path / "base"), dtype="float32", quantization=quantization, kv_cache_memory_gb=0.01,
+              enable_lora=True, max_loras=2, max_lora_rank=8, enable_prefix_caching=False)
+    ops = llm.llm_engine.model.ops
+    assert len(ops._layers) == 2
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([5, 17], seed=4) for _ in range(3)]
+    fused = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=reqs)
+    ops._layers.clear()
+    plain = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=reqs)
+    for a, b in zip(fused, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert abs(la[next(iter(la))].logprob - lb[next(iter(lb))].logprob) < 1e-4
+    toks = [o.outputs[0].token_ids for o in fused]
+    assert toks[1] != toks[0] and toks[2] != toks[0] and toks[4] != toks[3]     # each prompt: base, all, qv
+
+
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.integers(-1, 3), min_size=1, max_size=24), st.integers(0, 2 ** 16))
 def test_rows_never_take_another_rows_adapter(row_slots, seed):
@@ -185,6 +215,31 @@ def test_rows_never_take_another_rows_adapter(row_slots, seed):
     got = y.clone() if m is None else ops.lora(x, y.clone(), a, b, m)
     want = torch.stack([y[t] if s < 0 else y[t] + x[t] @ a[s] @ b[s] for t, s in enumerate(row_slots)])
     assert torch.allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_shrink_expand(dtype):
+    """tm_lora in every kernel variant this CPU runs, against each row computed alone in float32: rows of one slot
+    in tiles, rows without an adapter untouched, a bfloat16 y rounded once."""
+    from tokenmill.executor.kernels import load, runnable_variants
+    from tokenmill.executor.ops import CpuKernelOps
+    g = torch.Generator().manual_seed(0)
+    T, IN, OUT, R, S = 37, 72, 600, 24, 5
+    slots = [(3 * t) % (S + 2) - 1 for t in range(T)]           # -1 and 0..S (S: made -1 below)
+    slots = [s if s < S else -1 for s in slots]
+    x, y = torch.randn(T, IN, generator=g).to(dtype), torch.randn(T, OUT, generator=g).to(dtype)
+    a, b = torch.randn(S, IN, R, generator=g), torch.randn(S, R, OUT, generator=g)
+    want = torch.stack([y[t].float() if s < 0 else y[t].float() + x[t].float() @ a[s] @ b[s]
+                        for t, s in enumerate(slots)])
+    for isa in runnable_variants():
+        ops = CpuKernelOps(load(isa), dtype, True)
+        got = ops.lora(x, y.clone(), a, b, ops.lora_mapping(slots, torch.device("cpu"), dtype))
+        none = [t for t, s in enumerate(slots) if s < 0]
+        assert torch.equal(got[none], y[none]), isa
+        if dtype == torch.float32:
+            assert torch.allclose(got, want, atol=1e-3, rtol=1e-5), isa
+        else:       # one rounding of the float32 sum: within half a bfloat16 step of it
+            assert ((got.float() - want).abs() <= want.abs() * 2 ** -8 + 1e-6).all(), isa
 
 
 def test_runner_maps_each_row_to_its_requests_slot(lora_setup):

@@ -489,8 +489,8 @@ class LoRAConfig:
     def __post_init__(self):
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
-        if self.max_lora_rank < 1:
-            raise ValueError(f"max_lora_rank must be at least 1, got {self.max_lora_rank}")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise ValueError(f"max_lora_rank must be in [1, 512] (vLLM's range), got {self.max_lora_rank}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
 

@@ -66,6 +66,7 @@ def attach_lora(model, config: LoRAConfig, dtype: torch.dtype, device: torch.dev
     mc = model.config
     shapes = module_shapes(mc)
     step = LoRAStep()
+    dtype = model.ops.lora_weight_dtype(dtype)
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         wraps = [(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj")), (attn, "o_proj", ("o_proj",))]

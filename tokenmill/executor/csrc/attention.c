@@ -32,17 +32,6 @@
 
 typedef float v8 __attribute__((vector_size(32)));
 
-static inline float bf16_to_f32(uint16_t x) {
-    return tm_f32_bits((uint32_t)x << 16);
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-    u += 0x7fff + ((u >> 16) & 1);                                           /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
 
 /* Query row `idx` (D values) of q, scaled, as float32 into dst. */
 static inline void load_q(float *dst, const void *q, int bf16, size_t idx, int D, float scale) {

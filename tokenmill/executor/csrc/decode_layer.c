@@ -1,18 +1,28 @@
 /* One decoder layer of a pure decode step in a single call, for a GGUF model whose four matrices are all in
  * quantised blocks (float32 on CPU): the same kernels the Python layer calls one by one (norm, qmatmul or
  * gmatmul, decode attention, SiLU), sequenced here so a step pays one call a layer instead of about ten, plus
- * their tensor allocations. No new arithmetic. */
+ * their tensor allocations, LoRA's per-row products after each matrix where the step has adapters. No new
+ * arithmetic. */
 #include <stdlib.h>
 
 #include "tokenmill.h"
 
-static int mm(const tm_matrix *m, const float *x, int rows, float *y, int num_threads) {
+/* y = x W^T, plus each row's LoRA adapter's product where the step has adapters (slots) and W takes them */
+static int mm(const tm_matrix *m, const float *x, int rows, float *y, int num_threads, const int32_t *slots) {
+    int rc;
     if (m->q) {
         const tm_qmatmul_args a = {m->q, x, y, rows, m->int8_x, num_threads};
-        return tm_qmatmul(&a);
+        rc = tm_qmatmul(&a);
+    } else {
+        const tm_gmatmul_args a = {m->g, x, y, rows, m->int8_x, num_threads};
+        rc = tm_gmatmul(&a);
     }
-    const tm_gmatmul_args a = {m->g, x, y, rows, m->int8_x, num_threads};
-    return tm_gmatmul(&a);
+    if (rc == 0 && slots && m->lora_a) {
+        const tm_lora_args l = {x, y, m->lora_a, m->lora_b, slots, rows, m->n_in, m->lora_r, m->n_out, m->n_in,
+                                m->n_out, 0, num_threads};
+        rc = tm_lora(&l);
+    }
+    return rc;
 }
 
 static void norm(const float *x, float *residual, const float *weight, float *out, int rows, int dim, float eps,
@@ -34,21 +44,21 @@ TM_API int tm_decode_layer(const tm_decode_layer_args *a) {
     int rc = (h && qkv && att && o && gu && act) ? 0 : -2;
     if (rc == 0) {
         norm(a->x, a->residual, L->input_norm, h, B, hid, L->eps, a->add, threads);
-        rc = mm(L->qkv, h, B, qkv, threads);
+        rc = mm(L->qkv, h, B, qkv, threads, a->lora_slots);
     }
     if (rc == 0) {
         const tm_decode_attention_args at = {a->step, a->kv, qkv, width, att, L->heads, L->scale};
         rc = tm_decode_attention(&at);
     }
-    if (rc == 0) rc = mm(L->o, att, B, o, threads);
+    if (rc == 0) rc = mm(L->o, att, B, o, threads, a->lora_slots);
     if (rc == 0) {
         norm(o, a->residual, L->post_norm, h, B, hid, L->eps, 1, threads);
-        rc = mm(L->gate_up, h, B, gu, threads);
+        rc = mm(L->gate_up, h, B, gu, threads, a->lora_slots);
     }
     if (rc == 0) {
         const tm_silu_mul_args sm = {gu, act, B, L->inter, threads};
         tm_silu_mul(&sm);
-        rc = mm(L->down, act, B, a->out, threads);
+        rc = mm(L->down, act, B, a->out, threads, a->lora_slots);
     }
     free(h);
     free(qkv);

@@ -1,5 +1,5 @@
 /* IEEE half precision <-> float32, exact both ways (float to half rounds to nearest even, as torch's .half()),
- * portable C for every variant: GGUF's F16 blocks and scales, and the int4 KV cache's scales. */
+ * portable C for every variant: GGUF's F16 blocks and scales, and the int4 KV cache's scales; and bfloat16. */
 #ifndef TOKENMILL_HALF_H
 #define TOKENMILL_HALF_H
 #include <stdint.h>
@@ -36,5 +36,18 @@ static inline uint16_t tm_f32_to_half(float f) {
     if (x < 0x38800000u) return sign | (uint16_t)(tm_bits_f32(tm_f32_bits(x) + 0.5f) - 0x3f000000u);
     x += 0xc8000fffu + ((x >> 13) & 1u);    /* exponent rebiased by -112, then rounded at bit 13 */
     return sign | (uint16_t)(x >> 13);
+}
+
+/* bfloat16 <-> float32: exact one way, to nearest even the other, as torch's .bfloat16() */
+static inline float bf16_to_f32(uint16_t x) {
+    return tm_f32_bits((uint32_t)x << 16);
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7fff + ((u >> 16) & 1);                                           /* round to nearest even */
+    return (uint16_t)(u >> 16);
 }
 #endif

@@ -1,11 +1,14 @@
 /* The small per-layer ops of a decode step, float32 on CPU: each is a few microseconds of arithmetic, and as
  * torch ops on a 1-row batch they cost 5-30 us apiece in dispatch (rms_norm alone ~28 us). One call each here.
  * Rows are split over threads only when there are many (prefill); a decode step's few rows stay on one. Also
- * the sampler's argmax over a step's logits rows (each row is a whole vocabulary, so rows go over the threads). */
+ * the sampler's argmax over a step's logits rows (each row is a whole vocabulary, so rows go over the threads), and
+ * LoRA's per-row shrink-expand. */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
+#include "half.h"
 #include "tokenmill.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -136,5 +139,100 @@ TM_API int tm_silu_mul(const tm_silu_mul_args *a) {
 TM_API int tm_argmax(const tm_argmax_args *a) {
     if (a->n < 1) return -1;
     argmax_rows(a->x, a->rows, a->n, a->out, a->num_threads);
+    return 0;
+}
+
+/* LoRA: the rows sorted by slot and taken in tiles of up to LORA_TILE rows of one slot, so each row of a and b is
+ * read once a tile: h = x a (float32 sums), then y += h b in chunks of the output, each chunk summed in float32 and
+ * added to y once. Tiles go over the threads. */
+#define LORA_CHUNK 512
+#define LORA_TILE 4
+static void lora_tile(const tm_lora_args *a, const int *rows, int nr) {
+    const int s = a->row_slot[rows[0]], in = a->n_in, r = a->r, out = a->n_out;
+    float h[LORA_TILE][TM_LORA_MAX_RANK_COLS], acc[LORA_TILE][LORA_CHUNK], xf[LORA_TILE][LORA_CHUNK];
+    for (int k = 0; k < nr; k++)
+        for (int j = 0; j < r; j++) h[k][j] = 0.f;
+    const float *A = a->a + (size_t)s * in * r;
+    for (int i0 = 0; i0 < in; i0 += LORA_CHUNK) {
+        const int n = in - i0 < LORA_CHUNK ? in - i0 : LORA_CHUNK;
+        for (int k = 0; k < nr; k++) {
+            const size_t at = (size_t)rows[k] * a->x_stride + i0;
+            if (a->bf16)
+                for (int i = 0; i < n; i++) xf[k][i] = bf16_to_f32(((const uint16_t *)a->x)[at + i]);
+            else
+                memcpy(xf[k], (const float *)a->x + at, n * sizeof(float));
+        }
+        for (int i = 0; i < n; i++) {
+            const float *Ai = A + (size_t)(i0 + i) * r;
+            for (int k = 0; k < nr; k++) {
+                const float xi = xf[k][i];
+                float *hk = h[k];
+                for (int j = 0; j < r; j++) hk[j] += xi * Ai[j];
+            }
+        }
+    }
+    const float *B = a->b + (size_t)s * r * out;
+    for (int o0 = 0; o0 < out; o0 += LORA_CHUNK) {
+        const int n = out - o0 < LORA_CHUNK ? out - o0 : LORA_CHUNK;
+        for (int k = 0; k < nr; k++)
+            for (int o = 0; o < n; o++) acc[k][o] = 0.f;
+        for (int j = 0; j < r; j++) {
+            const float *Bj = B + (size_t)j * out + o0;
+            for (int k = 0; k < nr; k++) {
+                const float hj = h[k][j];
+                float *ak = acc[k];
+                for (int o = 0; o < n; o++) ak[o] += hj * Bj[o];
+            }
+        }
+        for (int k = 0; k < nr; k++) {
+            const size_t at = (size_t)rows[k] * a->y_stride + o0;
+            if (a->bf16) {
+                uint16_t *y = (uint16_t *)a->y + at;
+                for (int o = 0; o < n; o++) y[o] = f32_to_bf16(bf16_to_f32(y[o]) + acc[k][o]);
+            } else {
+                float *y = (float *)a->y + at;
+                for (int o = 0; o < n; o++) y[o] += acc[k][o];
+            }
+        }
+    }
+}
+
+TM_API int tm_lora(const tm_lora_args *a) {
+    if (a->r < 1 || a->r > TM_LORA_MAX_RANK_COLS || a->n_in < 1 || a->n_out < 1 || a->x_stride < a->n_in
+        || a->y_stride < a->n_out || a->rows < 0)
+        return -1;
+    /* the rows with an adapter, by slot (a stable counting sort), then cut into tiles of one slot */
+    int max_slot = -1, n = 0;
+    for (int t = 0; t < a->rows; t++) max_slot = a->row_slot[t] > max_slot ? a->row_slot[t] : max_slot;
+    if (max_slot < 0) return 0;
+    int *count = calloc((size_t)max_slot + 2, sizeof(int)), *order = malloc(sizeof(int) * (size_t)a->rows);
+    int *tiles = malloc(sizeof(int) * ((size_t)a->rows + 1));
+    if (!count || !order || !tiles) {
+        free(count);
+        free(order);
+        free(tiles);
+        return -2;
+    }
+    for (int t = 0; t < a->rows; t++)
+        if (a->row_slot[t] >= 0) count[a->row_slot[t] + 1]++;
+    for (int s = 0; s <= max_slot; s++) count[s + 1] += count[s];
+    for (int t = 0; t < a->rows; t++)
+        if (a->row_slot[t] >= 0) order[count[a->row_slot[t]]++] = t;
+    n = count[max_slot];                    /* rows with an adapter */
+    int num_tiles = 0;
+    for (int i = 0; i < n;) {
+        int j = i + 1;
+        while (j < n && j - i < LORA_TILE && a->row_slot[order[j]] == a->row_slot[order[i]]) j++;
+        tiles[num_tiles++] = i;
+        i = j;
+    }
+    tiles[num_tiles] = n;
+    /* threads pay for themselves past a few rows' worth of multiply-adds */
+    const long work = (long)n * a->r * (a->n_in + a->n_out);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(a->num_threads) if (work >= (1L << 18))
+    for (int k = 0; k < num_tiles; k++) lora_tile(a, order + tiles[k], tiles[k + 1] - tiles[k]);
+    free(count);
+    free(order);
+    free(tiles);
     return 0;
 }

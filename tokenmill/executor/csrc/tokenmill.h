@@ -143,6 +143,27 @@ typedef struct {
 } tm_argmax_args;
 TM_API int tm_argmax(const tm_argmax_args *a);
 
+/* LoRA's shrink-expand, each row with its own adapter's slot (the Punica BGMV shape): y[t] += (x[t] a[s]) b[s] for
+ * s = row_slot[t] >= 0; rows with -1 are untouched. x, y float32 or bfloat16 (bf16), in float32 math, y rounded
+ * once. */
+#define TM_LORA_MAX_RANK_COLS 1536    /* r: a fused projection's shards' ranks side by side (3 x 512) */
+typedef struct {
+    const void *x;                /* [rows, x_stride] (the first n_in columns) */
+    void *y;                      /* [rows, y_stride] (the first n_out columns) */
+    const float *a;               /* [slots, n_in, r] */
+    const float *b;               /* [slots, r, n_out] */
+    const int32_t *row_slot;      /* [rows] */
+    int rows;
+    int n_in;
+    int r;
+    int n_out;
+    int x_stride;
+    int y_stride;
+    int bf16;
+    int num_threads;
+} tm_lora_args;
+TM_API int tm_lora(const tm_lora_args *a);
+
 /* ---- paged attention (attention.c; the AVX-512 decode path: arch/avx512/) --------------------------------- */
 #define TM_ATTN_MAX_GROUP 16          /* query heads per kv head */
 #define TM_ATTN_MAX_HEADS 1024
@@ -253,6 +274,11 @@ typedef struct {
     const tm_qweight *q;
     const tm_gweight *g;
     int int8_x;                   /* as tm_qmatmul_args.int8_x (q) or tm_gmatmul_args.int8_x (g) */
+    const float *lora_a;          /* LoRA adapters' stacks (tm_lora's a and b), or NULL: none */
+    const float *lora_b;
+    int lora_r;
+    int n_in;
+    int n_out;
 } tm_matrix;
 
 typedef struct {
@@ -279,6 +305,7 @@ typedef struct {
     float *residual;              /* [batch, hidden], updated in place; x itself when add is 0 */
     int add;
     float *out;                   /* [batch, hidden]: this layer's MLP output */
+    const int32_t *lora_slots;    /* [batch]: each row's LoRA slot (-1: none), or NULL: no row has an adapter */
 } tm_decode_layer_args;
 TM_API int tm_decode_layer(const tm_decode_layer_args *a);
 

@@ -75,7 +75,7 @@ class CpuKernelOps(ReferenceOps):
             if plan is not None:
                 desc, matrices, norms, rows = plan
                 call = self.kernels.struct("decode_layer_args", layer=desc, step=None, kv=None, x=None,
-                                           residual=None, add=0, out=None)
+                                           residual=None, add=0, out=None, lora_slots=None)
                 self._layers[id(layer)] = _FusedLayer(layer, desc, call, matrices, norms, rows)
 
     def adopt(self, w: QuantWeight, device: torch.device) -> Optional[QuantWeight]:
@@ -149,8 +149,9 @@ class CpuKernelOps(ReferenceOps):
             return None
         if self.tp is not None:          # the one-call layer has no all-reduce after o_proj and down_proj
             return None
-        # an adapted projection's base (the layer steps aside for the plain one while rows have adapters)
-        linears = tuple(getattr(m, "base", m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+        # an adapted projection (executor/lora.py): its base's blocks, and its adapters' stacks after each product
+        adapted = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        linears = tuple(getattr(m, "base", m) for m in adapted)
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if self.dtype not in _LAYER_DTYPES or attn.q_norm is not None or norms[0].eps != norms[1].eps \
                 or attn.rotary_dim != attn.head_dim:
@@ -158,13 +159,17 @@ class CpuKernelOps(ReferenceOps):
         if any(lin.bias is not None or lin.in_perm is not None for lin in linears):
             return None
         matrices, rows = [], self.max_rows
-        for lin in linears:
+        for lin, m in zip(linears, adapted):
+            lora = {"lora_a": None, "lora_b": None, "lora_r": 0, "n_in": 0, "n_out": 0}
+            if m is not lin:
+                lora = {"lora_a": m.a, "lora_b": m.b, "lora_r": m.a.shape[2], "n_in": m.a.shape[1],
+                        "n_out": m.b.shape[2]}
             if id(lin.quant) in self._qweights:
                 matrices.append(self.kernels.struct("matrix", q=self._qweights[id(lin.quant)][1], g=None,
-                                                    int8_x=int(self.int8_activations)))
+                                                    int8_x=int(self.int8_activations), **lora))
             elif id(lin.quant) in self._gweights:
                 matrices.append(self.kernels.struct("matrix", q=None, g=self._gweights[id(lin.quant)][1],
-                                                    int8_x=int(self.int8_activations)))
+                                                    int8_x=int(self.int8_activations), **lora))
                 rows = min(rows, self.gmax_rows)
             else:
                 return None
@@ -283,6 +288,24 @@ class CpuKernelOps(ReferenceOps):
                          num_threads=torch.get_num_threads())
         return out
 
+    # ---- LoRA: the kernels' per-row shrink-expand (tm_lora), its stacks in float32 whatever the model's dtype
+    def lora_weight_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.float32 if dtype in _LAYER_DTYPES else dtype
+
+    def lora_mapping(self, row_slots: list[int], device: torch.device, dtype: torch.dtype):
+        if dtype not in _LAYER_DTYPES:
+            return super().lora_mapping(row_slots, device, dtype)
+        return torch.tensor(row_slots, dtype=torch.int32) if any(s >= 0 for s in row_slots) else None
+
+    def lora(self, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mapping) -> torch.Tensor:
+        if not isinstance(mapping, torch.Tensor):
+            return super().lora(x, y, a, b, mapping)
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        self.kernels.run("lora", x=x, y=y, a=a, b=b, row_slot=mapping, rows=x.shape[0], n_in=a.shape[1],
+                         r=a.shape[2], n_out=b.shape[2], x_stride=x.stride(0), y_stride=y.stride(0),
+                         bf16=int(x.dtype == torch.bfloat16), num_threads=torch.get_num_threads())
+        return y
+
     def argmax(self, x):
         """torch.argmax's rules (first index on ties, NaN the largest), rows over the threads."""
         if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous() or x.shape[1] == 0:
@@ -298,8 +321,7 @@ class CpuKernelOps(ReferenceOps):
         entry = self._layers.get(id(layer))
         step = getattr(meta, "decode_step", None)
         lora = getattr(layer, "lora_step", None)
-        if lora is not None and lora.mapping is not None:
-            entry = None
+        slots = None if lora is None else lora.mapping        # the kernels' form: each row's slot, int32
         if entry is None or step is None or not meta.all_decode or x.shape[0] > entry.max_rows \
                 or x.dtype != self.dtype or (residual is not None and residual.dtype != self.dtype):
             return layer(x, residual, rope, backend, meta)
@@ -312,6 +334,7 @@ class CpuKernelOps(ReferenceOps):
         # the struct made at load, its pointers set here: the checks of a new one cost more than the call
         call = entry.call
         call.step, call.kv = ctypes.addressof(step), ctypes.addressof(meta.kv[layer.layer_idx])
+        call.lora_slots = None if slots is None else slots.data_ptr()
         call.x, call.residual, call.out, call.add = x32.data_ptr(), res.data_ptr(), out.data_ptr(), int(residual is not None)
         check(self.kernels.call("decode_layer", call), "decode_layer")
         if self.dtype == torch.float32:
@@ -344,6 +367,7 @@ class CpuKernelOps(ReferenceOps):
                                  f"biases, no q/k norm) under the cpu attention backend; torch otherwise"
                                  if self.dtype in _LAYER_DTYPES else "torch",
                 "fused_moe": "torch, grouped by expert", "gelu_tanh_mul": "torch",
+                "lora": f"{k}, each row its own adapter's slot (float32 and bfloat16 models), torch otherwise",
                 "attention": f"{k}, paged, for head_dim a multiple of {lim['TM_ATTN_HEAD_DIM_MULTIPLE']} up to "
                              f"{lim['TM_ATTN_MAX_HEAD_DIM']} and up to {lim['TM_ATTN_MAX_GROUP']} query heads per "
                              f"kv head; torch otherwise"}

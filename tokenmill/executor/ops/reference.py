@@ -179,6 +179,10 @@ class ReferenceOps:
         ys = (ys * topk_weights.flatten()[order, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, rows, ys)
 
+    def lora_weight_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype lora() reads the adapters' stacks in, for a model of dtype."""
+        return dtype
+
     def lora_mapping(self, row_slots: list[int], device: torch.device, dtype: torch.dtype
                      ) -> Optional["LoRASegments"]:
         """A step's rows' adapter slots (-1: the base model) in the form lora() reads: here the rows grouped by
