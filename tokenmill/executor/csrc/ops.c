@@ -143,16 +143,26 @@ TM_API int tm_argmax(const tm_argmax_args *a) {
 }
 
 /* LoRA: the rows sorted by slot and taken in tiles of up to LORA_TILE rows of one slot, so each row of a and b is
- * read once a tile: h = x a (float32 sums), then y += h b in chunks of the output, each chunk summed in float32 and
- * added to y once. Tiles go over the threads. */
+ * read once a tile and meets every row of the tile in registers: h = x a (float32 sums, 8 of a's columns at a time),
+ * then y += h b (8 outputs at a time, summed over r, added to y once). Tiles go over the threads. */
 #define LORA_CHUNK 512
 #define LORA_TILE 4
+#define LORA_OUT_VECS 4         /* outputs a pass: 4 vectors of 8, for each of a tile's rows, in registers */
+typedef float lora_v8 __attribute__((vector_size(32)));
+
+static inline lora_v8 lora_load8(const float *p) {
+    lora_v8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
 static void lora_tile(const tm_lora_args *a, const int *rows, int nr) {
     const int s = a->row_slot[rows[0]], in = a->n_in, r = a->r, out = a->n_out;
-    float h[LORA_TILE][TM_LORA_MAX_RANK_COLS], acc[LORA_TILE][LORA_CHUNK], xf[LORA_TILE][LORA_CHUNK];
-    for (int k = 0; k < nr; k++)
-        for (int j = 0; j < r; j++) h[k][j] = 0.f;
+    float h[LORA_TILE][TM_LORA_MAX_RANK_COLS], xf[LORA_TILE][LORA_CHUNK];
+    memset(h, 0, sizeof h);
+    memset(xf, 0, sizeof xf);             /* a short tile's missing rows multiply zeros */
     const float *A = a->a + (size_t)s * in * r;
+    const int r8 = r - r % 8;
     for (int i0 = 0; i0 < in; i0 += LORA_CHUNK) {
         const int n = in - i0 < LORA_CHUNK ? in - i0 : LORA_CHUNK;
         for (int k = 0; k < nr; k++) {
@@ -162,39 +172,56 @@ static void lora_tile(const tm_lora_args *a, const int *rows, int nr) {
             else
                 memcpy(xf[k], (const float *)a->x + at, n * sizeof(float));
         }
-        for (int i = 0; i < n; i++) {
-            const float *Ai = A + (size_t)(i0 + i) * r;
-            for (int k = 0; k < nr; k++) {
-                const float xi = xf[k][i];
-                float *hk = h[k];
-                for (int j = 0; j < r; j++) hk[j] += xi * Ai[j];
+        for (int j = 0; j < r8; j += 8) {
+            lora_v8 acc[LORA_TILE];
+            for (int k = 0; k < LORA_TILE; k++) acc[k] = lora_load8(&h[k][j]);
+            for (int i = 0; i < n; i++) {
+                const lora_v8 av = lora_load8(A + (size_t)(i0 + i) * r + j);
+                for (int k = 0; k < LORA_TILE; k++) acc[k] += xf[k][i] * av;
             }
+            for (int k = 0; k < LORA_TILE; k++) memcpy(&h[k][j], &acc[k], sizeof acc[k]);
         }
+        for (int j = r8; j < r; j++)      /* ranks that are not a multiple of 8: the last columns one by one */
+            for (int i = 0; i < n; i++)
+                for (int k = 0; k < nr; k++) h[k][j] += xf[k][i] * A[(size_t)(i0 + i) * r + j];
     }
     const float *B = a->b + (size_t)s * r * out;
-    for (int o0 = 0; o0 < out; o0 += LORA_CHUNK) {
-        const int n = out - o0 < LORA_CHUNK ? out - o0 : LORA_CHUNK;
-        for (int k = 0; k < nr; k++)
-            for (int o = 0; o < n; o++) acc[k][o] = 0.f;
+    const int out8 = out - out % 8;
+    for (int o0 = 0; o0 < out8; o0 += 8 * LORA_OUT_VECS) {
+        const int nv = (out8 - o0) / 8 < LORA_OUT_VECS ? (out8 - o0) / 8 : LORA_OUT_VECS;
+        lora_v8 acc[LORA_TILE][LORA_OUT_VECS];
+        memset(acc, 0, sizeof acc);
         for (int j = 0; j < r; j++) {
             const float *Bj = B + (size_t)j * out + o0;
-            for (int k = 0; k < nr; k++) {
-                const float hj = h[k][j];
-                float *ak = acc[k];
-                for (int o = 0; o < n; o++) ak[o] += hj * Bj[o];
+            for (int v = 0; v < nv; v++) {
+                const lora_v8 bv = lora_load8(Bj + 8 * v);
+                for (int k = 0; k < LORA_TILE; k++) acc[k][v] += h[k][j] * bv;
             }
         }
         for (int k = 0; k < nr; k++) {
             const size_t at = (size_t)rows[k] * a->y_stride + o0;
+            const float *sum = (const float *)acc[k];
             if (a->bf16) {
                 uint16_t *y = (uint16_t *)a->y + at;
-                for (int o = 0; o < n; o++) y[o] = f32_to_bf16(bf16_to_f32(y[o]) + acc[k][o]);
+                for (int q = 0; q < 8 * nv; q++) y[q] = f32_to_bf16(bf16_to_f32(y[q]) + sum[q]);
             } else {
                 float *y = (float *)a->y + at;
-                for (int o = 0; o < n; o++) y[o] += acc[k][o];
+                for (int q = 0; q < 8 * nv; q++) y[q] += sum[q];
             }
         }
     }
+    for (int o = out8; o < out; o++)
+        for (int k = 0; k < nr; k++) {
+            float sum = 0.f;
+            for (int j = 0; j < r; j++) sum += h[k][j] * B[(size_t)j * out + o];
+            const size_t at = (size_t)rows[k] * a->y_stride + o;
+            if (a->bf16) {
+                uint16_t *y = (uint16_t *)a->y + at;
+                *y = f32_to_bf16(bf16_to_f32(*y) + sum);
+            } else {
+                ((float *)a->y)[at] += sum;
+            }
+        }
 }
 
 TM_API int tm_lora(const tm_lora_args *a) {
