@@ -76,6 +76,18 @@ def test_a_quantisation_picks_one_gguf(hub_cache: Path, capsys: pytest.CaptureFi
         resolve_model_path("tokenmill-test/smol-GGUF")
     assert main(["download", "tokenmill-test/smol-GGUF:Q8_0"]) == 0       # offline: what the cache holds
     assert capsys.readouterr().out.strip().endswith("smol-Q8_0.gguf")
+    # or by its file name (transformers' gguf_file, llama-server's -hff), through the engine's option too
+    assert resolve_model_path("tokenmill-test/smol-GGUF", gguf_file="smol-Q8_0.gguf").endswith("smol-Q8_0.gguf")
+    assert main(["download", "tokenmill-test/smol-GGUF", "--gguf-file", "smol-Q4_1.gguf"]) == 0
+    assert capsys.readouterr().out.strip().endswith("smol-Q4_1.gguf")
+    with pytest.raises(ValueError, match=r"has no GGUF file 'smol-Q2_K.gguf'; the GGUF files there: smol-Q4_1.gguf, "
+                                         r"smol-Q8_0.gguf"):
+        resolve_model_path("tokenmill-test/smol-GGUF", gguf_file="smol-Q2_K.gguf")
+    with pytest.raises(ValueError, match="both pick a GGUF"):
+        resolve_model_path("tokenmill-test/smol-GGUF:Q8_0", gguf_file="smol-Q8_0.gguf")
+    from tokenmill.cli import build_parser, engine_kwargs
+    args = build_parser().parse_args(["serve", "-hf", "tokenmill-test/smol-GGUF", "-hff", "smol-Q8_0.gguf"])
+    assert engine_kwargs(args)["gguf_file"] == "smol-Q8_0.gguf"
 
 
 def test_what_fails_says_what_to_do(hub_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -36,6 +36,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-cpu-loras", type=int, default=None,
                    help="with --enable-lora: adapters kept loaded in memory (default: every one loaded)")
     p.add_argument("--revision", default=None, help="a hub model's branch, tag or commit (default: main)")
+    p.add_argument("--gguf-file", "-hff", "--hf-file", dest="gguf_file", default=None,
+                   help="one GGUF of a hub repository (or folder) of GGUFs, by file name (llama-server's -hff)")
     p.add_argument("--kv-cache-memory-gb", type=float, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="the share of the device's whole memory (on a CPU, of RAM) the engine may hold, as vLLM "
@@ -98,7 +100,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 speculative_config=args.speculative_config, tensor_parallel_size=args.tensor_parallel_size,
                 enforce_eager=args.enforce_eager, compilation_config=args.compilation_config,
                 async_scheduling=args.async_scheduling, gpu_memory_utilization=args.gpu_memory_utilization,
-                revision=args.revision, enable_lora=args.enable_lora, max_loras=args.max_loras,
+                revision=args.revision, gguf_file=args.gguf_file, enable_lora=args.enable_lora, max_loras=args.max_loras,
                 max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
 
 
@@ -247,7 +249,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def cmd_download(args: argparse.Namespace) -> int:
     from tokenmill.executor.loader.hub import resolve_hub_name
-    print(resolve_hub_name(args.name, args.revision))
+    print(resolve_hub_name(args.name, args.revision, args.gguf_file))
     return 0
 
 
@@ -292,6 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
                                         "its local path")
     d.add_argument("name", help="org/name, or org/name:QUANT for one GGUF of a repository of GGUFs")
     d.add_argument("--revision", default=None, help="a branch, tag or commit (default: main)")
+    d.add_argument("--gguf-file", "-hff", "--hf-file", dest="gguf_file", default=None,
+                   help="one GGUF of a repository of GGUFs, by file name")
     d.set_defaults(func=cmd_download)
 
     for mod in ("tokenmill.server.cli", "tokenmill.bench.cli", "tokenmill.chat_cli", "tokenmill.explain"):

@@ -44,7 +44,9 @@ class LLM:
     pooling_type ("LAST" or "MEAN") is what embed() pools over the prompt; tensor_parallel_size splits the model over
     that many ranks on this machine (docs/parallelism.md); on a GPU, enforce_eager turns the decode steps'
     CUDA graphs off, compilation_config picks their sizes ({"cudagraph_capture_sizes": [...]}) and
-    async_scheduling launches each step before the last one's tokens are back (docs/gpu.md)."""
+    async_scheduling launches each step before the last one's tokens are back (docs/gpu.md); enable_lora serves LoRA
+    adapters (max_loras at once, ranks up to max_lora_rank), each request's named by generate(lora_request=...)
+    (docs/python-api.md)."""
 
     def __init__(self, model: Optional[str] = None, **engine_args: Any):
         if engine_args.pop("data_parallel_size", 1) != 1:

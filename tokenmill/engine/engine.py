@@ -192,7 +192,7 @@ class LLMEngine:
                  max_num_partial_prefills: int = 1, max_long_partial_prefills: int = 1,
                  gpu_memory_utilization: Optional[float] = None, revision: Optional[str] = None,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
-                 max_cpu_loras: Optional[int] = None):
+                 max_cpu_loras: Optional[int] = None, gguf_file: Optional[str] = None):
         # pooling_type: which prompt rows a PoolingParams request pools (vLLM's pooler config): LAST or MEAN
         self.pooling_type = check_pooling_type(pooling_type)
         spec_config = SpeculativeConfig.of(speculative_config)
@@ -201,7 +201,7 @@ class LLMEngine:
             so_config = StructuredOutputsConfig(**so_config)
         if reasoning_parser is not None:     # vLLM's --reasoning-parser sets the structured outputs' one too
             so_config = dataclasses.replace(so_config, reasoning_parser=reasoning_parser)
-        path = resolve_model_path(model, revision)
+        path = resolve_model_path(model, revision, gguf_file)
         dev = pick_device(device)
         torch_dtype = resolve_dtype(dtype, dev)
         ckpt, mc = open_model(path, quantization, dev)

@@ -25,9 +25,10 @@ def default_model_path() -> str:
     return os.path.join(os.path.dirname(spec.origin), DEFAULT_GGUF)
 
 
-def resolve_model_path(model: str | None, revision: str | None = None) -> str:
+def resolve_model_path(model: str | None, revision: str | None = None, gguf_file: str | None = None) -> str:
     """The local path of `model`: a folder or .gguf file, or a hub name (org/name, org/name:QUANT) resolved into the
-    Hugging Face cache (loader/hub.py); None: the bundled model."""
+    Hugging Face cache (loader/hub.py); None: the bundled model. gguf_file: one GGUF of a repository (or a local
+    folder) of GGUFs, by its file name."""
     from tokenmill.executor.loader.hub import in_hub_cache, looks_like_hub_name, resolve_hub_name
     path = default_model_path() if model is None else os.path.expanduser(str(model))
     if model is not None and looks_like_hub_name(str(model)):
@@ -35,7 +36,17 @@ def resolve_model_path(model: str | None, revision: str | None = None) -> str:
             raise ValueError(f"{model!r} is both a local path and a model in the Hugging Face cache; write "
                              f"./{model} for the local one")
         if not os.path.exists(path):
-            path = resolve_hub_name(str(model), revision)
+            path = resolve_hub_name(str(model), revision, gguf_file)
+            gguf_file = None
+    if gguf_file is not None:
+        if not os.path.isdir(path):
+            raise ValueError(f"gguf_file={gguf_file!r} picks a file of a folder or hub repository, but {path!r} is "
+                             f"not one; give the .gguf file itself, or leave gguf_file out")
+        if not os.path.isfile(os.path.join(path, gguf_file)):
+            there = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+            raise ValueError(f"{path!r} has no GGUF file {gguf_file!r}; the GGUF files there: "
+                             f"{', '.join(there) or 'none'}")
+        path = os.path.join(path, gguf_file)
     if not os.path.exists(path):
         raise ValueError(f"model path {path!r} does not exist; pass a Hugging Face folder (config.json + "
                          f"*.safetensors), a .gguf file, or a hub name (org/name, or org/name:QUANT for one GGUF)")

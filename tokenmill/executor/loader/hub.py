@@ -19,10 +19,17 @@ def _offline() -> bool:
     return constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
 
 
-def _pick_gguf(repo: str, files: list[str], quant: Optional[str]) -> Optional[str]:
-    """The repository's one GGUF for quant (its name holds it, in any case), or None for a repository that is a
-    model folder (config.json) and no quant was asked for."""
+def _pick_gguf(repo: str, files: list[str], quant: Optional[str], gguf_file: Optional[str] = None) -> Optional[str]:
+    """The repository's one GGUF for quant (its name holds it, in any case) or the file gguf_file names, or None for
+    a repository that is a model folder (config.json) and neither was asked for."""
     ggufs = sorted(f for f in files if f.endswith(".gguf"))
+    if gguf_file is not None:
+        if quant is not None:
+            raise ValueError(f"{repo}:{quant} and gguf_file={gguf_file!r} both pick a GGUF; give one of them")
+        if gguf_file not in ggufs:
+            raise ValueError(f"{repo} has no GGUF file {gguf_file!r}; the GGUF files there: "
+                             f"{', '.join(ggufs) or 'none'}")
+        return gguf_file
     if quant is None:
         if "config.json" in files or not ggufs:
             return None
@@ -38,9 +45,10 @@ def _pick_gguf(repo: str, files: list[str], quant: Optional[str]) -> Optional[st
     return match[0]
 
 
-def resolve_hub_name(name: str, revision: Optional[str] = None) -> str:
-    """The local path of hub model `name` (a folder, or a .gguf file for org/name:QUANT): from the cache when offline
-    or cached, else downloaded into it. A ValueError that says what to do for anything that fails."""
+def resolve_hub_name(name: str, revision: Optional[str] = None, gguf_file: Optional[str] = None) -> str:
+    """The local path of hub model `name` (a folder, or a .gguf file for org/name:QUANT or gguf_file, transformers'
+    name for one file of a repository of GGUFs): from the cache when offline or cached, else downloaded into it. A
+    ValueError that says what to do for anything that fails."""
     m = HUB_NAME.match(name)
     if m is None:
         raise ValueError(f"{name!r} is neither a local path nor a Hugging Face hub name (org/name or "
@@ -55,7 +63,7 @@ def resolve_hub_name(name: str, revision: Optional[str] = None) -> str:
     def from_cache() -> str:
         folder = snapshot_download(repo, revision=revision, cache_dir=cache_dir, local_files_only=True)
         files = [os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs]
-        gguf = _pick_gguf(repo, files, quant)
+        gguf = _pick_gguf(repo, files, quant, gguf_file)
         return folder if gguf is None else os.path.join(folder, gguf)
     try:
         if offline:
@@ -66,7 +74,7 @@ def resolve_hub_name(name: str, revision: Optional[str] = None) -> str:
             raise
         except Exception:     # no network (whichever HTTP library the hub client uses), or the hub failed: the cache
             return from_cache()
-        gguf = _pick_gguf(repo, files, quant)
+        gguf = _pick_gguf(repo, files, quant, gguf_file)
         if gguf is not None:          # one file of a repository of GGUFs: only that file
             return hf_hub_download(repo, gguf, revision=revision, cache_dir=cache_dir)
         return snapshot_download(repo, revision=revision, cache_dir=cache_dir,
