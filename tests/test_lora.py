@@ -211,7 +211,7 @@ def test_rows_never_take_another_rows_adapter(row_slots, seed):
     x, y = torch.randn(T, IN, generator=g), torch.randn(T, OUT, generator=g)
     a, b = torch.randn(S, IN, R, generator=g), torch.randn(S, R, OUT, generator=g)
     ops = ReferenceOps()
-    m = ops.lora_mapping(row_slots, torch.device("cpu"), torch.float32)
+    m = ops.lora_mapping(torch.tensor(row_slots, dtype=torch.int32), torch.device("cpu"), torch.float32)
     got = y.clone() if m is None else ops.lora(x, y.clone(), a, b, m)
     want = torch.stack([y[t] if s < 0 else y[t] + x[t] @ a[s] @ b[s] for t, s in enumerate(row_slots)])
     assert torch.allclose(got, want, atol=1e-5)
@@ -233,7 +233,8 @@ def test_cpu_kernel_shrink_expand(dtype):
                         for t, s in enumerate(slots)])
     for isa in runnable_variants():
         ops = CpuKernelOps(load(isa), dtype, True)
-        got = ops.lora(x, y.clone(), a, b, ops.lora_mapping(slots, torch.device("cpu"), dtype))
+        got = ops.lora(x, y.clone(), a, b, ops.lora_mapping(torch.tensor(slots, dtype=torch.int32),
+                                                            torch.device("cpu"), dtype))
         none = [t for t, s in enumerate(slots) if s < 0]
         assert torch.equal(got[none], y[none]), isa
         if dtype == torch.float32:
@@ -259,7 +260,7 @@ def test_runner_maps_each_row_to_its_requests_slot(lora_setup):
             st_ = plan.states[req]
             want = -1 if st_.lora is None else by_key[st_.lora.cache_key]
             for r in range(plan.batch.qsl[e], plan.batch.qsl[e + 1]):
-                seen.append((rows[r] if rows else -1) == want)
+                seen.append((-1 if rows is None else int(rows[r])) == want)
         return rows
 
     runner.lora_slots.row_slots = watch

@@ -100,6 +100,9 @@ def test_load_and_unload_while_a_request_runs(server: LiveServer, adapters: dict
         assert r.status_code == 200
         with pytest.raises(openai.NotFoundError, match="'beta' does not exist"):
             complete(client, "beta")
+        # vLLM's info metric names the adapters in use, read by Prometheus' own parser
+        info = [labels for (name, labels), _ in server.metrics().items() if name == "tokenmill:lora_requests_info"]
+        assert info and dict(info[-1])["running_lora_adapters"] == "alpha" and dict(info[-1])["max_lora"] == "2"
         text += "".join(c.choices[0].text for c in chunks)
     assert text == offline("alpha", n)
     # bad loads and unloads: 400/404 that say what to change; the server serves on

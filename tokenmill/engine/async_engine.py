@@ -67,6 +67,9 @@ class EngineState:
     step_decode_tokens: int = 0
     num_graph_steps: int = 0            # cumulative: steps replayed from a graph, decode steps no graph held
     num_eager_decode_steps: int = 0
+    # LoRA adapters (by name) of the running and the waiting requests
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
 
     @staticmethod
     def of(eng: LLMEngine, stepped: bool) -> "EngineState":
@@ -83,14 +86,22 @@ class EngineState:
             decode_tokens=st.decode_tokens, num_graph_steps=st.num_graph_steps,
             num_eager_decode_steps=st.num_eager_decode_steps,
             step_prefill_tokens=st.last_step.num_prefill_tokens if stepped else 0,
-            step_decode_tokens=st.last_step.num_decode_tokens if stepped else 0)
+            step_decode_tokens=st.last_step.num_decode_tokens if stepped else 0,
+            **(_adapters(eng) if eng.config.lora_config is not None else {}))
 
     @staticmethod
     def total(states: "list[EngineState]") -> "EngineState":
         """Several engines' states as one (data-parallel replicas): counts add, the KV usage is of all blocks."""
-        out = EngineState(**{f.name: sum(getattr(s, f.name) for s in states) for f in dataclasses.fields(EngineState)})
+        out = EngineState(**{f.name: sum((getattr(s, f.name) for s in states),
+                                         () if f.name.endswith("_loras") else 0) for f in dataclasses.fields(EngineState)})
         out.kv_usage = out.kv_blocks_used / out.kv_blocks_total if out.kv_blocks_total else 0.0
         return out
+
+
+def _adapters(eng: LLMEngine) -> dict[str, tuple[str, ...]]:
+    def names(reqs: Any) -> tuple[str, ...]:
+        return tuple(sorted({r.lora.request.lora_name for r in reqs if r.lora is not None}))
+    return {"running_loras": names(eng.scheduler.running), "waiting_loras": names(eng.scheduler.waiting)}
 
 
 # called on the engine thread after every iteration: (outputs of this step, ids aborted since the last call, state)

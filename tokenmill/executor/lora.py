@@ -118,13 +118,16 @@ class LoRASlots:
             self.loads += 1
         return {lid: self.slot_of[lid] for lid in wanted}
 
-    def row_slots(self, plan) -> list[int]:
-        """Each of the step's rows' slot (-1: the base model), its adapters put in slots first."""
+    def row_slots(self, plan) -> Optional[torch.Tensor]:
+        """Each of the step's rows' slot (-1: the base model), int32 on the host, its adapters put in slots first;
+        None when no request of the step has an adapter."""
         states = plan.states
         adapters = [st.lora for st in states if st.lora is not None]
         if not adapters:
-            return []
+            return None
         slots = self.assign(adapters)
-        per_req = [-1 if st.lora is None else slots[st.lora.cache_key] for st in states]
+        per_req = torch.tensor([-1 if st.lora is None else slots[st.lora.cache_key] for st in states],
+                               dtype=torch.int32)
         b = plan.batch
-        return [per_req[req] for e, req in enumerate(b.entry_req) for _ in range(b.qsl[e + 1] - b.qsl[e])]
+        qsl = torch.tensor(b.qsl)
+        return per_req[torch.tensor(b.entry_req)].repeat_interleave(qsl[1:] - qsl[:-1])

@@ -214,7 +214,8 @@ def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional
         eng.add_lora(lora)       # read and checked at start: a bad adapter stops the server before it serves
         ctx.loras[lora.lora_name] = lora
     lora_ids = itertools.count(max((r.lora_int_id for r in lora_modules), default=0) + 1)
-    metrics = ServerMetrics(ctx.model_name, eng.kv_cache_info())
+    lora_config = getattr(eng.config, "lora_config", None)
+    metrics = ServerMetrics(ctx.model_name, eng.kv_cache_info(), lora_config.max_loras if lora_config else 0)
     llm.hooks.append(metrics.on_iteration)
 
     @asynccontextmanager

@@ -7,6 +7,8 @@ so their counts equal the number of requests served (aborted ones count only in 
 from __future__ import annotations
 
 import dataclasses
+import time
+from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -22,7 +24,7 @@ _REQUEST = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, kv_info: KVCacheInfo):
+    def __init__(self, model_name: str, kv_info: KVCacheInfo, max_loras: int = 0):
         self.registry = CollectorRegistry()
         r, m = self.registry, model_name
 
@@ -65,6 +67,12 @@ class ServerMetrics:
               registry=r).labels(m, str(kv_info.block_size), kv_info.cache_dtype, str(kv_info.num_blocks),
                                  str(kv_info.enable_prefix_caching)).set(1)
         gauge("kv_cache_reserved_bytes", "Bytes of memory the KV cache reserves.").set(kv_info.bytes)
+        # LoRA (vLLM's info metric): the adapters of the running and the waiting requests, by name
+        self.lora_info = None if not max_loras else Gauge(
+            "tokenmill:lora_requests_info", "LoRA adapters in use (vLLM's info metric; the value: when set).",
+            ["model_name", "max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r)
+        self._max_loras = max_loras
+        self._loras: Optional[tuple] = None          # (running, waiting) adapters last shown
         self._model = m
         self._seen: dict[str, int] = {}      # request id -> tokens generated so far (engine thread only)
         self._last = EngineState()
@@ -101,6 +109,12 @@ class ServerMetrics:
         self.spec_accepted.inc(max(state.spec_num_accepted_tokens - last.spec_num_accepted_tokens, 0))
         self.graph_steps.inc(max(state.num_graph_steps - last.num_graph_steps, 0))
         self.eager_decode_steps.inc(max(state.num_eager_decode_steps - last.num_eager_decode_steps, 0))
+        loras = (state.running_loras, state.waiting_loras)
+        if self.lora_info is not None and loras != self._loras:
+            self._loras = loras
+            self.lora_info.clear()
+            self.lora_info.labels(self._model, str(self._max_loras), ",".join(state.waiting_loras),
+                                  ",".join(state.running_loras)).set(time.time())
         self._last = dataclasses.replace(state)
 
     def _observe_finished(self, out: RequestOutput) -> None:

@@ -292,10 +292,10 @@ class CpuKernelOps(ReferenceOps):
     def lora_weight_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return torch.float32 if dtype in _LAYER_DTYPES else dtype
 
-    def lora_mapping(self, row_slots: list[int], device: torch.device, dtype: torch.dtype):
+    def lora_mapping(self, row_slots: Optional[torch.Tensor], device: torch.device, dtype: torch.dtype):
         if dtype not in _LAYER_DTYPES:
             return super().lora_mapping(row_slots, device, dtype)
-        return torch.tensor(row_slots, dtype=torch.int32) if any(s >= 0 for s in row_slots) else None
+        return row_slots            # what tm_lora reads
 
     def lora(self, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mapping) -> torch.Tensor:
         if not isinstance(mapping, torch.Tensor):

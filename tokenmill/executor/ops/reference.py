@@ -29,9 +29,10 @@ class LoRASegments:
     length: int
 
     @classmethod
-    def of(cls, row_slots: list[int], device: torch.device, dtype: torch.dtype) -> Optional["LoRASegments"]:
+    def of(cls, row_slots: Optional[torch.Tensor], device: torch.device, dtype: torch.dtype
+           ) -> Optional["LoRASegments"]:
         groups: dict[int, list[int]] = {}
-        for row, slot in enumerate(row_slots):
+        for row, slot in enumerate(() if row_slots is None else row_slots.tolist()):
             if slot >= 0:
                 groups.setdefault(slot, []).append(row)
         if not groups:
@@ -183,10 +184,10 @@ class ReferenceOps:
         """The dtype lora() reads the adapters' stacks in, for a model of dtype."""
         return dtype
 
-    def lora_mapping(self, row_slots: list[int], device: torch.device, dtype: torch.dtype
+    def lora_mapping(self, row_slots: Optional[torch.Tensor], device: torch.device, dtype: torch.dtype
                      ) -> Optional["LoRASegments"]:
-        """A step's rows' adapter slots (-1: the base model) in the form lora() reads: here the rows grouped by
-        slot, each group padded to the longest (None: no row has an adapter)."""
+        """A step's rows' adapter slots (int32 on the host, -1: the base model; None: no adapters) in the form lora()
+        reads: here the rows grouped by slot, each group padded to the longest (None: no row has an adapter)."""
         return LoRASegments.of(row_slots, device, dtype)
 
     def lora(self, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mapping) -> torch.Tensor:

@@ -54,11 +54,10 @@ class TritonOps(ReferenceOps):
         if why is not None:
             log.info("LoRA runs on torch: the Triton kernel does not take %s", why)
 
-    def lora_mapping(self, row_slots: list[int], device: torch.device, dtype: torch.dtype):
-        if self.lora_kernel is None:
+    def lora_mapping(self, row_slots: Optional[torch.Tensor], device: torch.device, dtype: torch.dtype):
+        if self.lora_kernel is None or row_slots is None:
             return super().lora_mapping(row_slots, device, dtype)
-        # each row's slot as the kernels read it (-1: none)
-        return torch.tensor(row_slots, dtype=torch.int32, device=device) if row_slots else None
+        return row_slots.to(device)        # each row's slot, as the kernels read it (-1: none)
 
     def lora(self, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mapping) -> torch.Tensor:
         if self.lora_kernel is None:
