@@ -28,10 +28,10 @@ class LoRALinear(nn.Module):
     row's slot. A fused projection (q/k/v, gate/up) keeps its shards' ranks side by side in A's columns and writes
     each shard's B into its own output columns."""
 
-    def __init__(self, base: Linear, in_features: int, shards: tuple[tuple[str, int], ...], config: LoRAConfig,
-                 step: LoRAStep, dtype: torch.dtype, device: torch.device):
+    def __init__(self, base: Linear, layer_idx: int, in_features: int, shards: tuple[tuple[str, int], ...],
+                 config: LoRAConfig, step: LoRAStep, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        self.base, self.shards, self.step = base, shards, step
+        self.base, self.layer_idx, self.shards, self.step = base, layer_idx, shards, step
         self.rank = config.max_lora_rank
         cols, out = len(shards) * self.rank, sum(n for _, n in shards)
         self.register_buffer("a", torch.zeros(config.max_loras, in_features, cols, dtype=dtype, device=device))
@@ -42,7 +42,7 @@ class LoRALinear(nn.Module):
         m = self.step.mapping
         return y if m is None else self.base.ops.lora(x, y, self.a, self.b, m)
 
-    def load(self, slot: int, adapter: Optional[LoRAAdapter], layer: int) -> None:
+    def load(self, slot: int, adapter: Optional[LoRAAdapter]) -> None:
         """The adapter's shards of this projection into a slot (zeros where it adapts none of them)."""
         a, b = self.a[slot], self.b[slot]
         a.zero_()
@@ -51,7 +51,7 @@ class LoRALinear(nn.Module):
             return
         col, R = 0, self.rank
         for j, (module, n) in enumerate(self.shards):
-            w = adapter.weights.get((layer, module))
+            w = adapter.weights.get((self.layer_idx, module))
             if w is not None:
                 wa, wb = w
                 r = wa.shape[0]
@@ -74,27 +74,26 @@ def attach_lora(model, config: LoRAConfig, dtype: torch.dtype, device: torch.dev
             wraps += [(mlp, "gate_up_proj", ("gate_proj", "up_proj")), (mlp, "down_proj", ("down_proj",))]
         for parent, attr, modules in wraps:
             shards = tuple((m, shapes[m][1]) for m in modules)
-            setattr(parent, attr, LoRALinear(getattr(parent, attr), shapes[modules[0]][0], shards, config, step,
-                                             dtype, device))
-        layer.lora_step = step          # the plan's one-call decode layer steps aside while rows have adapters
+            setattr(parent, attr, LoRALinear(getattr(parent, attr), layer.layer_idx, shapes[modules[0]][0], shards,
+                                             config, step, dtype, device))
+        layer.lora_step = step          # the plan's one-call decode layer reads the step's mapping too
     return step
 
 
-def adapted_layers(model) -> list[tuple[int, LoRALinear]]:
-    return [(layer.layer_idx, m) for layer in model.layers for m in layer.modules() if isinstance(m, LoRALinear)]
+def adapted_layers(model: nn.Module) -> list[LoRALinear]:
+    return [m for m in model.modules() if isinstance(m, LoRALinear)]
 
 
 class LoRASlots:
-    """Which adapter sits in which slot of the stacks, and the adapters kept in host memory (least recently used
-    goes first past max_cpu_loras). A step's adapters (at most max_loras: the scheduler sees to it) are put in slots,
-    keeping those already there, and evicting only slots the step does not use."""
+    """Which adapter sits in which slot of the stacks. A step's adapters (at most max_loras: the scheduler sees to
+    it) are put in slots, keeping those already there and evicting the least recently used of those the step does not
+    use."""
 
     def __init__(self, model, config: LoRAConfig):
         self.config = config
         self.layers = adapted_layers(model)
         self.slot_of: "OrderedDict[tuple, int]" = OrderedDict()       # adapter's key -> slot, least recent first
         self.free = list(range(config.max_loras - 1, -1, -1))
-        self.loads = 0                                                  # adapters copied into a slot
 
     def assign(self, adapters: list[LoRAAdapter]) -> dict[tuple, int]:
         """Slots for the step's adapters (by cache_key: an id loaded again from another folder is another
@@ -112,10 +111,9 @@ class LoRASlots:
                 victim = next(v for v in self.slot_of if v not in wanted)
                 self.free.append(self.slot_of.pop(victim))
             slot = self.free.pop()
-            for layer, lin in self.layers:
-                lin.load(slot, adapter, layer)
+            for lin in self.layers:
+                lin.load(slot, adapter)
             self.slot_of[lid] = slot
-            self.loads += 1
         return {lid: self.slot_of[lid] for lid in wanted}
 
     def row_slots(self, plan) -> Optional[torch.Tensor]:

@@ -48,8 +48,7 @@ class TritonOps(ReferenceOps):
         from tokenmill.executor.lora import adapted_layers
         from tokenmill.executor.ops import triton_lora
         layers = adapted_layers(model)
-        why = next((w for _, m in layers if (w := triton_lora.lora_fits(m.a.dtype, m.a.shape[1], m.a.shape[2]))),
-                   None)
+        why = next((w for m in layers if (w := triton_lora.lora_fits(m.a.dtype, m.a.shape[1], m.a.shape[2]))), None)
         self.lora_kernel = triton_lora if layers and why is None else None
         if why is not None:
             log.info("LoRA runs on torch: the Triton kernel does not take %s", why)
