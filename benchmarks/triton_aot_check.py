@@ -5,8 +5,8 @@ for the device is caught here rather than on a GPU machine.
 
 The kernels are the fused ops' (tokenmill/executor/ops/triton_kernels.py: RMSNorm, rotary + KV-cache write, the
 gated activations), the int4 / int8 group-quantised matmul's (tokenmill/executor/ops/triton_quant.py: GEMV, GEMM)
-and the paged attention's (tokenmill/executor/attention/triton_kernels.py: split-K decode, its merge, the prompt
-kernel). Each variant is launched through its real Python wrapper on small CPU tensors laid out as
+the paged attention's (tokenmill/executor/attention/triton_kernels.py: split-K decode, its merge, the prompt
+kernel) and LoRA's shrink and expand (tokenmill/executor/ops/triton_lora.py). Each variant is launched through its real Python wrapper on small CPU tensors laid out as
 the model and the runners lay them out (views into the fused qkv rows, int32 or int64 index arrays, fp8 caches with
 their scales); the launch is intercepted, never run, and its arguments specialised exactly as Triton's JIT would
 specialise them on a GPU (dtypes, constexprs, integers equal to 1, 16-divisibility and alignment), then compiled
@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 OPS = "tokenmill.executor.ops.triton_kernels"
 ATTN = "tokenmill.executor.attention.triton_kernels"
 QUANT = "tokenmill.executor.ops.triton_quant"
+LORA = "tokenmill.executor.ops.triton_lora"
 KERNELS = {     # (module, kernel): a short name for the report
     (OPS, "_rms_norm_kernel"): "rms_norm",
     (OPS, "_rotary_write_kernel"): "rotary_write",
@@ -58,6 +59,8 @@ KERNELS = {     # (module, kernel): a short name for the report
     (ATTN, "_prompt_kernel"): "prompt",
     (QUANT, "_gemv_kernel"): "group_gemv",
     (QUANT, "_gemm_kernel"): "group_gemm",
+    (LORA, "_lora_shrink_kernel"): "lora_shrink",
+    (LORA, "_lora_expand_kernel"): "lora_expand",
 }
 HIGH_REGS = 200         # flagged: close to the 255 a thread may hold, occupancy suffers
 
@@ -292,6 +295,19 @@ def variants(wide: bool = False) -> list[tuple[str, Callable[[], None]]]:
             (512, 128256, 4096, 4, 128, False, bf16, bf16)):
         out.append((f"M={M} N={N} K={K} int{bits} g={group}{' zp' if zero else ''} x={name[xd]} s={name[sd]}",
                     gmm(M, N, K, bits, group, zero, xd, sd)))
+
+    # LoRA's shrink-expand: each row its adapter's slot (int32 as the runner sends it; -1 rows), a fused qkv's
+    # three ranks side by side (R = 3 x 16) and an MLP's gate_up (R = 2 x 64)
+    from tokenmill.executor.ops import triton_lora as L
+
+    def lora(T, IN, R, OUT, dt, S=8):
+        x, y = torch.empty(T, IN, dtype=dt), torch.empty(T, OUT, dtype=dt)
+        a, b = torch.empty(S, IN, R, dtype=dt), torch.empty(S, R, OUT, dtype=dt)
+        slot = torch.zeros(T, dtype=torch.int32)
+        return lambda: L.lora_shrink_expand(x, y, a, b, slot)
+
+    for T, IN, R, OUT, dt in ((64, 4096, 48, 6144, bf16), (1, 4096, 128, 28672, f16), (300, 14336, 16, 4096, f32)):
+        out.append((f"lora T={T} in={IN} r={R} out={OUT} {name[dt]}", lora(T, IN, R, OUT, dt)))
 
     if wide:    # every head_dim x q dtype x cache dtype x (window + softcap) for decode (8 splits) and prompt, G=8
         for D in (64, 128, 256):
