@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -115,13 +116,13 @@ def test_gpu_plan_under_the_interpreter(lora_setup, oracle):
     pytest.importorskip("triton")
     path, _, adapters = lora_setup
     prompts, out = oracle
-    names, idx = [None, "all", "qv_rslora"], [0, 0, 3]
+    names, idx, n = [None, "all"], [0, 0], 4          # the interpreter is slow: the base and one adapter, 4 tokens
     llm = LLM(path, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16, attention_backend="triton",
               cpu_kernels="triton", kv_cache_memory_gb=0.02, max_num_seqs=4)
     assert llm.llm_engine.model.ops.describe()["lora"].startswith("triton")
-    outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in idx], GREEDY, use_tqdm=False,
-                        lora_request=requests(adapters, names))
-    check(outs, names, idx, out)
+    outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in idx], replace(GREEDY, max_tokens=n),
+                        use_tqdm=False, lora_request=requests(adapters, names))
+    check(outs, names, idx, {k: (toks[:n], lps[:n]) for k, (toks, lps) in out.items()})
 
 
 def test_chunked_prefill_prefix_hits_and_one_slot(lora_setup, oracle):
