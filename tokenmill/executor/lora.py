@@ -94,6 +94,7 @@ class LoRASlots:
         self.layers = adapted_layers(model)
         self.slot_of: "OrderedDict[tuple, int]" = OrderedDict()       # adapter's key -> slot, least recent first
         self.free = list(range(config.max_loras - 1, -1, -1))
+        self.loads = 0          # adapters copied into a slot: what churn past max_loras costs (benchmarks read it)
 
     def assign(self, adapters: list[LoRAAdapter]) -> dict[tuple, int]:
         """Slots for the step's adapters (by cache_key: an id loaded again from another folder is another
@@ -114,6 +115,7 @@ class LoRASlots:
             for lin in self.layers:
                 lin.load(slot, adapter)
             self.slot_of[lid] = slot
+            self.loads += 1
         return {lid: self.slot_of[lid] for lid in wanted}
 
     def row_slots(self, plan) -> Optional[torch.Tensor]:
