@@ -155,8 +155,9 @@ def lora_requests(modules: list[str], paths: list[str]) -> list:
 
 
 def _habits(args: argparse.Namespace) -> None:
-    """vLLM's and llama-server's spellings: --model and -m as the positional; flags that mean nothing here said
-    once; what is not served yet refused with what to do instead."""
+    """vLLM's and llama-server's spellings: --model and -m as the positional; --lora-modules and --lora as
+    LoRARequests (turning --enable-lora on); flags that mean nothing here said once; what is not served (a GGUF
+    adapter, adapters with data parallelism) refused with what to do instead."""
     for given in (args.model_option, args.hf_repo):
         if given is not None:
             if args.model is not None and args.model != given:
