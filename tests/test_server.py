@@ -284,11 +284,12 @@ def test_queue_bound_is_503(chat_model_dir, server_factory):
     """One running slot and room for one waiting request: a third request is turned away, then all is well."""
     server = server_factory(chat_model_dir, max_num_seqs=1, max_queue=1)
     body = {"model": MODEL, "prompt": "long", "max_tokens": 480, "ignore_eos": True, "stream": True}
-    # the tiny model could finish the first request before the third arrives: slow each step down, and once
-    # the second request waits, stop stepping until the third has its answer
+    # the tiny model could finish the first request before the third arrives: slow each step down (480 steps take
+    # 48 s, whatever the load on the machine), and once the second request waits, stop stepping until the third
+    # has its answer
     try:
         with httpx.Client(base_url=server.url, timeout=30) as c, \
-                server.hold(lambda state: 10 if state.num_waiting else 0.01) as released:
+                server.hold(lambda state: 10 if state.num_waiting else 0.1) as released:
             with c.stream("POST", "/v1/completions", json=body) as first:
                 assert first.status_code == 200
                 next(first.iter_lines())                                   # running
