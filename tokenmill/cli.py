@@ -44,6 +44,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "sizes it: the KV cache gets what is left after the memory in use (default: a share of free "
                         "memory; --kv-cache-memory-gb wins)")
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--kv-offload-memory-gb", "--kv-offloading-size", type=float, default=None,
+                   dest="kv_offload_memory_gb",
+                   help="a host-memory tier under the prefix cache, of this many GB: blocks the KV pool evicts are "
+                        "kept there and loaded back on a hit instead of recomputed (--kv-offloading-size: vLLM's name)")
+    p.add_argument("--kv-offload-dir", default=None,
+                   help="a disk tier under the prefix cache: what the host tier lets go, and at shutdown what the "
+                        "pool holds, one file per block; a restart with the same directory and model finds them")
+    p.add_argument("--kv-offload-disk-gb", type=float, default=None,
+                   help="with --kv-offload-dir: at most this many GB on disk, oldest files out (default: no bound)")
     from tokenmill.config import KV_CACHE_DTYPES
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="auto: the model's dtype; bfloat16 halves the KV cache's bytes (K/V rounded); int8 about "
@@ -101,7 +110,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enforce_eager=args.enforce_eager, compilation_config=args.compilation_config,
                 async_scheduling=args.async_scheduling, gpu_memory_utilization=args.gpu_memory_utilization,
                 revision=args.revision, gguf_file=args.gguf_file, enable_lora=args.enable_lora, max_loras=args.max_loras,
-                max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
+                max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+                kv_offload_memory_gb=args.kv_offload_memory_gb, kv_offload_dir=args.kv_offload_dir,
+                kv_offload_disk_gb=args.kv_offload_disk_gb)
 
 
 def _json_object(text: str) -> dict:
@@ -244,6 +255,9 @@ def info_lines(cpu_kernels: str = "auto", dtype: Optional[str] = None) -> list[s
 
 def cmd_info(args: argparse.Namespace) -> int:
     print("\n".join(info_lines(args.cpu_kernels, args.dtype)))
+    if args.kv_offload_dir is not None:
+        from tokenmill.engine.kv_offload import disk_tier_lines
+        print("\n".join(disk_tier_lines(args.kv_offload_dir)))
     return 0
 
 
@@ -272,6 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="the CPU, the kernel variant chosen for it and what serves each op")
     i.add_argument("--cpu-kernels", default="auto")
     i.add_argument("--dtype", default=None, help="the model dtype to plan for (default: this machine's)")
+    i.add_argument("--kv-offload-dir", default=None,
+                   help="also list what a KV offload disk tier holds: its caches (one per model, dtype and layout), "
+                        "their blocks and bytes")
     i.set_defaults(func=cmd_info)
 
     c = sub.add_parser("convert", help="write a GGUF model as a Hugging Face folder (for peers)")

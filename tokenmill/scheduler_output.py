@@ -44,6 +44,9 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)    # their blocks went back (they keep their state)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    # prefix blocks the KV offload tiers hold: (the pool's block ids, their payloads), written into the cache
+    # before the step's forward
+    kv_loads: list[tuple[tuple[int, ...], tuple[Any, ...]]] = field(default_factory=list)
 
     @property
     def total_tokens(self) -> int:

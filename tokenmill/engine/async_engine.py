@@ -42,6 +42,11 @@ class QueueFullError(RuntimeError):
     """More requests are waiting than the configured bound allows (the server answers 503)."""
 
 
+OFFLOAD_FIELDS = ("kv_offload_queries", "kv_offload_hits_host", "kv_offload_hits_disk", "kv_offload_bytes_loaded_host",
+                  "kv_offload_bytes_loaded_disk", "kv_offload_bytes_stored_host", "kv_offload_bytes_stored_disk",
+                  "kv_offload_corrupt_files")
+
+
 class ClientDisconnected(Exception):
     """The stream was cancelled by its consumer (e.g. the HTTP client went away)."""
 
@@ -67,6 +72,15 @@ class EngineState:
     step_decode_tokens: int = 0
     num_graph_steps: int = 0            # cumulative: steps replayed from a graph, decode steps no graph held
     num_eager_decode_steps: int = 0
+    # the KV offload tiers (EngineStats' kv_offload_* counters, cumulative)
+    kv_offload_queries: int = 0
+    kv_offload_hits_host: int = 0
+    kv_offload_hits_disk: int = 0
+    kv_offload_bytes_loaded_host: int = 0
+    kv_offload_bytes_loaded_disk: int = 0
+    kv_offload_bytes_stored_host: int = 0
+    kv_offload_bytes_stored_disk: int = 0
+    kv_offload_corrupt_files: int = 0
     # LoRA adapters (by name) of the running and the waiting requests
     running_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()
@@ -87,6 +101,7 @@ class EngineState:
             num_eager_decode_steps=st.num_eager_decode_steps,
             step_prefill_tokens=st.last_step.num_prefill_tokens if stepped else 0,
             step_decode_tokens=st.last_step.num_decode_tokens if stepped else 0,
+            **{f: getattr(st, f) for f in OFFLOAD_FIELDS},
             **(_adapters(eng) if eng.config.lora_config is not None else {}))
 
     @staticmethod

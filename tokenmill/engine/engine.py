@@ -6,6 +6,7 @@ turning user input into Requests (with the checks users need) and finished token
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -21,6 +22,7 @@ from tokenmill.config import (CacheConfig, CompilationConfig, EngineConfig, LoRA
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.draft_model import DraftModelProposer, check_draft_config, check_draft_tokenizer
 from tokenmill.engine.kv_cache_manager import blocks_for, make_kv_manager
+from tokenmill.engine.kv_offload import BlockCodec, KVOffload, KVOffloadConfig, namespace_of
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler, SchedulerStats
 from tokenmill.engine.spec_decode import NgramProposer, SpeculativeConfig
@@ -92,6 +94,16 @@ class EngineStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # the offload tiers under the prefix cache (engine/kv_offload.py): tokens looked up past the pool's hit, tokens
+    # found in host memory and on disk, payload bytes loaded from each and stored to each, damaged files skipped
+    kv_offload_queries: int = 0
+    kv_offload_hits_host: int = 0
+    kv_offload_hits_disk: int = 0
+    kv_offload_bytes_loaded_host: int = 0
+    kv_offload_bytes_loaded_disk: int = 0
+    kv_offload_bytes_stored_host: int = 0
+    kv_offload_bytes_stored_disk: int = 0
+    kv_offload_corrupt_files: int = 0
     # speculative decoding (vLLM's spec_decode counters): verifications, guessed tokens, accepted guesses
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
@@ -175,6 +187,24 @@ def pick_device(device: Optional[str]) -> torch.device:
     return dev
 
 
+def cached_blocks(pool) -> list[tuple[int, tuple[int, int], tuple]]:
+    """The pool's cached blocks as (block id, (group, hash), key)."""
+    return [(b.block_id, b.block_hash, b.key) for b in pool.blocks
+            if b.block_hash is not None and pool.cached.get(b.block_hash) == b.block_id]
+
+
+def model_files(path: str) -> list[tuple[str, int]]:
+    """A model's files by name and size: part of what keys its offloaded KV (a copy elsewhere keys alike)."""
+    if os.path.isfile(path):
+        return [(os.path.basename(path), os.path.getsize(path))]
+    out = []
+    for name in sorted(os.listdir(path)) if os.path.isdir(path) else []:
+        full = os.path.join(path, name)
+        if os.path.isfile(full) and name.endswith((".safetensors", ".bin", ".gguf", ".json", ".pt")):
+            out.append((name, os.path.getsize(full)))
+    return out
+
+
 class LLMEngine:
     def __init__(self, model: Optional[str] = None, *, dtype: Optional[str] = None, device: Optional[str] = None,
                  block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
@@ -192,7 +222,9 @@ class LLMEngine:
                  max_num_partial_prefills: int = 1, max_long_partial_prefills: int = 1,
                  gpu_memory_utilization: Optional[float] = None, revision: Optional[str] = None,
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
-                 max_cpu_loras: Optional[int] = None, gguf_file: Optional[str] = None):
+                 max_cpu_loras: Optional[int] = None, gguf_file: Optional[str] = None,
+                 kv_offload_memory_gb: Optional[float] = None, kv_offload_dir: Optional[str] = None,
+                 kv_offload_disk_gb: Optional[float] = None):
         # pooling_type: which prompt rows a PoolingParams request pools (vLLM's pooler config): LAST or MEAN
         self.pooling_type = check_pooling_type(pooling_type)
         spec_config = SpeculativeConfig.of(speculative_config)
@@ -201,6 +233,7 @@ class LLMEngine:
             so_config = StructuredOutputsConfig(**so_config)
         if reasoning_parser is not None:     # vLLM's --reasoning-parser sets the structured outputs' one too
             so_config = dataclasses.replace(so_config, reasoning_parser=reasoning_parser)
+        offload_cfg = KVOffloadConfig(kv_offload_memory_gb, kv_offload_dir, kv_offload_disk_gb)
         path = resolve_model_path(model, revision, gguf_file)
         dev = pick_device(device)
         torch_dtype = resolve_dtype(dtype, dev)
@@ -305,7 +338,8 @@ class LLMEngine:
             self.tokenizer = self._load_tokenizer(path) if tokenizer == "auto" else tokenizer
         self.structured_outputs = StructuredOutputManager(self.tokenizer, mc.vocab_size, mc.eos_token_ids, so_config)
         self.kv = make_kv_manager(num_blocks, block_size, enable_prefix_caching, mc.kv_groups.windows)
-        self.scheduler = Scheduler(sched_cfg, self.kv)
+        self.offload = self._offload(offload_cfg, tensor_parallel_size, cpu_kernels, quantization, int8_activations)
+        self.scheduler = Scheduler(sched_cfg, self.kv, self.offload)
         # speculative decoding: guesses for the next step of each decoding request (None: no guesses)
         self.proposer: Union[NgramProposer, DraftModelProposer, None] = None
         if self.draft_config is not None:
@@ -327,6 +361,57 @@ class LLMEngine:
         self.step_history: deque[tuple[float, SchedulerStats]] = deque(maxlen=4096)
 
     # ---- construction helpers ------------------------------------------------------------------------------
+    def _offload(self, cfg: KVOffloadConfig, tp_size: int, cpu_kernels: str, quantization: Optional[str],
+                 int8_activations: bool) -> Optional[KVOffload]:
+        """The prefix cache's host and disk tiers (None where none is asked for)."""
+        if not cfg.enabled:
+            return None
+        why = None
+        if not self.kv.enable_caching:
+            why = "they feed the prefix cache, which is off here (enable_prefix_caching=False, or a sliding window)"
+        elif self.kv.num_groups > 1:
+            why = "this model's layers keep KV in groups (sliding-window and global layers), which they do not keep yet"
+        elif tp_size > 1:
+            why = "each tensor-parallel rank holds its share of the cache, and they move rank 0's only"
+        if why is not None:
+            raise ValueError(f"kv_offload_memory_gb / kv_offload_dir: {why}; leave them unset")
+        cfg_ = self.config
+        tensors = [t for layer in self.runner.kv_tensors for t in layer.slot_tensors()]
+        fp8_scales = [layer.k_scale.tolist() + layer.v_scale.tolist() for layer in self.runner.kv_tensors
+                      if layer.dtype.startswith("fp8")]
+        parts = {"model": repr(cfg_.model_config), "files": model_files(cfg_.model), "dtype": str(cfg_.dtype),
+                 "kv_cache_dtype": cfg_.kv_cache_dtype, "block_size": cfg_.cache_config.block_size,
+                 "kernels": choose_isa(cpu_kernels) if cfg_.device.type == "cpu" else cfg_.device.type,
+                 "quantization": quantization, "quantized_kernels": cfg_.quantized_kernels,
+                 "int8_activations": int8_activations, "backend": self.runner.backend.name,
+                 "tensors": [(str(t.dtype), tuple(t.shape[1:])) for t in tensors], "fp8_scales": fp8_scales}
+        offload = KVOffload(cfg, BlockCodec(tensors, cfg_.cache_config.block_size), namespace_of(parts))
+        self.kv.pool.evicted = []
+        # at shutdown, or when the engine is collected or the interpreter exits (offline use)
+        self._close_offload = weakref.finalize(self, offload.close, functools.partial(cached_blocks, self.kv.pool))
+        log.info("KV offload: %s (namespace %s)", cfg.describe(), offload.namespace)
+        return offload
+
+    def offload_line(self) -> Optional[str]:
+        """The offload tiers for the start line (None: none)."""
+        if self.offload is None:
+            return None
+        used = self.offload.usage()
+        disk = self.offload.disk
+        held = f"; {len(disk.files):,} blocks ({used['disk'] / 2 ** 30:.2f} GiB) already on disk" if disk else ""
+        return f"KV offload tiers under the prefix cache: {self.offload.config.describe()}{held}"
+
+    def _move_kv(self, sched: SchedulerOutput) -> None:
+        """The offload tiers' moves for a step, before it runs: the blocks the pool evicted are read out before the
+        step overwrites them, then the prefix blocks found in a tier are written into their fresh blocks."""
+        if self.offload is None:
+            return
+        evicted, self.kv.pool.evicted = self.kv.pool.evicted, []
+        saved = self.offload.save(evicted)
+        for block_ids, payloads in sched.kv_loads:     # a block evicted in this schedule comes by its key
+            self.offload.codec.write(list(block_ids), [p if isinstance(p, torch.Tensor) else saved[p]
+                                                       for p in payloads])
+
     @staticmethod
     def _lora_config(enable: bool, max_loras: int, max_rank: int, max_cpu_loras: Optional[int], mc,
                      tp_size: int) -> Optional[LoRAConfig]:
@@ -558,6 +643,8 @@ class LLMEngine:
         if self._stop_workers is not None:
             self._stop_workers()
         self.structured_outputs.shutdown()
+        if self.offload is not None:      # what the pool and host memory hold, on disk for the next start
+            self._close_offload()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -576,6 +663,7 @@ class LLMEngine:
             return self._complete(*self._in_flight)
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        self._move_kv(sched)
         if sched.is_empty:
             self.runner.forget(sched.finished_req_ids)
             return []
@@ -593,6 +681,7 @@ class LLMEngine:
         # steps overlap: each one's time runs from the last one's return (or its own launch) to its own return
         t0 = max(time.perf_counter(), self._last_return)
         sched = self.scheduler.schedule(in_flight=True)
+        self._move_kv(sched)
         launched = None
         if sched.is_empty:
             self.runner.forget(sched.finished_req_ids)
@@ -762,6 +851,14 @@ class LLMEngine:
         s.num_preemptions += len(sched.preempted_req_ids)
         s.num_graph_steps, s.num_eager_decode_steps = self.runner.num_graph_steps, self.runner.num_eager_decode_steps
         s.prefix_cache_queries, s.prefix_cache_hits = self.kv.num_queries, self.kv.num_hits
+        if self.offload is not None:
+            o = self.offload.stats
+            s.kv_offload_queries, s.kv_offload_corrupt_files = o.queries, o.corrupt_files
+            s.kv_offload_hits_host, s.kv_offload_hits_disk = o.hits["host"], o.hits["disk"]
+            s.kv_offload_bytes_loaded_host, s.kv_offload_bytes_loaded_disk = o.bytes_loaded["host"], \
+                o.bytes_loaded["disk"]
+            s.kv_offload_bytes_stored_host, s.kv_offload_bytes_stored_disk = o.bytes_stored["host"], \
+                o.bytes_stored["disk"]
         s.max_kv_blocks_used = max(s.max_kv_blocks_used, self.kv.num_used_blocks)
         s.sum_batch_size += len(sched.scheduled)
         s.last_step = st

@@ -11,6 +11,7 @@ blocks back as the window passes them, so its layers hold a window's worth of KV
 """
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
@@ -18,6 +19,12 @@ from typing import Optional
 from tokenmill.engine.request import Request
 
 NO_BLOCK = -1   # a block-table entry whose block a sliding window freed
+
+
+def block_digest(key: tuple) -> int:
+    """A block's hash: 128 bits of blake2b over its key's text, the same in every process (Python's hash() of a
+    string is salted per process, and the KV offload tiers keep blocks across restarts)."""
+    return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=16).digest(), "little")
 
 
 @dataclass
@@ -37,6 +44,9 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[tuple[int, int], int] = {}
+        # cached blocks handed out for new tokens since the offload tier last took them: (block id, (group,
+        # hash), key), read before the step overwrites them; None while no tier listens
+        self.evicted: Optional[list[tuple[int, tuple[int, int], tuple]]] = None
 
 
 class KVCacheManager:
@@ -99,8 +109,13 @@ class KVCacheManager:
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash(self._block_key(req, i, parent)))
+            hashes.append(block_digest(self._block_key(req, i, parent)))
         return hashes
+
+    def block_keys(self, req: Request, first: int, last: int) -> list[tuple[int, tuple]]:
+        """(hash, key) of req's full blocks first..last-1, for a lookup below the pool (the offload tiers)."""
+        hashes = self._hashes(req, last)
+        return [(hashes[i], self._block_key(req, i, hashes[i - 1] if i else None)) for i in range(first, last)]
 
     def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
         """Cached blocks covering a prefix of req's tokens, and how many tokens they cover.
@@ -211,6 +226,8 @@ class KVCacheManager:
         if blk.block_hash is not None:              # evict: the least recently freed cached block goes first
             if self.cached.get(blk.block_hash) == bid:
                 del self.cached[blk.block_hash]
+                if self.pool.evicted is not None:
+                    self.pool.evicted.append((bid, blk.block_hash, blk.key))
             blk.block_hash, blk.key = None, None
         blk.ref_cnt = 1
         return bid

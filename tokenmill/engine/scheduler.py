@@ -27,6 +27,7 @@ from typing import Optional
 
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.kv_cache_manager import KVCacheManager
+from tokenmill.engine.kv_offload import KVOffload
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
 
@@ -46,9 +47,10 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, offload: Optional[KVOffload] = None):
         self.config = config
         self.kv = kv
+        self.offload = offload                      # the prefix cache's tiers below the pool (None: none)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}      # every unfinished request, by id
@@ -131,18 +133,28 @@ class Scheduler:
                 held.add(req.request_id)
                 continue
             hit_blocks, hit_tokens = ([], 0)
+            loads: list = []                           # blocks past the pool's hit that a tier holds
             if req.num_computed_tokens == 0:
                 hit_blocks, hit_tokens = self.kv.get_computed_blocks(req)
-            left -= hit_tokens
-            n = self._fit(req, min(left, budget, self._cap(left > threshold, req.num_computed_tokens + hit_tokens)),
-                          hit_blocks)
-            if not self.kv.allocate_slots(req, n, hit_blocks):
+                loads = self._offloaded(req, hit_tokens)
+            loaded = len(loads) * self.kv.block_size
+            left -= hit_tokens + loaded
+            n = self._fit(req, min(left, budget, self._cap(left > threshold,
+                                                           req.num_computed_tokens + hit_tokens + loaded)), hit_blocks)
+            if not self.kv.allocate_slots(req, loaded + n, hit_blocks):
                 break                                  # wait for running requests to free blocks
+            if loads:                                  # fresh blocks, filled before this step's forward runs
+                first = len(hit_blocks)
+                out.kv_loads.append((tuple(self.kv.blocks_of(req.request_id)[first:first + len(loads)]),
+                                     tuple(p for _, p in loads)))
+                self.offload.count(req.num_tokens - hit_tokens, loads, self.kv.block_size)
+            elif self.offload is not None and req.num_cached_tokens < 0:
+                self.offload.count(req.num_tokens - hit_tokens, [], self.kv.block_size)
             self.waiting.remove(req)
             seats[req.group_id] += 1
             if req.num_cached_tokens < 0:
-                req.num_cached_tokens = hit_tokens
-            req.num_computed_tokens += hit_tokens
+                req.num_cached_tokens = hit_tokens + loaded
+            req.num_computed_tokens += hit_tokens + loaded
             req.status = RequestStatus.RUNNING
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.monotonic()
@@ -251,6 +263,18 @@ class Scheduler:
                     and req.all_token_ids[:end] == other.all_token_ids[:end]:
                 return True
         return False
+
+    def _offloaded(self, req: Request, hit_tokens: int) -> list:
+        """(tier, payload) of the blocks after the pool's hit that the offload tiers hold, in a run; never the block
+        holding the last token (its logits are needed)."""
+        if self.offload is None or not self.kv.enable_caching or req.skip_reading_prefix_cache:
+            return []
+        bs = self.kv.block_size
+        last = (req.num_tokens - 1) // bs
+        first = hit_tokens // bs
+        if first >= last:
+            return []
+        return self.offload.lookup(self.kv.block_keys(req, first, last), self.kv.pool.evicted)
 
     def _fit(self, req: Request, n: int, hit_blocks: list[int] = ()) -> int:
         """n, or under a sliding window a shorter prompt chunk that fits the free blocks: a chunk needs the window's

@@ -94,6 +94,11 @@ class LayerKV:
         """K and V's codes, each stored tensor once."""
         return (self.k,) if self.value_in_key else (self.k, self.v)
 
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """The tensors indexed by slot (codes, and int8's and int4's per-token scales; not fp8's per-layer ones)."""
+        scales = [] if self.dtype in FP8 else [t for t in (self.k_scale, self.v_scale) if t is not None]
+        return [*self.planes(), *scales]
+
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (*self.planes(), self.k_scale, self.v_scale) if t is not None]
 

@@ -265,6 +265,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"idles", flush=True)
     if engine.runner.startup_line() is not None:
         print(f"tokenmill: {engine.runner.startup_line()}", flush=True)
+    if engine.offload_line() is not None:
+        print(f"tokenmill: {engine.offload_line()}{each}", flush=True)
     print(f"tokenmill: serving {app.state.ctx.model_name} on {engine.config.device}\n"
           f"  OpenAI API:  {url}/v1{key}\n  playground:  {url}/\n  metrics:     {url}/metrics\n"
           f"  Ctrl-C or SIGTERM stops (requests in flight finish first, for up to {timeout:g} s; a second stops "

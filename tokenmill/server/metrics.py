@@ -51,6 +51,15 @@ class ServerMetrics:
         self.preemptions = counter("num_preemptions", "Requests preempted (KV blocks ran out).")
         self.pc_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.pc_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        # the offload tiers under the prefix cache (vLLM's external prefix cache counters, then per tier)
+        self.ext_queries = counter("external_prefix_cache_queries", "Prompt tokens looked up in the KV offload "
+                                                                    "tiers (past the pool's prefix-cache hit).")
+        self.ext_hits = counter("external_prefix_cache_hits", "Prompt tokens found in the KV offload tiers.")
+        self.offload_hits = Counter("tokenmill:kv_offload_hits", "Prompt tokens loaded from a KV offload tier.",
+                                    ["model_name", "tier"], registry=r)
+        self.offload_bytes = Counter("tokenmill:kv_offload_bytes", "KV bytes moved to or from an offload tier.",
+                                     ["model_name", "tier", "direction"], registry=r)
+        self.offload_corrupt = counter("kv_offload_corrupt_files", "Offloaded KV files skipped as damaged.")
         # speculative decoding, vLLM's names: verification steps of one request, tokens guessed, guesses accepted
         self.spec_drafts = counter("spec_decode_num_drafts", "Speculative verifications (one per request and step).")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Tokens guessed for verification.")
@@ -104,6 +113,7 @@ class ServerMetrics:
         self.preemptions.inc(max(state.num_preemptions - last.num_preemptions, 0))
         self.pc_queries.inc(max(state.prefix_cache_queries - last.prefix_cache_queries, 0))
         self.pc_hits.inc(max(state.prefix_cache_hits - last.prefix_cache_hits, 0))
+        self._offload(state, last)
         self.spec_drafts.inc(max(state.spec_num_drafts - last.spec_num_drafts, 0))
         self.spec_draft_tokens.inc(max(state.spec_num_draft_tokens - last.spec_num_draft_tokens, 0))
         self.spec_accepted.inc(max(state.spec_num_accepted_tokens - last.spec_num_accepted_tokens, 0))
@@ -116,6 +126,20 @@ class ServerMetrics:
             self.lora_info.labels(self._model, str(self._max_loras), ",".join(state.waiting_loras),
                                   ",".join(state.running_loras)).set(time.time())
         self._last = dataclasses.replace(state)
+
+    def _offload(self, state: EngineState, last: EngineState) -> None:
+        if not state.kv_offload_queries:
+            return
+
+        def d(f: str) -> int:
+            return max(getattr(state, f) - getattr(last, f), 0)
+        self.ext_queries.inc(d("kv_offload_queries"))
+        self.ext_hits.inc(d("kv_offload_hits_host") + d("kv_offload_hits_disk"))
+        self.offload_corrupt.inc(d("kv_offload_corrupt_files"))
+        for tier in ("host", "disk"):
+            self.offload_hits.labels(self._model, tier).inc(d(f"kv_offload_hits_{tier}"))
+            for direction, field in (("load", "loaded"), ("store", "stored")):
+                self.offload_bytes.labels(self._model, tier, direction).inc(d(f"kv_offload_bytes_{field}_{tier}"))
 
     def _observe_finished(self, out: RequestOutput) -> None:
         reason = (out.outputs[0].finish_reason if isinstance(out, RequestOutput) else None) or "stop"

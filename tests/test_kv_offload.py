@@ -1,0 +1,254 @@
+"""The prefix cache's host and disk tiers (engine/kv_offload.py): a prefix fed from a tier gives the tokens and
+logprobs of a run without tiers, under every cache dtype, with chunked prefill and preemption; a restart reads the
+disk tier; a damaged file is skipped; no block is ever served under another block's hash."""
+import hashlib
+import os
+import random
+import tempfile
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.tiny_models import build_tiny
+from tokenmill.config import SchedulerConfig
+from tokenmill.engine.kv_cache_manager import KVCacheManager, block_digest
+from tokenmill.engine.kv_offload import BlockCodec, DiskTier, KVOffload, KVOffloadConfig
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.engine.scheduler import Scheduler
+
+GREEDY = dict(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+
+
+# ---- the bookkeeping, at random -----------------------------------------------------------------------------------
+BS = 4
+ops = st.lists(st.one_of(
+    st.tuples(st.just("add"), st.integers(1, 30), st.integers(1, 8), st.integers(0, 2)),
+    st.tuples(st.just("step")),
+    st.tuples(st.just("abort"), st.integers(0, 50)),
+), min_size=1, max_size=60)
+
+
+def _content(tokens: list[int]) -> list[int]:
+    """What a forward writes for the last of these tokens: a function of the whole prefix, as real K/V is."""
+    d = hashlib.blake2b(repr(tokens).encode(), digest_size=16).digest()
+    return [int.from_bytes(d[:8], "little", signed=True), int.from_bytes(d[8:], "little", signed=True)]
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=ops, num_blocks=st.integers(8, 24), budget=st.integers(1, 24), host_blocks=st.integers(0, 6),
+       disk=st.booleans(), disk_blocks=st.integers(1, 8))
+def test_no_block_is_served_under_another_hash(ops, num_blocks, budget, host_blocks, disk, disk_blocks):
+    """A stand-in forward writes each slot a digest of its whole prefix; blocks are evicted to the tiers, promoted
+    and loaded back at random; every computed slot of every running request always holds its own prefix's digest."""
+    kv = KVCacheManager(num_blocks, BS)
+    kv.pool.evicted = []
+    cache = torch.zeros(num_blocks * BS, 2, dtype=torch.int64)
+    codec = BlockCodec([cache], BS)
+    with tempfile.TemporaryDirectory() as d:
+        gb = codec.nbytes / 2 ** 30
+        host = host_blocks * gb if host_blocks else None if disk else gb / 2     # gb / 2: holds nothing
+        cfg = KVOffloadConfig(memory_gb=host, directory=d if disk else None,
+                              disk_gb=disk_blocks * 2 * gb if disk else None)
+        off = KVOffload(cfg, codec, "test")
+        sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=64), kv, off)
+        live: list[Request] = []
+        loaded = 0
+
+        def step():
+            nonlocal loaded
+            out = sched.schedule()
+            evicted, kv.pool.evicted = kv.pool.evicted, []
+            saved = off.save(evicted)
+            for ids, payloads in out.kv_loads:
+                codec.write(list(ids), [p if isinstance(p, torch.Tensor) else saved[p] for p in payloads])
+                loaded += len(ids)
+            for s in out.scheduled:        # the forward
+                r = sched.requests[s.req_id]
+                table = kv.blocks_of(r.request_id)
+                for p in range(s.num_computed_tokens, s.num_computed_tokens + s.num_tokens):
+                    cache[table[p // BS] * BS + p % BS] = torch.tensor(_content(r.all_token_ids[:p + 1]))
+            sched.update(out, {s.req_id: [5] for s in out.scheduled
+                               if sched.requests[s.req_id].num_computed_tokens + s.num_tokens
+                               == sched.requests[s.req_id].num_tokens})
+            for r in list(sched.running):
+                if len(r.output_token_ids) >= r.max_tokens:
+                    sched.finish(r, RequestStatus.FINISHED_LENGTH)
+            for r in sched.running:
+                table = kv.blocks_of(r.request_id)
+                for p in range(r.num_computed_tokens):
+                    got = cache[table[p // BS] * BS + p % BS].tolist()
+                    assert got == _content(r.all_token_ids[:p + 1]), f"{r.request_id} position {p}: another block"
+            kv.check_integrity()
+            return out
+
+        for n, op in enumerate(ops):
+            if op[0] == "add":
+                prompt = [op[3] * 7 + 1] * 8 + [n % 5 + 100 + j for j in range(op[1])]
+                req = Request(str(n), prompt, SamplingParams(max_tokens=op[2]), 0.0, op[2], ())
+                if kv.blocks_needed(req.num_tokens + req.max_tokens) <= num_blocks:
+                    sched.add(req)
+                    live.append(req)
+            elif op[0] == "step":
+                step()
+            elif live:
+                req = live[op[1] % len(live)]
+                if not req.is_finished:
+                    sched.finish(req, RequestStatus.FINISHED_ABORTED)
+        for _ in range(2000):
+            if not sched.has_unfinished():
+                break
+            assert not step().is_empty, "no progress with requests waiting"
+        assert not sched.has_unfinished()
+        off.close(lambda: [])
+
+
+def test_host_tier_lru_and_codec_round_trip():
+    cache = torch.arange(8 * 4 * 3, dtype=torch.float32).reshape(32, 3)
+    scales = torch.arange(32, dtype=torch.float16)
+    codec = BlockCodec([cache, scales], 4)
+    before = cache.clone(), scales.clone()
+    payloads = codec.read([5, 1])
+    assert [p.numel() for p in payloads] == [codec.nbytes] * 2 == [4 * 3 * 4 + 4 * 2] * 2
+    codec.write([0, 7], payloads)
+    assert torch.equal(cache[0:4], before[0][20:24]) and torch.equal(cache[28:32], before[0][4:8])
+    assert torch.equal(scales[0:4], before[1][20:24]) and torch.equal(scales[28:32], before[1][4:8])
+    off = KVOffload(KVOffloadConfig(memory_gb=2 * codec.nbytes / 2 ** 30), codec, "t")
+    for i in range(3):
+        off.store((0, i), f"k{i}", payloads[0])
+    assert off.lookup([(0, (None, (), None))]) == []                     # block 0 went first
+    assert list(off.host.blocks) == [(0, 1), (0, 2)]
+    assert off.host.get((0, 1), "another key") is None                   # same hash, another block: a miss
+
+
+# ---- the engine, token-exact --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return {"llama": build_tiny("llama", tmp_path_factory.mktemp("off-llama"))[0],
+            "head_dim256": build_tiny("head_dim256", tmp_path_factory.mktemp("off-h256"))[0]}
+
+
+def _pool_gb(path: str, dtype: str, blocks: int) -> float:
+    """kv_cache_memory_gb for a pool of this many blocks: the turns of _prompts evict each other."""
+    from transformers import AutoConfig
+    from tokenmill.executor.kv_cache import LayerKV
+    c = AutoConfig.from_pretrained(path)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    per_slot = LayerKV.bytes_per_slot(c.num_key_value_heads, head_dim, "float32" if dtype == "auto" else dtype)
+    return (blocks + 0.5 * (blocks > 0)) * 16 * c.num_hidden_layers * per_slot / 2 ** 30
+
+
+def _prompts(seed: int = 0) -> list[list[int]]:
+    """Four conversations of two turns: the second turn sends the first again, and more."""
+    r = random.Random(seed)
+    first = [[r.randrange(5, 250) for _ in range(r.randrange(70, 110))] for _ in range(4)]
+    return first + [p + [r.randrange(5, 250) for _ in range(9)] for p in first]
+
+
+def _run(path, prompts, **kw):
+    from tokenmill import LLM
+    kw.setdefault("kv_cache_memory_gb", 0.00012)       # 20 blocks of the tiny llama: turns evict each other
+    llm = LLM(path, dtype="float32", max_model_len=256, max_num_batched_tokens=48, **kw)
+    outs = []
+    # each turn at once: chunked, and preempted where it is tight; the first turn is sent again at the end, after
+    # the second has pushed it out of the pool (and out of a small host tier)
+    for turn in (prompts[:4], prompts[4:], prompts[:4]):
+        for o in llm.generate([{"prompt_token_ids": p} for p in turn], SamplingParams(**GREEDY), use_tqdm=False):
+            outs.append((o.outputs[0].token_ids, [sorted((k, v.logprob) for k, v in d.items())
+                                                  for d in o.outputs[0].logprobs], o.num_cached_tokens))
+    return outs, llm
+
+
+TIERS = {"host": lambda d, block_gb: dict(kv_offload_memory_gb=0.01),
+         "disk": lambda d, block_gb: dict(kv_offload_dir=d),
+         # room for 4 blocks in memory: the rest spills to disk
+         "host+disk": lambda d, block_gb: dict(kv_offload_memory_gb=4 * block_gb, kv_offload_dir=d)}
+CASES = [("auto", "host", "llama"), ("bfloat16", "disk", "llama"), ("int8", "host+disk", "llama"),
+         ("fp8_e4m3", "host", "llama"), ("int4", "host+disk", "head_dim256"), ("int8", "disk", "llama")]
+
+
+@pytest.mark.parametrize("dtype,tiers,model", CASES, ids=[f"{a}-{b}" for a, b, _ in CASES])
+def test_prefix_from_a_tier_equals_no_tiers(models, tmp_path, dtype, tiers, model):
+    path = models[model]
+    mem = _pool_gb(path, dtype, 20)
+    base, base_llm = _run(path, _prompts(), kv_cache_dtype=dtype, kv_cache_memory_gb=mem)
+    got, llm = _run(path, _prompts(), kv_cache_dtype=dtype, kv_cache_memory_gb=mem, **TIERS[tiers](str(tmp_path), _pool_gb(path, dtype, 1) - _pool_gb(path, dtype, 0)))
+    assert base_llm.llm_engine.stats.num_preemptions + llm.llm_engine.stats.num_preemptions > 0 or dtype != "auto"
+    assert [t for t, _, _ in got] == [t for t, _, _ in base]
+    # within what a pool hit itself differs from a recompute (a chunk's float sums run in another order)
+    assert max(abs(x[1] - y[1]) for (_, a, _), (_, b, _) in zip(got, base) for ra, rb in zip(a, b)
+               for x, y in zip(ra, rb)) < 1e-5
+    assert all([k for k, _ in ra] == [k for k, _ in rb] for (_, a, _), (_, b, _) in zip(got, base)
+               for ra, rb in zip(a, b))
+    stats = llm.llm_engine.offload.stats
+    for tier in tiers.split("+"):
+        assert stats.hits[tier] > 0, (tier, stats)
+    # the second turn found its first turn's blocks below the pool, where the plain run recomputed them
+    assert sum(c for _, _, c in got[4:]) > sum(c for _, _, c in base[4:])
+    assert [t for t, _, _ in got[8:]] == [t for t, _, _ in got[:4]]
+    llm.llm_engine.shutdown()
+
+
+def test_a_restart_reads_the_disk_tier(models, tmp_path):
+    from tokenmill import LLM
+    prompts = _prompts(1)[:4]
+    first, llm = _run(models["llama"], prompts + prompts, kv_offload_dir=str(tmp_path))
+    llm.llm_engine.shutdown()
+    del llm
+    again = LLM(models["llama"], dtype="float32", max_model_len=256, kv_cache_memory_gb=0.00012,
+                kv_offload_dir=str(tmp_path))
+    outs = again.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**GREEDY), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [t for t, _, _ in first[:4]]
+    # every full block before the last token came from disk: no prompt token of those was computed
+    assert [o.num_cached_tokens for o in outs] == [(len(p) - 1) // 16 * 16 for p in prompts]
+    eng = again.llm_engine
+    assert eng.offload.stats.hits["disk"] == sum((len(p) - 1) // 16 * 16 for p in prompts)
+    assert eng.stats.prefix_cache_hits == 0
+    # another cache dtype never reads these files: its own namespace
+    other = LLM(models["llama"], dtype="float32", max_model_len=256, kv_cache_memory_gb=0.00012,
+                kv_cache_dtype="bfloat16", kv_offload_dir=str(tmp_path))
+    outs = other.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**GREEDY), use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [0] * 4
+    assert other.llm_engine.offload.stats.hits["disk"] == 0
+    assert len(os.listdir(tmp_path)) == 2
+
+
+def test_a_damaged_file_is_skipped_and_counted(models, tmp_path):
+    from tokenmill import LLM
+    prompts = _prompts(2)[:2]
+    first, llm = _run(models["llama"], prompts + prompts, kv_offload_dir=str(tmp_path))
+    llm.llm_engine.shutdown()
+    (ns,) = os.listdir(tmp_path)
+
+    def third_block_file(p):
+        h = None
+        for i in range(3):
+            h = block_digest((h, tuple(p[i * 16:(i + 1) * 16]), None))
+        return tmp_path / ns / DiskTier.name((0, h))
+    victim, cut = third_block_file(prompts[0]), third_block_file(prompts[1])
+    data = bytearray(victim.read_bytes())
+    data[-10] ^= 0xFF                                   # a flipped byte in the payload
+    victim.write_bytes(bytes(data))
+    cut.write_bytes(cut.read_bytes()[:50])              # a truncated file
+    again = LLM(models["llama"], dtype="float32", max_model_len=256, kv_cache_memory_gb=0.00012,
+                kv_offload_dir=str(tmp_path))
+    outs = again.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**GREEDY), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [t for t, _, _ in first[:2]]
+    st_ = again.llm_engine.offload.stats
+    assert st_.corrupt_files == 2 and not victim.exists() and not cut.exists()
+    assert [o.num_cached_tokens for o in outs] == [32, 32] and st_.hits["disk"] == 64     # the blocks before them
+
+
+def test_bad_settings_are_refused(models, tmp_path):
+    from tokenmill import LLM
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(ValueError, match="kv_offload_dir=.*cannot be written"):
+        LLM(models["llama"], dtype="float32", max_model_len=256, kv_cache_memory_gb=0.00012,
+            kv_offload_dir=str(tmp_path / "a_file" / "sub"))
+    with pytest.raises(ValueError, match="kv_offload_memory_gb must be > 0"):
+        LLM(models["llama"], kv_offload_memory_gb=0)
+    with pytest.raises(ValueError, match="prefix cache, which is off"):
+        LLM(models["llama"], dtype="float32", max_model_len=256, kv_cache_memory_gb=0.00012,
+            enable_prefix_caching=False, kv_offload_memory_gb=0.01)
