@@ -64,7 +64,8 @@ def _history(c: int, n: int) -> list[int]:
 def chat_child(spec: dict) -> dict:
     from tokenmill import LLM, SamplingParams
     conv, hist = spec["conversations"], spec["history"]
-    per_conv = (hist + 2 * (MESSAGE + ANSWER) + 64) * spec["gb_per_token"]
+    max_len = hist + 2 * (MESSAGE + ANSWER) + 64
+    per_conv = max_len * spec["gb_per_token"]
     pool = per_conv * (conv if spec["arm"] == "pool-holds-all" else spec["pool_conversations"])
     kw = {}
     if spec["arm"] == "host":
@@ -73,7 +74,8 @@ def chat_child(spec: dict) -> dict:
         kw["kv_offload_memory_gb"] = per_conv * spec["pool_conversations"]
         kw["kv_offload_dir"] = spec["dir"]
     t0 = time.perf_counter()
-    llm = LLM(None, kv_cache_memory_gb=pool, max_model_len=hist + 512, num_threads=spec["threads"], **kw)
+    llm = LLM(None, kv_cache_memory_gb=pool, max_model_len=max_len, num_threads=spec["threads"],
+              int8_activations=spec["int8_activations"], **kw)
     load_s = time.perf_counter() - t0
     eng = llm.llm_engine
     sp = SamplingParams(temperature=0, max_tokens=ANSWER, ignore_eos=True)
@@ -113,6 +115,7 @@ def ttft_child(spec: dict) -> dict:
     from tokenmill import LLM, SamplingParams
     kw = {"kv_offload_dir": spec["dir"]} if spec["side"] in ("write", "disk") else {}
     llm = LLM(None, max_model_len=spec["history"] + 64, num_threads=spec["threads"], **kw,
+              int8_activations=spec["int8_activations"],
               kv_cache_memory_gb=(spec["history"] + 256) * spec["gb_per_token"])
     sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     llm.generate([{"prompt_token_ids": _history(99, 48)}], sp, use_tqdm=False)       # warm-up
@@ -155,6 +158,8 @@ def main() -> int:
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--skip-ttft", action="store_true")
     ap.add_argument("--drop-caches", action="store_true", help="drop the OS page cache before each disk read")
+    ap.add_argument("--no-int8-activations", action="store_true",
+                    help="the exact route (float activations): answers then equal across arms")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kv-offload.json")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -168,7 +173,8 @@ def main() -> int:
     from tokenmill.executor.kernels import machine_record
     gbt = _gb_per_token()
     base = {"conversations": args.conversations, "history": args.history, "threads": args.threads,
-            "pool_conversations": args.pool_conversations, "gb_per_token": gbt, "progress": not args.no_progress}
+            "pool_conversations": args.pool_conversations, "gb_per_token": gbt, "progress": not args.no_progress,
+            "int8_activations": not args.no_int8_activations}
     res: dict = {"date": time.strftime("%Y-%m-%d"), **machine_record(), **git_commit(),
                  "model": "bundled SmolLM2-135M-Instruct (Q4_1 GGUF)", **{k: v for k, v in base.items()
                                                                           if k != "progress"}, "chat": {}}

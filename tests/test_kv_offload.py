@@ -11,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.server_fixtures import LiveServer
 from tests.tiny_models import build_tiny
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.kv_cache_manager import KVCacheManager, block_digest
@@ -19,6 +20,7 @@ from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.engine.scheduler import Scheduler
 
+pytest_plugins = ["tests.server_fixtures"]
 GREEDY = dict(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
 
 
@@ -252,3 +254,50 @@ def test_bad_settings_are_refused(models, tmp_path):
     with pytest.raises(ValueError, match="prefix cache, which is off"):
         LLM(models["llama"], dtype="float32", max_model_len=256, kv_cache_memory_gb=0.00012,
             enable_prefix_caching=False, kv_offload_memory_gb=0.01)
+
+
+# ---- what an operator sees ----------------------------------------------------------------------------------------
+def test_server_counts_tier_hits_in_metrics(chat_model_dir, tmp_path):
+    """Through the real openai client: a conversation pushed out of the pool by two others comes back from the host
+    tier with the same answer, and /metrics (read by Prometheus' parser) counts the hits and bytes per tier."""
+    openai = pytest.importorskip("openai")
+    from tokenmill.engine.engine import LLMEngine
+    from tokenmill.server.app import build_app
+    engine = LLMEngine(chat_model_dir, dtype="float32", device="cpu", max_model_len=512, kv_cache_memory_gb=0.0003,
+                       kv_offload_memory_gb=0.01, kv_offload_dir=str(tmp_path))
+    server = LiveServer(build_app(engine, model_name="tiny-chat"))
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        words = "the river bends past the mill where grain turns into flour every autumn".split()
+        texts = [" ".join(random.Random(i).choice(words) for _ in range(300)) for i in range(3)]
+
+        def ask(text):
+            r = client.completions.create(model="tiny-chat", prompt=text, max_tokens=8, temperature=0)
+            return r.choices[0].text, r.usage.prompt_tokens_details
+        first = [ask(t) for t in texts]
+        again = ask(texts[0])
+        assert again[0] == first[0][0]
+        assert again[1] is not None and again[1].cached_tokens >= 256
+        m = server.metrics()
+        assert m[("tokenmill:kv_offload_hits_total", (("tier", "host"),))] >= 256
+        assert m[("tokenmill:external_prefix_cache_hits_total", ())] >= 256
+        assert m[("tokenmill:external_prefix_cache_queries_total", ())] >= m[("tokenmill:external_prefix_cache_hits_total", ())]
+        assert m[("tokenmill:kv_offload_bytes_total", (("direction", "load"), ("tier", "host")))] > 0
+        assert m[("tokenmill:kv_offload_bytes_total", (("direction", "store"), ("tier", "host")))] > 0
+        assert engine.offload_line().startswith("KV offload tiers under the prefix cache: host 0.01 GB, disk at ")
+    finally:
+        server.stop()
+
+
+def test_info_lists_a_disk_tier(models, tmp_path):
+    from tokenmill.cli import main
+    _, llm = _run(models["llama"], _prompts(3)[:4] * 2, kv_offload_dir=str(tmp_path))
+    llm.llm_engine.shutdown()
+    import contextlib
+    import io
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["info", "--kv-offload-dir", str(tmp_path)]) == 0
+    (line,) = [x for x in buf.getvalue().splitlines() if x.strip().startswith("cache ")]
+    n = len(os.listdir(tmp_path / os.listdir(tmp_path)[0]))
+    assert f"{n:,} blocks" in line and n > 0
