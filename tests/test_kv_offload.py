@@ -11,11 +11,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server_fixtures import LiveServer
 from tests.tiny_models import build_tiny
 from tokenmill.config import SchedulerConfig
 from tokenmill.engine.kv_cache_manager import KVCacheManager, block_digest
-from tokenmill.engine.kv_offload import BlockCodec, DiskTier, KVOffload, KVOffloadConfig
+from tokenmill.engine.kv_offload import BlockCodec, DiskTier, KVOffload, KVOffloadConfig, key_text
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.engine.scheduler import Scheduler
@@ -123,6 +122,28 @@ def test_host_tier_lru_and_codec_round_trip():
     assert off.lookup([(0, (None, (), None))]) == []                     # block 0 went first
     assert list(off.host.blocks) == [(0, 1), (0, 2)]
     assert off.host.get((0, 1), "another key") is None                   # same hash, another block: a miss
+
+
+def test_engines_on_one_directory_share_it(tmp_path):
+    """Two engines on one disk tier (data-parallel replicas): what one writes, the other finds, though it started
+    before the file existed; a file removed under it is a miss, not damage."""
+    cache = torch.arange(16, dtype=torch.float32).reshape(16, 1)
+    codec = BlockCodec([cache], 4)
+    a, b = (KVOffload(KVOffloadConfig(directory=str(tmp_path)), codec, "shared") for _ in "ab")
+    (p,) = codec.read([2])
+    a.store((0, 7), key_text((None, (5, 6), None)), p)
+    a.flush()
+    assert b.lookup([(7, (None, (5, 9), None))]) == []   # the key is checked: another block under hash 7
+    a.store((0, 8), key_text((None, (1, 2), None)), p)
+    a.flush()
+    ((tier, got),) = b.lookup([(8, (None, (1, 2), None))])
+    assert tier == "disk" and torch.equal(got, p)
+    os.remove(tmp_path / "shared" / DiskTier.name((0, 8)))
+    c = KVOffload(KVOffloadConfig(directory=str(tmp_path)), codec, "shared")
+    os.remove(tmp_path / "shared" / DiskTier.name((0, 7)))
+    assert c.lookup([(7, (None, (5, 6), None))]) == [] and c.stats.corrupt_files == 0
+    for o in (a, b, c):
+        o.close(lambda: [])
 
 
 # ---- the engine, token-exact --------------------------------------------------------------------------------------
@@ -261,6 +282,7 @@ def test_server_counts_tier_hits_in_metrics(chat_model_dir, tmp_path):
     """Through the real openai client: a conversation pushed out of the pool by two others comes back from the host
     tier with the same answer, and /metrics (read by Prometheus' parser) counts the hits and bytes per tier."""
     openai = pytest.importorskip("openai")
+    from tests.server_fixtures import LiveServer
     from tokenmill.engine.engine import LLMEngine
     from tokenmill.server.app import build_app
     engine = LLMEngine(chat_model_dir, dtype="float32", device="cpu", max_model_len=512, kv_cache_memory_gb=0.0003,

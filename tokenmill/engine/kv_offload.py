@@ -188,13 +188,18 @@ class DiskTier:
 
     def get(self, key: Key, text: str) -> Optional[torch.Tensor]:
         name = self.name(key)
-        if name not in self.files:
-            return None
         path = os.path.join(self.root, name)
+        # another engine on the same directory (a data-parallel replica) may have written it since the scan
+        if name not in self.files and not os.path.exists(path):
+            return None
         try:
             with open(path, "rb") as f:
                 data = f.read()
             payload = self._parse(data, text)
+        except FileNotFoundError:       # removed meanwhile (the bound, or another engine): a miss
+            with self._lock:
+                self.used -= self.files.pop(name, 0)
+            return None
         except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
             log.warning("KV offload: skipping %s (%s)", path, e)
             self.stats.corrupt_files += 1
@@ -205,6 +210,9 @@ class DiskTier:
         with self._lock:
             if name in self.files:
                 self.files.move_to_end(name)
+            else:
+                self.files[name] = len(data)
+                self.used += len(data)
         return payload
 
     def _parse(self, data: bytes, text: str) -> Optional[torch.Tensor]:
