@@ -34,13 +34,15 @@ import os
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from harness import git_commit, run_child  # noqa: E402
+
 ARMS = ("no-tiers", "host", "host+disk", "pool-holds-all")
 MESSAGE, ANSWER = 32, 32
 
@@ -130,14 +132,6 @@ def ttft_child(spec: dict) -> dict:
             "bytes_loaded_disk": stats.get("kv_offload_bytes_loaded_disk", 0)}
 
 
-def run_child(spec: dict) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
-    res = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT, timeout=7200)
-    if res.returncode != 0:
-        raise RuntimeError(f"{spec} failed ({res.returncode}); its stderr is above")
-    return json.loads([line for line in res.stdout.splitlines() if line.startswith("{")][-1])
-
-
 def drop_caches() -> bool:
     try:
         os.sync()
@@ -168,8 +162,6 @@ def main() -> int:
         spec = json.loads(args.child)
         print(json.dumps(ttft_child(spec) if "side" in spec else chat_child(spec)), flush=True)
         return 0
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from lora_throughput import git_commit
     from tokenmill.executor.kernels import machine_record
     gbt = _gb_per_token()
     base = {"conversations": args.conversations, "history": args.history, "threads": args.threads,
@@ -181,7 +173,7 @@ def main() -> int:
     for arm in [a for a in args.arms.split(",") if a]:
         d = tempfile.mkdtemp(prefix="tm-kvoff-")
         print(f"chat: {arm} ...", flush=True)
-        r = run_child({**base, "arm": arm, "dir": d})
+        r = run_child(__file__, {**base, "arm": arm, "dir": d})
         shutil.rmtree(d, ignore_errors=True)
         res["chat"][arm] = r
         for t in r["turns"]:
@@ -200,12 +192,12 @@ def main() -> int:
         rounds = []
         for i in range(args.rounds):
             d = tempfile.mkdtemp(prefix="tm-kvoff-ttft-")
-            run_child({**base, "side": "write", "dir": d})
+            run_child(__file__, {**base, "side": "write", "dir": d})
             dropped = drop_caches() if args.drop_caches else False
             order = ("disk", "recompute") if i % 2 == 0 else ("recompute", "disk")
             row = {"page_cache_dropped": dropped}
             for side in order:
-                row[side] = run_child({**base, "side": side, "dir": d})
+                row[side] = run_child(__file__, {**base, "side": side, "dir": d})
             shutil.rmtree(d, ignore_errors=True)
             row["ratio"] = row["disk"]["seconds"] / row["recompute"]["seconds"]
             rounds.append(row)

@@ -34,12 +34,14 @@ import hashlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from harness import git_commit, run_child  # noqa: E402
+
 NUM_ADAPTERS = 8
 ALPHA = 16
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -160,24 +162,10 @@ def child(spec: dict) -> None:
 
 def run_arm(spec: dict) -> dict:
     """One measurement in a fresh process: stdout (the JSON line) captured, stderr (the progress bar) passed on."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
-    res = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT, timeout=3600)
-    if res.returncode != 0:
-        raise RuntimeError(f"arm {spec['arm']} failed ({res.returncode}); its stderr is above")
-    return json.loads([line for line in res.stdout.splitlines() if line.startswith("{")][-1])
+    return run_child(__file__, spec, timeout=3600)
 
 
 # ---- the run -----------------------------------------------------------------------------------------------------
-
-def git_commit() -> dict:
-    def git(*args: str) -> str:
-        r = subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT)
-        return r.stdout if r.returncode == 0 else ""
-    # tracked files changed since the commit (the figures are of the working tree as it was)
-    dirty = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines() if line]
-    return {"tokenmill_commit": git("rev-parse", "HEAD").strip() or None, "tokenmill_dirty": bool(dirty),
-            "tokenmill_dirty_files": dirty}
-
 
 def summary(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": xs}
