@@ -323,3 +323,23 @@ def test_info_lists_a_disk_tier(models, tmp_path):
     (line,) = [x for x in buf.getvalue().splitlines() if x.strip().startswith("cache ")]
     n = len(os.listdir(tmp_path / os.listdir(tmp_path)[0]))
     assert f"{n:,} blocks" in line and n > 0
+
+
+def test_bench_reports_the_tiers(models, tmp_path, capsys):
+    """`tokenmill bench throughput` with a host tier: one request at a time, six prompts and then the first two
+    again, after the pool has let them go: the report and the result JSON show the host tier's hits and bytes."""
+    import json
+    from tokenmill.bench import workload as wl
+    from tokenmill.cli import main
+    prompts = _prompts(4)[:4] + _prompts(5)[:2]
+    w = {"name": "again", "requests": [{"prompt_token_ids": p, "max_tokens": 4} for p in prompts + prompts[:2]]}
+    wl.save(w, tmp_path / "w.json")
+    out = tmp_path / "r.json"
+    assert main(["bench", "throughput", "--model", models["llama"], "--workload", str(tmp_path / "w.json"),
+                 "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "1", "--no-progress",
+                 "--kv-cache-memory-gb", str(_pool_gb(models["llama"], "auto", 20)), "--kv-offload-memory-gb",
+                 "0.01", "--output", str(out)]) == 0
+    assert "KV offload: " in capsys.readouterr().out
+    st = json.loads(out.read_text())["engine_stats"]
+    full_blocks = sum((len(p) - 1) // 16 * 16 for p in prompts[:2])
+    assert st["kv_offload_hits_host"] == full_blocks and st["kv_offload_bytes_loaded_host"] > 0

@@ -54,6 +54,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory-gb", type=float, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--kv-offload-memory-gb", "--kv-offloading-size", type=float, default=None,
+                   dest="kv_offload_memory_gb", help="a host-memory tier of this many GB under the prefix cache")
+    p.add_argument("--kv-offload-dir", default=None, help="a disk tier under the prefix cache, in this directory")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="bfloat16: half the KV cache's bytes (K/V rounded); int8 and fp8 (fp8_e4m3, fp8_e5m2): "
                         "about a quarter; int4: about a sixth")
@@ -72,7 +75,8 @@ def _engine_kw(args: argparse.Namespace, use_kv_cache: bool = True) -> dict[str,
     kw = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_memory_gb,
               kv_cache_dtype=args.kv_cache_dtype, int8_activations=args.int8_activations,
-              num_threads=args.num_threads, speculative_config=args.speculative_config)
+              num_threads=args.num_threads, speculative_config=args.speculative_config,
+              kv_offload_memory_gb=args.kv_offload_memory_gb, kv_offload_dir=args.kv_offload_dir)
     if args.no_prefix_caching:
         kw["enable_prefix_caching"] = False
     if not use_kv_cache:
@@ -109,11 +113,24 @@ def cmd_throughput(args: argparse.Namespace) -> int:
     if st.get("spec_num_drafts"):
         from tokenmill.cli import spec_line
         text += "\n" + spec_line(st)
+    if st.get("kv_offload_queries"):
+        text += "\n" + offload_line(st)
     if r["generated_tokens"] < r["expected_generated_tokens"]:  # e.g. capped by max_model_len: not comparable
         text += (f"\nwarning: {r['generated_tokens']:,} of {r['expected_generated_tokens']:,} requested tokens were "
                  f"generated (max_model_len?); figures are not comparable with engines that ran them all")
     _emit(r, args, text)
     return 0
+
+
+def offload_line(st: dict[str, Any]) -> str:
+    """The offload tiers' part of a run: prompt tokens found in each, and the bytes moved."""
+    mib = 2 ** 20
+    return (f"KV offload: {st['kv_offload_hits_host']:,} prompt tokens from host memory, "
+            f"{st['kv_offload_hits_disk']:,} from disk (of {st['kv_offload_queries']:,} looked up past the pool); "
+            f"loaded {(st['kv_offload_bytes_loaded_host'] + st['kv_offload_bytes_loaded_disk']) / mib:,.1f} MiB, "
+            f"stored {st['kv_offload_bytes_stored_host'] / mib:,.1f} MiB to memory and "
+            f"{st['kv_offload_bytes_stored_disk'] / mib:,.1f} MiB to disk"
+            + (f"; {st['kv_offload_corrupt_files']} damaged files skipped" if st["kv_offload_corrupt_files"] else ""))
 
 
 def _json_schema(arg: Optional[str]) -> Optional[dict]:

@@ -11,7 +11,9 @@ from .workload import DEFAULT_VOCAB, Workload, make_requests, max_token_id
 # engine counters that accumulate (diffed around a run); the rest are levels, read after
 _COUNTERS = ("num_steps", "prefill_tokens", "decode_tokens", "prefill_time_s", "decode_time_s",
              "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "spec_num_drafts",
-             "spec_num_draft_tokens", "spec_num_accepted_tokens")
+             "spec_num_draft_tokens", "spec_num_accepted_tokens", "kv_offload_queries", "kv_offload_hits_host",
+             "kv_offload_hits_disk", "kv_offload_bytes_loaded_host", "kv_offload_bytes_loaded_disk",
+             "kv_offload_bytes_stored_host", "kv_offload_bytes_stored_disk", "kv_offload_corrupt_files")
 
 
 def build_llm(model: Optional[str] = None, **engine_kw: Any) -> Any:
