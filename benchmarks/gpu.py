@@ -20,8 +20,13 @@ downloaded):
   moe         a Mixtral-shaped model (8 experts, top 2; 8 layers, 2 with --tiny): one stream's ITL against the HBM
               limit of the weights a step reads with 2 of 8 experts active, and with all 8 (the time should follow
               the active experts)
+  offload     the KV offload host tier's moves on an 8B-shaped bf16 cache (32 layers, 8 kv heads of 128): 256
+              blocks of 16 tokens saved to host memory and restored (engine/kv_offload.py's BlockCodec), each as
+              bytes over seconds, against the same bytes copied host-to-device from pinned and from pageable memory
+              in the same run (the PCIe ceiling)
 
-  python3 benchmarks/gpu.py [--tiny | --quick] [--skip 8b offline-1b smollm2 quant moe] [--eager] [--out FILE]
+  python3 benchmarks/gpu.py [--tiny | --quick] [--skip offload 8b offline-1b smollm2 quant moe] [--eager]
+      [--out FILE]
 
 --quick is the GPU check's size (benchmarks/gpu_check.py: fewer requests, no SmolLM2, which is a wheel the GPU
 machine lacks); --eager runs every step eagerly (enforce_eager) for the graphs' A/B; --tiny shrinks every model and
@@ -46,7 +51,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-PARTS = ("8b", "offline-1b", "smollm2", "quant", "moe")      # the ceilings are always measured
+PARTS = ("offload", "8b", "offline-1b", "smollm2", "quant", "moe")      # the ceilings are always measured
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192)
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -308,6 +313,32 @@ def transformers_offline(path: str, dev: torch.device, reqs: list[tuple[list[int
     return useful / (time.perf_counter() - t)
 
 
+def offload_moves(dev: torch.device, tiny: bool) -> dict[str, Any]:
+    """The host tier's save and restore of 256 blocks, and the raw host-to-device copy of as many bytes."""
+    from tokenmill.engine.kv_offload import BlockCodec
+    from tokenmill.executor.kv_cache import LayerKV
+    layers, heads, dim, blocks = (4, 2, 64, 32) if tiny else (32, 8, 128, 256)
+    bs = 16
+    caches = [LayerKV.allocate(2 * blocks * bs, heads, dim, "bfloat16", dev) for _ in range(layers)]
+    for c in caches:
+        c.k.normal_()
+        c.v.normal_()
+    codec = BlockCodec([t for c in caches for t in c.slot_tensors()], bs)
+    ids = list(range(0, 2 * blocks, 2))
+    nbytes = codec.nbytes * blocks
+    payloads = codec.read(ids)
+    save = timed(lambda: codec.read(ids), dev, 3)
+    restore = timed(lambda: codec.write(ids, payloads), dev, 3)
+    pageable = torch.empty(nbytes, dtype=torch.uint8)
+    pinned = pageable.pin_memory() if dev.type == "cuda" else pageable
+    raw_pinned = timed(lambda: pinned.to(dev, non_blocking=True, copy=True), dev, 3)
+    raw_pageable = timed(lambda: pageable.to(dev, copy=True), dev, 3)
+    gbs = lambda t: nbytes / t / 1e9     # noqa: E731
+    return {"blocks": blocks, "bytes": nbytes, "save_gbs": gbs(save), "restore_gbs": gbs(restore),
+            "pinned_h2d_gbs": gbs(raw_pinned), "pageable_h2d_gbs": gbs(raw_pageable),
+            "restore_over_pinned": raw_pinned / restore}
+
+
 def kv_bytes_per_token(shape: dict) -> int:
     """bf16 K and V of every layer."""
     head_dim = shape["hidden_size"] // shape["num_attention_heads"]
@@ -337,6 +368,10 @@ def main() -> None:
         if a.out:
             Path(a.out).parent.mkdir(parents=True, exist_ok=True)
             Path(a.out).write_text(json.dumps(res, indent=1))
+    if "offload" not in a.skip:
+        res["offload"] = offload_moves(dev, a.tiny)
+        print(f"offload: {res['offload']}", flush=True)
+        save()
     with tempfile.TemporaryDirectory() as tmp:
         shape = TINY if a.tiny else LLAMA_8B
         prompt, out = (128, 32) if a.tiny else (2048, 128)

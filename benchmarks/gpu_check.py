@@ -115,6 +115,10 @@ def main() -> int:
           f"{100 * dec.get('of_limit', float('nan')):.0f}% of its steps' HBM limit")
     print(f"  offline 1B: {off.get('tokenmill_tok_s', float('nan')):,.0f} tok/s, transformers "
           f"{off.get('transformers_tok_s', float('nan')):,.0f}: {off.get('ratio', float('nan')):.2f}x")
+    kvo = f.get("offload", {})
+    print(f"  KV offload host tier: restore {kvo.get('restore_gbs', float('nan')):.1f} GB/s, save "
+          f"{kvo.get('save_gbs', float('nan')):.1f} GB/s; PCIe host-to-device pinned "
+          f"{kvo.get('pinned_h2d_gbs', float('nan')):.1f} GB/s, pageable {kvo.get('pageable_h2d_gbs', float('nan')):.1f}")
     print(f"  JSON: {out / 'gpu_check.json'}")
     return 0 if res["pytest"].get("failed") == 0 and res["bench"]["rc"] == 0 else 1
 
