@@ -80,31 +80,32 @@ class BlockCodec:
         self.sizes = [t[:block_size].numel() * t.element_size() for t in tensors]
         self.nbytes = sum(self.sizes)
 
-    def _slots(self, block_ids: list[int]) -> torch.Tensor:
-        dev = self.tensors[0].device
-        ids = torch.tensor(block_ids, dtype=torch.long, device=dev)
-        return (ids[:, None] * self.block_size + torch.arange(self.block_size, device=dev)).flatten()
+    def _blocks(self, t: torch.Tensor) -> torch.Tensor:
+        """t's bytes as [blocks, bytes of a block] (a runner may keep padding slots past the last block; bytes,
+        since index_copy_ takes no fp8 dtype)."""
+        n = t.shape[0] // self.block_size
+        return t[:n * self.block_size].view(torch.uint8).view(n, -1)
 
     def read(self, block_ids: list[int]) -> list[torch.Tensor]:
         """The payloads of these blocks, on the host."""
         n = len(block_ids)
-        slots = self._slots(block_ids)
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.tensors[0].device)
         buf = torch.empty(n, self.nbytes, dtype=torch.uint8)
         off = 0
         for t, size in zip(self.tensors, self.sizes):
-            buf[:, off:off + size] = t[slots].reshape(n, -1).view(torch.uint8).cpu()
+            buf[:, off:off + size] = self._blocks(t).index_select(0, ids).cpu()
             off += size
         return list(buf.unbind(0))
 
     def write(self, block_ids: list[int], payloads: list[torch.Tensor]) -> None:
         """Payloads into these blocks' slots."""
         n = len(block_ids)
-        slots = self._slots(block_ids)
-        buf = torch.stack(payloads).to(self.tensors[0].device)
+        dev = self.tensors[0].device
+        ids = torch.tensor(block_ids, dtype=torch.long, device=dev)
+        buf = torch.stack(payloads).to(dev)
         off = 0
         for t, size in zip(self.tensors, self.sizes):
-            part = buf[:, off:off + size].contiguous().view(t.dtype)
-            t[slots] = part.reshape(n * self.block_size, *t.shape[1:])
+            self._blocks(t).index_copy_(0, ids, buf[:, off:off + size])
             off += size
 
 
