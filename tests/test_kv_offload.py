@@ -214,6 +214,19 @@ def test_prefix_from_a_tier_equals_no_tiers(models, tmp_path, dtype, tiers, mode
     llm.llm_engine.shutdown()
 
 
+@pytest.mark.parametrize("tiers", ["host", "disk"])
+def test_a_tier_hit_is_bit_for_bit_a_pool_hit(models, tmp_path, tiers):
+    """One request at a time (the same steps whatever the pool's size): a prefix loaded from a tier gives exactly
+    the logprobs that the same prefix kept in a pool large enough to hold it gives."""
+    path = models["llama"]
+    big, _ = _run(path, _prompts(6), max_num_seqs=1, kv_cache_memory_gb=_pool_gb(path, "auto", 200))
+    got, llm = _run(path, _prompts(6), max_num_seqs=1, kv_cache_memory_gb=_pool_gb(path, "auto", 20),
+                    **TIERS[tiers](str(tmp_path), 0))
+    assert llm.llm_engine.offload.stats.hits[tiers] > 0
+    assert [c for _, _, c in got] == [c for _, _, c in big]
+    assert [(t, lp) for t, lp, _ in got] == [(t, lp) for t, lp, _ in big]
+
+
 def test_a_restart_reads_the_disk_tier(models, tmp_path):
     from tokenmill import LLM
     prompts = _prompts(1)[:4]
