@@ -11,9 +11,7 @@ from .workload import DEFAULT_VOCAB, Workload, make_requests, max_token_id
 # engine counters that accumulate (diffed around a run); the rest are levels, read after
 _COUNTERS = ("num_steps", "prefill_tokens", "decode_tokens", "prefill_time_s", "decode_time_s",
              "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "spec_num_drafts",
-             "spec_num_draft_tokens", "spec_num_accepted_tokens", "kv_offload_queries", "kv_offload_hits_host",
-             "kv_offload_hits_disk", "kv_offload_bytes_loaded_host", "kv_offload_bytes_loaded_disk",
-             "kv_offload_bytes_stored_host", "kv_offload_bytes_stored_disk", "kv_offload_corrupt_files")
+             "spec_num_draft_tokens", "spec_num_accepted_tokens")
 
 
 def build_llm(model: Optional[str] = None, **engine_kw: Any) -> Any:
@@ -48,8 +46,9 @@ def _stats(llm: Any) -> dict[str, Any]:
 
 
 def _stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    return {k: (v - before.get(k, 0) if k in _COUNTERS and isinstance(v, (int, float)) else v)
-            for k, v in after.items()}
+    def counter(k: str) -> bool:       # the offload tiers' kv_offload_* too
+        return k in _COUNTERS or k.startswith("kv_offload_")
+    return {k: (v - before.get(k, 0) if counter(k) and isinstance(v, (int, float)) else v) for k, v in after.items()}
 
 
 def _warmup(llm: Any, vocab: int) -> None:

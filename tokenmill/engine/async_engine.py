@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar, Union
 
+from tokenmill.engine.kv_offload import COUNTERS as OFFLOAD_COUNTERS
 from tokenmill.engine.engine import LLMEngine, PromptType
 from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
@@ -40,11 +41,6 @@ class DrainingError(EngineDeadError):
 
 class QueueFullError(RuntimeError):
     """More requests are waiting than the configured bound allows (the server answers 503)."""
-
-
-OFFLOAD_FIELDS = ("kv_offload_queries", "kv_offload_hits_host", "kv_offload_hits_disk", "kv_offload_bytes_loaded_host",
-                  "kv_offload_bytes_loaded_disk", "kv_offload_bytes_stored_host", "kv_offload_bytes_stored_disk",
-                  "kv_offload_corrupt_files")
 
 
 class ClientDisconnected(Exception):
@@ -101,7 +97,7 @@ class EngineState:
             num_eager_decode_steps=st.num_eager_decode_steps,
             step_prefill_tokens=st.last_step.num_prefill_tokens if stepped else 0,
             step_decode_tokens=st.last_step.num_decode_tokens if stepped else 0,
-            **{f: getattr(st, f) for f in OFFLOAD_FIELDS},
+            **{f: getattr(st, f) for f in OFFLOAD_COUNTERS},
             **(_adapters(eng) if eng.config.lora_config is not None else {}))
 
     @staticmethod

@@ -852,13 +852,8 @@ class LLMEngine:
         s.num_graph_steps, s.num_eager_decode_steps = self.runner.num_graph_steps, self.runner.num_eager_decode_steps
         s.prefix_cache_queries, s.prefix_cache_hits = self.kv.num_queries, self.kv.num_hits
         if self.offload is not None:
-            o = self.offload.stats
-            s.kv_offload_queries, s.kv_offload_corrupt_files = o.queries, o.corrupt_files
-            s.kv_offload_hits_host, s.kv_offload_hits_disk = o.hits["host"], o.hits["disk"]
-            s.kv_offload_bytes_loaded_host, s.kv_offload_bytes_loaded_disk = o.bytes_loaded["host"], \
-                o.bytes_loaded["disk"]
-            s.kv_offload_bytes_stored_host, s.kv_offload_bytes_stored_disk = o.bytes_stored["host"], \
-                o.bytes_stored["disk"]
+            for name, value in self.offload.stats.counters().items():
+                setattr(s, name, value)
         s.max_kv_blocks_used = max(s.max_kv_blocks_used, self.kv.num_used_blocks)
         s.sum_batch_size += len(sched.scheduled)
         s.last_step = st

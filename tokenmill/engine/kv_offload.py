@@ -70,6 +70,19 @@ class OffloadStats:
     blocks_stored: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     corrupt_files: int = 0           # disk files skipped: unreadable, truncated, or not what their name says
 
+    def counters(self) -> dict[str, int]:
+        """As EngineStats' kv_offload_* counters (COUNTERS)."""
+        out = {"kv_offload_queries": self.queries, "kv_offload_corrupt_files": self.corrupt_files}
+        for tier in TIERS:
+            out[f"kv_offload_hits_{tier}"] = self.hits[tier]
+            out[f"kv_offload_bytes_loaded_{tier}"] = self.bytes_loaded[tier]
+            out[f"kv_offload_bytes_stored_{tier}"] = self.bytes_stored[tier]
+        return out
+
+
+# the engine's counters of the tiers, cumulative (EngineStats, EngineState, bench's diffs)
+COUNTERS = tuple(OffloadStats().counters())
+
 
 class BlockCodec:
     """A block's slots in every per-slot cache tensor, to one uint8 payload and back. tensors: the runner's
@@ -99,7 +112,6 @@ class BlockCodec:
 
     def write(self, block_ids: list[int], payloads: list[torch.Tensor]) -> None:
         """Payloads into these blocks' slots."""
-        n = len(block_ids)
         dev = self.tensors[0].device
         ids = torch.tensor(block_ids, dtype=torch.long, device=dev)
         buf = torch.stack(payloads).to(dev)

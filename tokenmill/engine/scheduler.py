@@ -147,9 +147,8 @@ class Scheduler:
                 first = len(hit_blocks)
                 out.kv_loads.append((tuple(self.kv.blocks_of(req.request_id)[first:first + len(loads)]),
                                      tuple(p for _, p in loads)))
+            if self.offload is not None and (loads or req.num_cached_tokens < 0):     # a first admission's lookup
                 self.offload.count(req.num_tokens - hit_tokens, loads, self.kv.block_size)
-            elif self.offload is not None and req.num_cached_tokens < 0:
-                self.offload.count(req.num_tokens - hit_tokens, [], self.kv.block_size)
             self.waiting.remove(req)
             seats[req.group_id] += 1
             if req.num_cached_tokens < 0:
