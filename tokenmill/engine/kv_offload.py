@@ -367,8 +367,9 @@ class KVOffload:
 
     def store(self, k: Key, text: str, payload: torch.Tensor) -> None:
         if self.host is not None:
-            self.stats.bytes_stored["host"] += payload.numel()
-            self.stats.blocks_stored["host"] += 1
+            if k not in self.host.blocks:        # (a block loaded from it and evicted again is there already)
+                self.stats.bytes_stored["host"] += payload.numel()
+                self.stats.blocks_stored["host"] += 1
             self._spill(self.host.put(k, text, payload))
         else:
             self._spill([(k, text, payload)])
