@@ -172,6 +172,7 @@ def test_what_cannot_be_served_is_refused(tiny_llama):
         LLM(tiny_llama[0], data_parallel_size=2, **ENGINE)
 
 
+@pytest.mark.slow
 @needs_two_cores
 def test_a_data_parallel_server_answers_the_openai_client(chat_model_dir):
     """`serve --data-parallel-size 2` as the CLI builds it: chats that share a system prompt all go to the replica
@@ -217,6 +218,7 @@ def test_a_data_parallel_server_answers_the_openai_client(chat_model_dir):
         dp.shutdown(wait=True)
 
 
+@pytest.mark.slow
 def test_serve_across_two_nodes_on_loopback(tiny_llama):
     """`tokenmill serve --nnodes 2`: node 1 joins the rendezvous and runs its half of the model, node 0 serves;
     the tokens are transformers' (docs/parallelism.md)."""

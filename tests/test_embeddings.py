@@ -154,6 +154,7 @@ def engine_blocks(server) -> int:
     return asyncio.run(server.llm.call(read))
 
 
+@pytest.mark.slow
 def test_openai_client_embeddings(live_server, openai_client):
     texts = ["Hello, tokenmill!", "The capital of France is", "x"]
     hidden = live_server.llm.engine.model_config.hidden_size

@@ -105,6 +105,7 @@ def test_smollm2_fast_dequantize_is_gguf_py_bit_for_bit(smol_path: Path) -> None
     assert seen == {"Q4_1", "Q8_0"}
 
 
+@pytest.mark.slow
 def test_smollm2_config_matches_transformers(ours, oracle) -> None:
     config, _ = ours
     ref = oracle["config"]
@@ -190,6 +191,7 @@ def test_gguf_to_hf_logits_match_transformers_gguf(hf_dir: Path, oracle, ref_tok
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (got - want).abs().max()
 
 
+@pytest.mark.slow
 def test_gguf_to_hf_tokenizer_and_template(hf_dir: Path, ref_tokenizer) -> None:
     import json
 

@@ -186,6 +186,7 @@ def triton_llm(mqa):
     return runner_llm(mqa[0], graphs=True, backend="triton", plan="triton", sizes=[1, 2], max_num_seqs=4)
 
 
+@pytest.mark.slow
 def test_triton_graphs_replay_the_eager_step(mqa, triton_llm):
     """The GPU's kernels (the fused plan and the paged attention) captured at 1 and 2 rows: two contexts, then one
     alone. (The decode kernel's splits, counted on the device, are checked under replay in test_triton_attention:
@@ -326,6 +327,7 @@ def test_metrics_export_graph_and_eager_decode_steps():
     assert samples["tokenmill:eager_decode_steps_total"] == 2
 
 
+@pytest.mark.slow
 def test_async_scheduling_pools_chunked_prompts_whole(llama):
     """An embedding request's prompt in chunks under async scheduling: its chunks are counted when scheduled, and
     it still pools every chunk (MEAN) or its last row (LAST) before it finishes."""

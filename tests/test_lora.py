@@ -110,6 +110,7 @@ def test_mixed_batch_equals_peft(lora_setup, oracle, cpu_kernels):
     check(outs, names, idx, out)
 
 
+@pytest.mark.slow
 def test_gpu_plan_under_the_interpreter(lora_setup, oracle):
     """The GPU's runner and plan (Triton kernels, the LoRA shrink-expand among them) on the CPU under Triton's
     interpreter."""

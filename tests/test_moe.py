@@ -33,6 +33,7 @@ def test_layers_are_sparse_where_transformers_makes_them(moe):
     assert any(hasattr(layer.mlp, "experts") for layer in ours.layers)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pressure", PRESSURE)
 def test_greedy_matches_transformers_under_pressure(moe, pressure):
     check_under_pressure(*moe, ENGINE, pressure)

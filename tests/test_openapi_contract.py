@@ -22,7 +22,7 @@ from tokenmill.server.schemas import document, errors
 pytest_plugins = ["tests.server_fixtures"]
 
 # compiles grammars in workers at the idle CPU priority, which a second test worker's load would starve: alone
-pytestmark = pytest.mark.serial
+pytestmark = [pytest.mark.serial, pytest.mark.slow]
 
 API_KEY = "test-key"              # the shared live_server's
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -137,6 +137,7 @@ def test_ngram_lookup_equals_a_plain_search(toks, lo, span, grow_by, k):
 
 
 # ---- greedy: the same tokens -------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_greedy_tokens_identical_on_every_family(arch_model, bad_draft):
     """n-gram guesses, a bad draft (guesses mostly rejected) and the model as its own draft (mostly accepted)."""
     prompts = repetitive_prompts(6)

@@ -139,6 +139,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_two_torchrun_nodes_on_loopback(tiny_llama, tmp_path):
     """Two torchrun invocations joining one rendezvous, as two machines would (docs/parallelism.md): node 0
     runs the engine, node 1 `python -m tokenmill.executor.parallel`; the tokens are transformers'."""

@@ -116,6 +116,7 @@ def gemma2(tmp_path_factory):
     return build_tiny("gemma2", tmp_path_factory.mktemp("gemma2"))
 
 
+@pytest.mark.slow
 def test_engine_token_exact(tiny_llama):
     """Greedy tokens through the Triton backend equal transformers' for a batch of mixed lengths."""
     path, hf = tiny_llama
@@ -126,6 +127,7 @@ def test_engine_token_exact(tiny_llama):
         assert got == hf_greedy(hf, p, 12)
 
 
+@pytest.mark.slow
 def test_engine_chunked_and_preempted(tiny_llama):
     """Prompts in chunks of 16 beside decodes, in a pool of 4 blocks of 16 that cannot hold two requests' growth."""
     path, hf = tiny_llama
@@ -139,19 +141,23 @@ def test_engine_chunked_and_preempted(tiny_llama):
     llm.llm_engine.kv.check_integrity()
 
 
+@pytest.mark.slow
 def test_engine_prefix_hits(tiny_llama):
     check_prefix_hits(*tiny_llama, ENGINE)
 
 
+@pytest.mark.slow
 def test_engine_sliding_window(tiny_mistral_sw):
     """Prompts longer than the window, whose early blocks the cache frees."""
     check_greedy(*tiny_mistral_sw, ENGINE, [45, 7])
 
 
+@pytest.mark.slow
 def test_engine_gemma2_soft_cap_and_layer_windows(gemma2):
     check_greedy(*gemma2, ENGINE, [40, 10])
 
 
+@pytest.mark.slow
 def test_engine_fp8_cache_matches_reference(tiny_llama):
     """An fp8 cache read by the kernels gives the reference backend's tokens over the same cache."""
     prompts = random_prompts([5, 40], seed=12)
