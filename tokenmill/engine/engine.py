@@ -369,8 +369,6 @@ class LLMEngine:
         why = None
         if not self.kv.enable_caching:
             why = "they feed the prefix cache, which is off here (enable_prefix_caching=False, or a sliding window)"
-        elif self.kv.num_groups > 1:
-            why = "this model's layers keep KV in groups (sliding-window and global layers), which they do not keep yet"
         elif tp_size > 1:
             why = "each tensor-parallel rank holds its share of the cache, and they move rank 0's only"
         if why is not None:

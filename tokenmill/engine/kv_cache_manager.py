@@ -14,11 +14,15 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from tokenmill.engine.request import Request
 
+# finds a block below the pool: (group, block hash, block key) -> what loads it, or None
+Finder = Callable[[int, int, tuple], Optional[Any]]
+
 NO_BLOCK = -1   # a block-table entry whose block a sliding window freed
+LOAD = -2       # in a prefix hit: a block an offload tier holds; a fresh block takes it, filled before the step
 
 
 def block_digest(key: tuple) -> int:
@@ -137,6 +141,33 @@ class KVCacheManager:
         self.num_hits += len(hit) * bs
         return hit, len(hit) * bs
 
+    def extend_hit(self, req: Request, hit: list[int], find: Finder) -> tuple[list[int], list[tuple], int]:
+        """hit (a prefix hit) extended past the pool's first miss: blocks that find(group, hash, key) finds below
+        the pool, as LOAD entries, and blocks the pool still caches after them. Returns the hit, what each LOAD
+        loads ((group, block index, what find gave)), and the tokens the hit covers."""
+        last = (req.num_tokens - 1) // self.block_size
+        hit, loads = list(hit), []
+        if self.enable_caching and not req.skip_reading_prefix_cache:
+            hashes = self._hashes(req, last)
+            for i in range(len(hit), last):
+                entry = self._entry(req, hashes, i, find, loads)
+                if entry is None:
+                    break
+                hit.append(entry)
+        return hit, loads, len(hit) * self.block_size
+
+    def _entry(self, req: Request, hashes: list[int], i: int, find: Finder, loads: list) -> Optional[int]:
+        """Block i of req below its pool hit: the pool's cached block, else LOAD (what loads it appended to
+        loads), else None."""
+        bid = self._cached_block(req, hashes, i)
+        if bid is not None:
+            return bid
+        got = find(self.group, hashes[i], self._block_key(req, i, hashes[i - 1] if i else None))
+        if got is None:
+            return None
+        loads.append((self.group, i, got))
+        return LOAD
+
     def _cached_block(self, req: Request, hashes: list[int], i: int) -> Optional[int]:
         """The cached block holding req's block i, None on a miss (or a hash collision)."""
         bid = self.cached.get((self.group, hashes[i]))
@@ -175,7 +206,7 @@ class KVCacheManager:
         that sit in the free queue (a hit takes them out of it, so they can't be counted as free)."""
         total = req.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         need = self.blocks_needed(total) - len(table) - len(computed_blocks)
-        return need + sum(1 for b in computed_blocks if b != NO_BLOCK and self.blocks[b].ref_cnt == 0)
+        return need + sum(1 for b in computed_blocks if b == LOAD or (b >= 0 and self.blocks[b].ref_cnt == 0))
 
     def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
         """Make room for num_new_tokens more tokens of req (after computed_blocks, a prefix hit, on first call).
@@ -186,21 +217,29 @@ class KVCacheManager:
         if self._new_blocks(req, table, num_new_tokens, computed_blocks) > self.num_free_blocks:
             return False
         self.take_hit(req, computed_blocks)
+        self.fill_loads(req)
         self.grow(req, num_new_tokens, len(computed_blocks))
         return True
 
     def take_hit(self, req: Request, computed_blocks: list[int]) -> None:
         """Put a prefix hit's blocks in req's table (taking them out of the free queue): before any block is
-        popped for new tokens, which could evict one of them."""
+        popped for new tokens or LOAD entries (fill_loads), which could evict one of them."""
         table = self.req_blocks.setdefault(req.request_id, [])
         for b in computed_blocks:
             table.append(b)
-            if b == NO_BLOCK:                # before a window group's hit: attended by no query
+            if b < 0:                # NO_BLOCK (before a window group's hit: attended by no query), or LOAD
                 continue
             blk = self.blocks[b]
             if blk.ref_cnt == 0:
                 del self.free_queue[b]
             blk.ref_cnt += 1
+
+    def fill_loads(self, req: Request) -> None:
+        """A fresh block for each LOAD entry of req's table (after every hit is taken)."""
+        table = self.req_blocks.get(req.request_id, [])
+        for i, b in enumerate(table):
+            if b == LOAD:
+                table[i] = self._pop_free()
 
     def grow(self, req: Request, num_new_tokens: int, num_hit_blocks: int = 0) -> None:
         """New blocks for num_new_tokens tokens of req past its computed ones and the hit just taken."""
@@ -281,6 +320,11 @@ class KVCacheManager:
     def reset_hashes(self, req: Request) -> None:
         self.req_hashes.pop(req.request_id, None)
 
+    @property
+    def full_group(self) -> int:
+        """The group whose hits count a prefix's tokens (this one)."""
+        return self.group
+
     def tables_of(self, request_id: str) -> list[list[int]]:
         """req's block table of each group (one here)."""
         return [self.blocks_of(request_id)]
@@ -355,6 +399,10 @@ class HybridKVCacheManager:
         return len(self.groups)
 
     @property
+    def full_group(self) -> int:
+        return self._full.group
+
+    @property
     def num_free_blocks(self) -> int:
         return len(self.pool.free_queue)
 
@@ -396,6 +444,53 @@ class HybridKVCacheManager:
             return [], 0
         return tables, n * self.block_size
 
+    def extend_hit(self, req: Request, hit: list[list[int]], find: Finder
+                   ) -> tuple[list[list[int]], list[tuple], int]:
+        """KVCacheManager.extend_hit for every group: the full-attention group's blocks past the hit (cached in the
+        pool or below it), as far as each window group also has the blocks its window reaches there."""
+        bs = self.block_size
+        full = self.groups.index(self._full)
+        n = len(hit[full]) if hit else 0
+        last = (req.num_tokens - 1) // bs
+        best: tuple[list[list[int]], list[tuple], int] = (hit, [], n * bs)
+        if n >= last or not self.enable_caching or req.skip_reading_prefix_cache:
+            return best
+        hashes = {g.group: g._hashes(req, last) for g in self.groups}
+        full_table, full_loads = list(hit[full]) if hit else [], []
+        for m in range(n + 1, last + 1):
+            entry = self._full._entry(req, hashes[self._full.group], m - 1, find, full_loads)
+            if entry is None:
+                break
+            full_table.append(entry)
+            tables, loads = [], list(full_loads)
+            for g in self.groups:
+                table = list(full_table) if g is self._full else self._window_table(g, req, hashes[g.group], m,
+                                                                                    find, loads)
+                if table is None:
+                    break
+                tables.append(table)
+            else:
+                best = (tables, loads, m * bs)
+        return best
+
+    @staticmethod
+    def _window_table(g: KVCacheManager, req: Request, hashes: list[int], m: int, find: Finder, loads: list
+                      ) -> Optional[list[int]]:
+        """A window group's table for a hit on m blocks: NO_BLOCK before its window, then each block cached or
+        LOAD; None if one is neither."""
+        first = max(0, m * g.block_size - g.sliding_window + 1) // g.block_size
+        table = [NO_BLOCK] * first
+        for i in range(first, m):
+            entry = g._entry(req, hashes, i, find, loads)
+            if entry is None:
+                return None
+            table.append(entry)
+        return table
+
+    def fill_loads(self, req: Request) -> None:
+        for g in self.groups:
+            g.fill_loads(req)
+
     def _hits(self, computed: list[list[int]]) -> list[list[int]]:
         return computed or [[] for _ in self.groups]
 
@@ -411,6 +506,7 @@ class HybridKVCacheManager:
             return False
         for g, c in zip(self.groups, hits):     # every group's hit first: a new block may evict a cached one
             g.take_hit(req, c)
+        self.fill_loads(req)
         for g, c in zip(self.groups, hits):
             g.grow(req, num_new_tokens, len(c))
         return True

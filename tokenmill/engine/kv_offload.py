@@ -309,25 +309,16 @@ class KVOffload:
             self._writer.start()
 
     # ---- lookups (the scheduler) ------------------------------------------------------------------------------
-    def lookup(self, keys: list[tuple[int, tuple]], evicted: list[tuple[int, Key, tuple]] = (), group: int = 0
-               ) -> list[tuple[str, Union[torch.Tensor, Key]]]:
-        """The payloads of the leading run of these blocks ((hash, key) each) that a tier holds: (tier, payload).
-        evicted: the pool's evictions not yet saved (this very schedule's); a block among them is found as its key,
-        its payload to come from save() before the step runs."""
-        found: list[tuple[str, Union[torch.Tensor, Key]]] = []
-        pending = None
-        for h, key in keys:
-            k, text = (group, h), key_text(key)
-            hit = self._find(k, text)
-            if hit is None and evicted:
-                if pending is None:
-                    pending = {bk: bkey for _, bk, bkey in evicted}
-                if k in pending and pending[k] == key:
-                    hit = ("host" if self.host is not None else "disk", k)
-            if hit is None:
-                break
-            found.append(hit)
-        return found
+    def find(self, group: int, h: int, key: tuple, evicted: list[tuple[int, Key, tuple]] = ()
+             ) -> Optional[tuple[str, Union[torch.Tensor, Key]]]:
+        """(tier, payload) of a block (its group, hash and key) that a tier holds, or None. evicted: the pool's
+        evictions not yet saved (this very schedule's); a block among them is found as its key, its payload to come
+        from save() before the step runs."""
+        k = (group, h)
+        hit = self._find(k, key_text(key))
+        if hit is None and any(bk == k and bkey == key for _, bk, bkey in evicted):
+            hit = ("host" if self.host is not None else "disk", k)
+        return hit
 
     def _find(self, k: Key, text: str) -> Optional[tuple[str, torch.Tensor]]:
         if self.host is not None:
@@ -347,11 +338,13 @@ class KVOffload:
             self._spill(self.host.put(k, text, p))
         return "disk", p
 
-    def count(self, queried_tokens: int, loaded: list[tuple[str, torch.Tensor]], block_size: int) -> None:
-        """A lookup whose blocks were taken (loaded into the pool)."""
+    def count(self, queried_tokens: int, loads: list[tuple[int, int, tuple[str, object]]], full_group: int,
+              block_size: int) -> None:
+        """A lookup whose blocks were taken (loads: (group, block index, (tier, payload)) each); its tokens are the
+        full-attention group's blocks (a hybrid cache's window groups load blocks of the same tokens)."""
         self.stats.queries += queried_tokens
-        for tier, p in loaded:
-            self.stats.hits[tier] += block_size
+        for group, _, (tier, _) in loads:
+            self.stats.hits[tier] += block_size if group == full_group else 0
             self.stats.bytes_loaded[tier] += self.codec.nbytes
 
     # ---- stores (the engine, before a step overwrites what the pool evicted) ------------------------------------

@@ -133,27 +133,27 @@ class Scheduler:
                 held.add(req.request_id)
                 continue
             hit_blocks, hit_tokens = ([], 0)
-            loads: list = []                           # blocks past the pool's hit that a tier holds
+            loads: list = []                 # (group, block index, (tier, payload)) of the blocks a tier holds
             if req.num_computed_tokens == 0:
                 hit_blocks, hit_tokens = self.kv.get_computed_blocks(req)
-                loads = self._offloaded(req, hit_tokens)
-            loaded = len(loads) * self.kv.block_size
-            left -= hit_tokens + loaded
-            n = self._fit(req, min(left, budget, self._cap(left > threshold,
-                                                           req.num_computed_tokens + hit_tokens + loaded)), hit_blocks)
-            if not self.kv.allocate_slots(req, loaded + n, hit_blocks):
+            pool_tokens = hit_tokens
+            if req.num_computed_tokens == 0 and self.offload is not None:
+                hit_blocks, loads, hit_tokens = self.kv.extend_hit(req, hit_blocks, self._finder())
+            left -= hit_tokens
+            n = self._fit(req, min(left, budget, self._cap(left > threshold, req.num_computed_tokens + hit_tokens)),
+                          hit_blocks)
+            if not self.kv.allocate_slots(req, n, hit_blocks):
                 break                                  # wait for running requests to free blocks
             if loads:                                  # fresh blocks, filled before this step's forward runs
-                first = len(hit_blocks)
-                out.kv_loads.append((tuple(self.kv.blocks_of(req.request_id)[first:first + len(loads)]),
-                                     tuple(p for _, p in loads)))
+                tables = self.kv.tables_of(req.request_id)
+                out.kv_loads.append((tuple(tables[g][i] for g, i, _ in loads), tuple(p for _, _, (_, p) in loads)))
             if self.offload is not None and (loads or req.num_cached_tokens < 0):     # a first admission's lookup
-                self.offload.count(req.num_tokens - hit_tokens, loads, self.kv.block_size)
+                self.offload.count(req.num_tokens - pool_tokens, loads, self.kv.full_group, self.kv.block_size)
             self.waiting.remove(req)
             seats[req.group_id] += 1
             if req.num_cached_tokens < 0:
-                req.num_cached_tokens = hit_tokens + loaded
-            req.num_computed_tokens += hit_tokens + loaded
+                req.num_cached_tokens = hit_tokens
+            req.num_computed_tokens += hit_tokens
             req.status = RequestStatus.RUNNING
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.monotonic()
@@ -263,17 +263,10 @@ class Scheduler:
                 return True
         return False
 
-    def _offloaded(self, req: Request, hit_tokens: int) -> list:
-        """(tier, payload) of the blocks after the pool's hit that the offload tiers hold, in a run; never the block
-        holding the last token (its logits are needed)."""
-        if self.offload is None or not self.kv.enable_caching or req.skip_reading_prefix_cache:
-            return []
-        bs = self.kv.block_size
-        last = (req.num_tokens - 1) // bs
-        first = hit_tokens // bs
-        if first >= last:
-            return []
-        return self.offload.lookup(self.kv.block_keys(req, first, last), self.kv.pool.evicted)
+    def _finder(self):
+        """The offload tiers' lookup for KVCacheManager.extend_hit, with this schedule's evictions."""
+        evicted = self.kv.pool.evicted
+        return lambda group, h, key: self.offload.find(group, h, key, evicted)
 
     def _fit(self, req: Request, n: int, hit_blocks: list[int] = ()) -> int:
         """n, or under a sliding window a shorter prompt chunk that fits the free blocks: a chunk needs the window's
