@@ -378,3 +378,55 @@ def test_bench_reports_the_tiers(models, tmp_path, capsys):
     st = json.loads(out.read_text())["engine_stats"]
     full_blocks = sum((len(p) - 1) // 16 * 16 for p in prompts[:2])
     assert st["kv_offload_hits_host"] == full_blocks and st["kv_offload_bytes_loaded_host"] > 0
+
+
+OTHER_PATHS = {
+    # the GPU runner's resident batch on CPU tensors, graphs replayed, each step launched before the last is back
+    "gpu-runner-async": dict(attention_backend="padded", cpu_kernels="reference", async_scheduling=True,
+                             compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY",
+                                                 "cudagraph_capture_sizes": [1, 2, 4]}),
+    "ngram-speculation": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                  "prompt_lookup_max": 3}),
+}
+
+
+@pytest.mark.parametrize("path_name", list(OTHER_PATHS))
+def test_other_engine_paths_with_the_host_tier(models, path_name):
+    """The tiers under the GPU runner (async scheduling: the next step is scheduled while one is in flight) and
+    under speculative decoding: the tokens of a run without tiers, and hits taken."""
+    path = models["llama"]
+    kw = dict(OTHER_PATHS[path_name], kv_cache_memory_gb=_pool_gb(path, "auto", 20))
+    base, _ = _run(path, _prompts(7), **kw)
+    got, llm = _run(path, _prompts(7), kv_offload_memory_gb=0.01, **kw)
+    assert [t for t, _, _ in got] == [t for t, _, _ in base]
+    assert llm.llm_engine.offload.stats.hits["host"] > 0
+    llm.llm_engine.kv.check_integrity()
+
+
+def test_adapters_keep_their_own_blocks_in_the_tiers(tmp_path):
+    """The same prompts on the base model and on two LoRA adapters, one request at a time, then all again after
+    others pushed them out of the pool: each comes back from the host tier with its own tokens."""
+    pytest.importorskip("peft")
+    from tests.test_lora import ADAPTERS, make_adapter
+    from tokenmill import LLM, LoRARequest
+    path, base = build_tiny("llama", tmp_path / "base")
+    names = list(ADAPTERS)[:2]
+    loras = [None] + [LoRARequest(n, i + 1, make_adapter(base, tmp_path / n, i + 1, **ADAPTERS[n]))
+                      for i, n in enumerate(names)]
+    prompts = _prompts(8)[:2]
+    order = [(p, lora) for p in prompts for lora in loras]
+    order += [(p, None) for p in _prompts(9)[:4]] + order
+
+    def run(**kw):
+        llm = LLM(path, dtype="float32", max_model_len=256, max_num_seqs=1, enable_lora=True, max_loras=2,
+                  kv_cache_memory_gb=_pool_gb(path, "auto", 20), **kw)
+        outs = [llm.generate([{"prompt_token_ids": p}], SamplingParams(**GREEDY), use_tqdm=False,
+                             lora_request=lora)[0] for p, lora in order]
+        return [(o.outputs[0].token_ids, o.num_cached_tokens) for o in outs], llm
+    base_run, _ = run()
+    got, llm = run(kv_offload_memory_gb=0.01)
+    assert [t for t, _ in got] == [t for t, _ in base_run]
+    n = len(prompts) * len(loras)
+    assert [t for t, _ in got[-n:]] == [t for t, _ in got[:n]]          # each adapter's own tokens, again
+    assert len({tuple(t) for t, _ in got[:len(loras)]}) == len(loras)   # and they differ between adapters
+    assert all(c >= 64 for _, c in got[-n:]) and llm.llm_engine.offload.stats.hits["host"] > 0
