@@ -456,16 +456,22 @@ class HybridKVCacheManager:
         if n >= last or not self.enable_caching or req.skip_reading_prefix_cache:
             return best
         hashes = {g.group: g._hashes(req, last) for g in self.groups}
+        found: dict[tuple[int, int], Any] = {}
+
+        def find_once(group: int, h: int, key: tuple) -> Any:      # a window's blocks are asked for at every m
+            if (group, h) not in found:
+                found[group, h] = find(group, h, key)
+            return found[group, h]
         full_table, full_loads = list(hit[full]) if hit else [], []
         for m in range(n + 1, last + 1):
-            entry = self._full._entry(req, hashes[self._full.group], m - 1, find, full_loads)
+            entry = self._full._entry(req, hashes[self._full.group], m - 1, find_once, full_loads)
             if entry is None:
                 break
             full_table.append(entry)
             tables, loads = [], list(full_loads)
             for g in self.groups:
                 table = list(full_table) if g is self._full else self._window_table(g, req, hashes[g.group], m,
-                                                                                    find, loads)
+                                                                                    find_once, loads)
                 if table is None:
                     break
                 tables.append(table)
