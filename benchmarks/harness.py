@@ -26,3 +26,10 @@ def git_commit() -> dict:
     dirty = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines() if line]
     return {"tokenmill_commit": git("rev-parse", "HEAD").strip() or None, "tokenmill_dirty": bool(dirty),
             "tokenmill_dirty_files": dirty}
+
+
+def write_result(path: Path, res: dict) -> None:
+    """The result JSON, where the figures of BENCHMARKS.md come from."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1) + "\n")
+    print(f"wrote {path}")

@@ -41,7 +41,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from harness import git_commit, run_child  # noqa: E402
+from harness import git_commit, run_child, write_result  # noqa: E402
 
 ARMS = ("no-tiers", "host", "host+disk", "pool-holds-all")
 MESSAGE, ANSWER = 32, 32
@@ -211,9 +211,7 @@ def main() -> int:
         res["ttft"]["ratio_of_medians"] = res["ttft"]["median_disk_s"] / res["ttft"]["median_recompute_s"]
         print(f"ttft: median disk {res['ttft']['median_disk_s'] * 1000:.0f} ms, recompute "
               f"{res['ttft']['median_recompute_s'] * 1000:.0f} ms: {res['ttft']['ratio_of_medians']:.3f}x")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(res, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, res)
     return 0
 
 

@@ -40,7 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from harness import git_commit, run_child  # noqa: E402
+from harness import git_commit, run_child, write_result  # noqa: E402
 
 NUM_ADAPTERS = 8
 ALPHA = 16
@@ -264,9 +264,7 @@ def main() -> int:
         print(f"8-adapters / base: {res['ratio_8_adapters_over_base']:.3f} (target >= 0.7: "
               f"{'met' if res['target_met'] else 'not met'}; per round "
               f"{', '.join(f'{x:.3f}' for x in res['ratio_per_round'])})")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(res, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, res)
     return 0
 
 
