@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, TypeVar, Union
 
 from tokenmill.engine.kv_offload import COUNTERS as OFFLOAD_COUNTERS
@@ -68,15 +68,8 @@ class EngineState:
     step_decode_tokens: int = 0
     num_graph_steps: int = 0            # cumulative: steps replayed from a graph, decode steps no graph held
     num_eager_decode_steps: int = 0
-    # the KV offload tiers (EngineStats' kv_offload_* counters, cumulative)
-    kv_offload_queries: int = 0
-    kv_offload_hits_host: int = 0
-    kv_offload_hits_disk: int = 0
-    kv_offload_bytes_loaded_host: int = 0
-    kv_offload_bytes_loaded_disk: int = 0
-    kv_offload_bytes_stored_host: int = 0
-    kv_offload_bytes_stored_disk: int = 0
-    kv_offload_corrupt_files: int = 0
+    # the KV offload tiers: EngineStats' kv_offload_* counters by name (kv_offload.COUNTERS), cumulative
+    kv_offload: dict[str, int] = field(default_factory=dict)
     # LoRA adapters (by name) of the running and the waiting requests
     running_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()
@@ -97,14 +90,16 @@ class EngineState:
             num_eager_decode_steps=st.num_eager_decode_steps,
             step_prefill_tokens=st.last_step.num_prefill_tokens if stepped else 0,
             step_decode_tokens=st.last_step.num_decode_tokens if stepped else 0,
-            **{f: getattr(st, f) for f in OFFLOAD_COUNTERS},
+            kv_offload={f: getattr(st, f) for f in OFFLOAD_COUNTERS},
             **(_adapters(eng) if eng.config.lora_config is not None else {}))
 
     @staticmethod
     def total(states: "list[EngineState]") -> "EngineState":
         """Several engines' states as one (data-parallel replicas): counts add, the KV usage is of all blocks."""
         out = EngineState(**{f.name: sum((getattr(s, f.name) for s in states),
-                                         () if f.name.endswith("_loras") else 0) for f in dataclasses.fields(EngineState)})
+                                         () if f.name.endswith("_loras") else 0) for f in dataclasses.fields(EngineState)
+                             if f.name != "kv_offload"})
+        out.kv_offload = {k: sum(s.kv_offload.get(k, 0) for s in states) for k in OFFLOAD_COUNTERS}
         out.kv_usage = out.kv_blocks_used / out.kv_blocks_total if out.kv_blocks_total else 0.0
         return out
 

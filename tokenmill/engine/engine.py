@@ -6,7 +6,6 @@ turning user input into Requests (with the checks users need) and finished token
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 import time
@@ -185,12 +184,6 @@ def pick_device(device: Optional[str]) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     return dev
-
-
-def cached_blocks(pool) -> list[tuple[int, tuple[int, int], tuple]]:
-    """The pool's cached blocks as (block id, (group, hash), key)."""
-    return [(b.block_id, b.block_hash, b.key) for b in pool.blocks
-            if b.block_hash is not None and pool.cached.get(b.block_hash) == b.block_id]
 
 
 def model_files(path: str) -> list[tuple[str, int]]:
@@ -386,7 +379,7 @@ class LLMEngine:
         offload = KVOffload(cfg, BlockCodec(tensors, cfg_.cache_config.block_size), namespace_of(parts))
         self.kv.pool.evicted = []
         # at shutdown, or when the engine is collected or the interpreter exits (offline use)
-        self._close_offload = weakref.finalize(self, offload.close, functools.partial(cached_blocks, self.kv.pool))
+        self._close_offload = weakref.finalize(self, offload.close, self.kv.pool.cached_blocks)
         log.info("KV offload: %s (namespace %s)", cfg.describe(), offload.namespace)
         return offload
 

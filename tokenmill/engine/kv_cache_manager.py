@@ -52,6 +52,11 @@ class BlockPool:
         # hash), key), read before the step overwrites them; None while no tier listens
         self.evicted: Optional[list[tuple[int, tuple[int, int], tuple]]] = None
 
+    def cached_blocks(self) -> list[tuple[int, tuple[int, int], tuple]]:
+        """The cached blocks as (block id, (group, hash), key)."""
+        return [(b.block_id, b.block_hash, b.key) for b in self.blocks
+                if b.block_hash is not None and self.cached.get(b.block_hash) == b.block_id]
+
 
 class KVCacheManager:
     """One group's block tables (the whole cache's, for a model whose layers all attend alike). pool: the blocks

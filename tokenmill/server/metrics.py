@@ -128,11 +128,11 @@ class ServerMetrics:
         self._last = dataclasses.replace(state)
 
     def _offload(self, state: EngineState, last: EngineState) -> None:
-        if not state.kv_offload_queries:
+        if not state.kv_offload.get("kv_offload_queries"):
             return
 
         def d(f: str) -> int:
-            return max(getattr(state, f) - getattr(last, f), 0)
+            return max(state.kv_offload.get(f, 0) - last.kv_offload.get(f, 0), 0)
         self.ext_queries.inc(d("kv_offload_queries"))
         self.ext_hits.inc(d("kv_offload_hits_host") + d("kv_offload_hits_disk"))
         self.offload_corrupt.inc(d("kv_offload_corrupt_files"))
