@@ -93,7 +93,7 @@ class RemoteChat:
         body = {"model": self.model, "messages": messages, "stream": True, "max_tokens": self.args.max_tokens,
                 "temperature": self.args.temperature, "top_p": self.args.top_p, "seed": self.args.seed,
                 "stream_options": {"include_usage": True}}
-        tokens = 0
+        tokens = 0          # content chunks until the usage chunk says how many tokens they held
         with self.client.stream("POST", "/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
                 raise ValueError(f"the server answered {r.status_code}: {r.read().decode()[:300]}")
@@ -108,6 +108,8 @@ class RemoteChat:
                     if delta:
                         tokens += 1
                         yield delta, tokens
+                if chunk.get("usage"):      # the true count: under load one chunk may carry several tokens
+                    yield "", chunk["usage"]["completion_tokens"]
 
     def stats(self) -> None:
         print(f"(attached to {self.url}, model {self.model}: its /metrics has the server's figures)",
