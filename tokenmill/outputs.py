@@ -90,6 +90,8 @@ class RequestOutput:
     metrics: Optional[RequestMetrics] = None
     prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
     num_cached_tokens: int = 0
+    # vLLM's: on a prefill instance, where the prompt's KV went; "transfer" is a Future of what was sent
+    kv_transfer_params: Optional[dict] = None
 
 
 @dataclass

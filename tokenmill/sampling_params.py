@@ -90,6 +90,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     structured_outputs: Optional[StructuredOutputsParams] = None
+    # vLLM's extra_args: what a connector reads, such as "kv_transfer_params" (engine/kv_transfer.py)
+    extra_args: Optional[dict[str, Any]] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -46,8 +46,8 @@ def _stats(llm: Any) -> dict[str, Any]:
 
 
 def _stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    def counter(k: str) -> bool:       # the offload tiers' kv_offload_* too
-        return k in _COUNTERS or k.startswith("kv_offload_")
+    def counter(k: str) -> bool:       # the offload tiers' kv_offload_* and the transfer's kv_transfer_* too
+        return k in _COUNTERS or k.startswith(("kv_offload_", "kv_transfer_"))
     return {k: (v - before.get(k, 0) if counter(k) and isinstance(v, (int, float)) else v) for k, v in after.items()}
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, TypeVar, Union
 
 from tokenmill.engine.kv_offload import COUNTERS as OFFLOAD_COUNTERS
+from tokenmill.engine.kv_transfer import COUNTERS as TRANSFER_COUNTERS
 from tokenmill.engine.engine import LLMEngine, PromptType
 from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
@@ -70,6 +71,8 @@ class EngineState:
     num_eager_decode_steps: int = 0
     # the KV offload tiers: EngineStats' kv_offload_* counters by name (kv_offload.COUNTERS), cumulative
     kv_offload: dict[str, int] = field(default_factory=dict)
+    # prefill/decode disaggregation: the transfer's kv_transfer_* counters (kv_transfer.COUNTERS), cumulative
+    kv_transfer: dict[str, int] = field(default_factory=dict)
     # LoRA adapters (by name) of the running and the waiting requests
     running_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()
@@ -91,6 +94,7 @@ class EngineState:
             step_prefill_tokens=st.last_step.num_prefill_tokens if stepped else 0,
             step_decode_tokens=st.last_step.num_decode_tokens if stepped else 0,
             kv_offload={f: getattr(st, f) for f in OFFLOAD_COUNTERS},
+            kv_transfer=eng.transfer.stats.counters() if eng.transfer is not None else {},
             **(_adapters(eng) if eng.config.lora_config is not None else {}))
 
     @staticmethod
@@ -98,8 +102,9 @@ class EngineState:
         """Several engines' states as one (data-parallel replicas): counts add, the KV usage is of all blocks."""
         out = EngineState(**{f.name: sum((getattr(s, f.name) for s in states),
                                          () if f.name.endswith("_loras") else 0) for f in dataclasses.fields(EngineState)
-                             if f.name != "kv_offload"})
+                             if f.name not in ("kv_offload", "kv_transfer")})
         out.kv_offload = {k: sum(s.kv_offload.get(k, 0) for s in states) for k in OFFLOAD_COUNTERS}
+        out.kv_transfer = {k: sum(s.kv_transfer.get(k, 0) for s in states) for k in TRANSFER_COUNTERS}
         out.kv_usage = out.kv_blocks_used / out.kv_blocks_total if out.kv_blocks_total else 0.0
         return out
 

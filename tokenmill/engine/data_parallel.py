@@ -45,6 +45,9 @@ class DataParallelLLM:
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
         check_routing(routing)
+        if engine_args.get("kv_transfer_config") is not None:
+            raise ValueError("data_parallel_size with a KV transfer role is not implemented: run one instance per "
+                             "role and pair them with `tokenmill router`")
         if engine_args.get("tensor_parallel_size", 1) != 1:
             raise ValueError("data_parallel_size with tensor_parallel_size > 1 is not implemented; use one of them")
         size = data_parallel_size

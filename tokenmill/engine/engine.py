@@ -21,7 +21,8 @@ from tokenmill.config import (CacheConfig, CompilationConfig, EngineConfig, LoRA
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.draft_model import DraftModelProposer, check_draft_config, check_draft_tokenizer
 from tokenmill.engine.kv_cache_manager import blocks_for, make_kv_manager
-from tokenmill.engine.kv_offload import BlockCodec, KVOffload, KVOffloadConfig, namespace_of
+from tokenmill.engine.kv_offload import BlockCodec, KVOffload, KVOffloadConfig, key_text, namespace_of
+from tokenmill.engine.kv_transfer import DECODE_HOST_GB, KVTransfer, KVTransferConfig, remote_decode
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler, SchedulerStats
 from tokenmill.engine.spec_decode import NgramProposer, SpeculativeConfig
@@ -103,6 +104,14 @@ class EngineStats:
     kv_offload_bytes_stored_host: int = 0
     kv_offload_bytes_stored_disk: int = 0
     kv_offload_corrupt_files: int = 0
+    # prefill/decode disaggregation (engine/kv_transfer.py): blocks and bytes sent and received, blocks refused
+    # (damaged or another cache's), pairings and transfers that failed
+    kv_transfer_blocks_sent: int = 0
+    kv_transfer_bytes_sent: int = 0
+    kv_transfer_blocks_received: int = 0
+    kv_transfer_bytes_received: int = 0
+    kv_transfer_blocks_refused: int = 0
+    kv_transfer_failures: int = 0
     # speculative decoding (vLLM's spec_decode counters): verifications, guessed tokens, accepted guesses
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
@@ -217,7 +226,8 @@ class LLMEngine:
                  enable_lora: bool = False, max_loras: int = 1, max_lora_rank: int = 16,
                  max_cpu_loras: Optional[int] = None, gguf_file: Optional[str] = None,
                  kv_offload_memory_gb: Optional[float] = None, kv_offload_dir: Optional[str] = None,
-                 kv_offload_disk_gb: Optional[float] = None):
+                 kv_offload_disk_gb: Optional[float] = None,
+                 kv_transfer_config: Union[KVTransferConfig, dict, str, None] = None):
         # pooling_type: which prompt rows a PoolingParams request pools (vLLM's pooler config): LAST or MEAN
         self.pooling_type = check_pooling_type(pooling_type)
         spec_config = SpeculativeConfig.of(speculative_config)
@@ -226,6 +236,9 @@ class LLMEngine:
             so_config = StructuredOutputsConfig(**so_config)
         if reasoning_parser is not None:     # vLLM's --reasoning-parser sets the structured outputs' one too
             so_config = dataclasses.replace(so_config, reasoning_parser=reasoning_parser)
+        transfer_cfg = KVTransferConfig.of(kv_transfer_config)
+        if transfer_cfg is not None and transfer_cfg.receives and kv_offload_memory_gb is None:
+            kv_offload_memory_gb = DECODE_HOST_GB       # received blocks wait in the host tier
         offload_cfg = KVOffloadConfig(kv_offload_memory_gb, kv_offload_dir, kv_offload_disk_gb)
         path = resolve_model_path(model, revision, gguf_file)
         dev = pick_device(device)
@@ -331,7 +344,9 @@ class LLMEngine:
             self.tokenizer = self._load_tokenizer(path) if tokenizer == "auto" else tokenizer
         self.structured_outputs = StructuredOutputManager(self.tokenizer, mc.vocab_size, mc.eos_token_ids, so_config)
         self.kv = make_kv_manager(num_blocks, block_size, enable_prefix_caching, mc.kv_groups.windows)
-        self.offload = self._offload(offload_cfg, tensor_parallel_size, cpu_kernels, quantization, int8_activations)
+        identity = self._cache_identity(cpu_kernels, quantization, int8_activations)
+        self.offload = self._offload(offload_cfg, tensor_parallel_size, identity, transfer_cfg)
+        self.transfer = self._transfer(transfer_cfg, tensor_parallel_size, identity)
         self.scheduler = Scheduler(sched_cfg, self.kv, self.offload)
         # speculative decoding: guesses for the next step of each decoding request (None: no guesses)
         self.proposer: Union[NgramProposer, DraftModelProposer, None] = None
@@ -354,18 +369,10 @@ class LLMEngine:
         self.step_history: deque[tuple[float, SchedulerStats]] = deque(maxlen=4096)
 
     # ---- construction helpers ------------------------------------------------------------------------------
-    def _offload(self, cfg: KVOffloadConfig, tp_size: int, cpu_kernels: str, quantization: Optional[str],
-                 int8_activations: bool) -> Optional[KVOffload]:
-        """The prefix cache's host and disk tiers (None where none is asked for)."""
-        if not cfg.enabled:
-            return None
-        why = None
-        if not self.kv.enable_caching:
-            why = "they feed the prefix cache, which is off here (enable_prefix_caching=False, or a sliding window)"
-        elif tp_size > 1:
-            why = "each tensor-parallel rank holds its share of the cache, and they move rank 0's only"
-        if why is not None:
-            raise ValueError(f"kv_offload_memory_gb / kv_offload_dir: {why}; leave them unset")
+    def _cache_identity(self, cpu_kernels: str, quantization: Optional[str], int8_activations: bool
+                        ) -> tuple[list[torch.Tensor], dict]:
+        """The runner's per-slot cache tensors, and everything that shapes their bytes (the model's config and
+        files, dtypes, kernels, layout): what keys offloaded blocks and what a KV transfer's pairing compares."""
         cfg_ = self.config
         tensors = [t for layer in self.runner.kv_tensors for t in layer.slot_tensors()]
         fp8_scales = [layer.k_scale.tolist() + layer.v_scale.tolist() for layer in self.runner.kv_tensors
@@ -376,12 +383,49 @@ class LLMEngine:
                  "quantization": quantization, "quantized_kernels": cfg_.quantized_kernels,
                  "int8_activations": int8_activations, "backend": self.runner.backend.name,
                  "tensors": [(str(t.dtype), tuple(t.shape[1:])) for t in tensors], "fp8_scales": fp8_scales}
-        offload = KVOffload(cfg, BlockCodec(tensors, cfg_.cache_config.block_size), namespace_of(parts))
+        return tensors, parts
+
+    def _offload(self, cfg: KVOffloadConfig, tp_size: int, identity: tuple[list[torch.Tensor], dict],
+                 transfer: Optional[KVTransferConfig]) -> Optional[KVOffload]:
+        """The prefix cache's host and disk tiers (None where none is asked for)."""
+        if not cfg.enabled:
+            return None
+        names = "kv_offload_memory_gb / kv_offload_dir"
+        if transfer is not None and transfer.receives:
+            names = f"kv_role {transfer.kv_role} (it receives blocks into the prefix cache's host tier)"
+        why = None
+        if not self.kv.enable_caching:
+            why = "they feed the prefix cache, which is off here (enable_prefix_caching=False, or a sliding window)"
+        elif tp_size > 1:
+            why = "each tensor-parallel rank holds its share of the cache, and they move rank 0's only"
+        if why is not None:
+            raise ValueError(f"{names}: {why}; leave them unset")
+        tensors, parts = identity
+        offload = KVOffload(cfg, BlockCodec(tensors, self.config.cache_config.block_size), namespace_of(parts))
         self.kv.pool.evicted = []
         # at shutdown, or when the engine is collected or the interpreter exits (offline use)
         self._close_offload = weakref.finalize(self, offload.close, self.kv.pool.cached_blocks)
         log.info("KV offload: %s (namespace %s)", cfg.describe(), offload.namespace)
         return offload
+
+    def _transfer(self, cfg: Optional[KVTransferConfig], tp_size: int, identity: tuple[list[torch.Tensor], dict]
+                  ) -> Optional[KVTransfer]:
+        """This instance's side of prefill/decode disaggregation (None: no kv_transfer_config)."""
+        if cfg is None:
+            return None
+        if tp_size > 1:
+            raise ValueError("kv_transfer_config with tensor_parallel_size > 1 is not implemented; use one of them")
+        if not self.kv.enable_caching:
+            raise ValueError("kv_transfer_config: the transferred blocks are found through the prefix cache, which "
+                             "is off here (enable_prefix_caching=False, or a sliding window); turn it on")
+        tensors, parts = identity
+        self.kv_codec = self.offload.codec if self.offload is not None else \
+            BlockCodec(tensors, self.config.cache_config.block_size)
+        transfer = KVTransfer(cfg, parts, self.kv_codec.nbytes,
+                              self.offload.receive if self.offload is not None else None)
+        self._close_transfer = weakref.finalize(self, transfer.close)
+        log.info("%s", cfg.describe())
+        return transfer
 
     def offload_line(self) -> Optional[str]:
         """The offload tiers for the start line (None: none)."""
@@ -529,6 +573,10 @@ class LLMEngine:
                              f"shorten the prompt (it must leave room for at least one new token) "
                              f"or raise max_model_len")
         check_params_for_vocab(params, mc.vocab_size)
+        if remote_decode((params.extra_args or {}).get("kv_transfer_params")) is not None and \
+                (self.transfer is None or self.transfer.sender is None):
+            raise ValueError("kv_transfer_params asks for do_remote_decode, but this instance sends no KV; start it "
+                             "with kv_role prefill or both")
         max_tokens = min(params.max_tokens or sc.max_model_len, sc.max_model_len - len(ids))
         if mc.sliding_window is None:
             need = self.kv.blocks_needed(len(ids) + max_tokens)
@@ -636,6 +684,8 @@ class LLMEngine:
         self.structured_outputs.shutdown()
         if self.offload is not None:      # what the pool and host memory hold, on disk for the next start
             self._close_offload()
+        if self.transfer is not None:
+            self._close_transfer()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -739,10 +789,30 @@ class LLMEngine:
                 if status is not None:
                     req.truncate_output(n_before + i + 1)
                     m.finished_time = now
+                    self._send_kv(req)
                     self.scheduler.finish(req, status)
                     break
             m.num_generation_tokens = len(req.output_token_ids)
         return [self._request_output(rid) for rid in touched]
+
+    def _send_kv(self, req: Request) -> None:
+        """A prefill instance's request, finished: the KV of its prompt's full blocks (all but the block holding
+        the last token, which the decode instance computes to sample) goes to the decode instance it names."""
+        dest = None if self.transfer is None else \
+            remote_decode((req.params.extra_args or {}).get("kv_transfer_params"))
+        if dest is None:
+            return
+        limit = (req.num_prompt_tokens - 1) // self.config.cache_config.block_size
+        blocks = []
+        for table in self.kv.tables_of(req.request_id):
+            for bid in table[:limit]:
+                blk = self.kv.pool.blocks[bid] if bid >= 0 else None
+                if blk is not None and blk.block_hash is not None:
+                    blocks.append((bid, blk.block_hash, key_text(blk.key)))
+        payloads = self.kv_codec.read([b for b, _, _ in blocks]) if blocks else []
+        items = [(k, text, p) for (_, k, text), p in zip(blocks, payloads)]
+        req.kv_transfer_params = {"do_remote_prefill": True, "remote_host": dest[0], "remote_port": dest[1],
+                                  "transfer": self.transfer.sender.send_async(dest[0], dest[1], items)}
 
     def _pool(self, req: Request, start: int, count: int, part: torch.Tensor, now: float) -> bool:
         """Add this step's chunk (count prompt rows from position start) to req's pooled vector; once the chunk
@@ -814,7 +884,7 @@ class LLMEngine:
             request_id=parent or rid, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
             outputs=[self._completion(r, i) for i, r in enumerate(reqs)], finished=done, metrics=first.metrics,
             prompt_logprobs=first.prompt_logprobs if first.params.prompt_logprobs is not None else None,
-            num_cached_tokens=max(first.num_cached_tokens, 0))
+            num_cached_tokens=max(first.num_cached_tokens, 0), kv_transfer_params=first.kv_transfer_params)
         if done:   # forget it: the caller has everything now
             for c in ids:
                 self.requests.pop(c, None)
@@ -844,6 +914,9 @@ class LLMEngine:
         s.prefix_cache_queries, s.prefix_cache_hits = self.kv.num_queries, self.kv.num_hits
         if self.offload is not None:
             for name, value in self.offload.stats.counters().items():
+                setattr(s, name, value)
+        if self.transfer is not None:
+            for name, value in self.transfer.stats.counters().items():
                 setattr(s, name, value)
         s.max_kv_blocks_used = max(s.max_kv_blocks_used, self.kv.num_used_blocks)
         s.sum_batch_size += len(sched.scheduled)

@@ -304,6 +304,9 @@ class KVOffload:
         self._cond = threading.Condition()
         self._closed = False
         self._writer = None
+        # blocks a KV transfer received (its thread), stored at the next lookup (the engine's thread)
+        self._inbox: list[tuple[Key, str, torch.Tensor]] = []
+        self._inbox_lock = threading.Lock()
         if self.disk is not None:
             self._writer = threading.Thread(target=self._write_loop, name="tokenmill-kv-disk", daemon=True)
             self._writer.start()
@@ -314,11 +317,24 @@ class KVOffload:
         """(tier, payload) of a block (its group, hash and key) that a tier holds, or None. evicted: the pool's
         evictions not yet saved (this very schedule's); a block among them is found as its key, its payload to come
         from save() before the step runs."""
+        if self._inbox:
+            self._take_received()
         k = (group, h)
         hit = self._find(k, key_text(key))
         if hit is None and any(bk == k and bkey == key for _, bk, bkey in evicted):
             hit = ("host" if self.host is not None else "disk", k)
         return hit
+
+    def receive(self, items: list[tuple[Key, str, torch.Tensor]]) -> None:
+        """Blocks another instance computed ((group, hash), key text, payload), from a KV transfer's thread."""
+        with self._inbox_lock:
+            self._inbox.extend(items)
+
+    def _take_received(self) -> None:
+        with self._inbox_lock:
+            items, self._inbox = self._inbox, []
+        for k, text, p in items:
+            self.store(k, text, p)
 
     def _find(self, k: Key, text: str) -> Optional[tuple[str, torch.Tensor]]:
         if self.host is not None:

@@ -50,6 +50,7 @@ class Request:
         self.cache_salt = cache_salt
         # its LoRA adapter (lora/adapter.py's LoRAAdapter; None: the base model): keys its prefix-cache blocks too
         self.lora = lora
+        self.kv_transfer_params: Optional[dict] = None     # a prefill instance's: the transfer of its KV, once sent
         self.status = RequestStatus.WAITING
         self.stop_reason: Optional[int | str] = None
         self.num_preemptions = 0
