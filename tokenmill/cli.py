@@ -258,6 +258,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     if args.kv_offload_dir is not None:
         from tokenmill.engine.kv_offload import disk_tier_lines
         print("\n".join(disk_tier_lines(args.kv_offload_dir)))
+    from tokenmill.engine.kv_transfer import KVTransferConfig
+    transfer = KVTransferConfig.of(args.kv_transfer_config, args.kv_role)
+    if transfer is not None:
+        print(transfer.describe())
     return 0
 
 
@@ -289,6 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--kv-offload-dir", default=None,
                    help="also list what a KV offload disk tier holds: its caches (one per model, dtype and layout), "
                         "their blocks and bytes")
+    i.add_argument("--kv-role", choices=("prefill", "decode", "both"), default=None,
+                   help="also say what this KV transfer role (and --kv-transfer-config) would do, as serve takes them")
+    i.add_argument("--kv-transfer-config", default=None, metavar="JSON", help="vLLM's KV transfer config")
     i.set_defaults(func=cmd_info)
 
     c = sub.add_parser("convert", help="write a GGUF model as a Hugging Face folder (for peers)")
@@ -315,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one GGUF of a repository of GGUFs, by file name")
     d.set_defaults(func=cmd_download)
 
-    for mod in ("tokenmill.server.cli", "tokenmill.bench.cli", "tokenmill.chat_cli", "tokenmill.explain"):
+    for mod in ("tokenmill.server.cli", "tokenmill.server.disagg", "tokenmill.bench.cli", "tokenmill.chat_cli", "tokenmill.explain"):
         try:
             module = __import__(mod, fromlist=["register"])
         except ImportError:

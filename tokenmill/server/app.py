@@ -4,6 +4,7 @@ build_app(engine_or_asyncllm) is all a caller needs; `tokenmill serve` (server/c
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import itertools
 import json
@@ -33,8 +34,8 @@ from tokenmill.server.embeddings import EmbeddingRequest, create_embedding
 from tokenmill.server.messages import MessagesRequest, create_message
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.protocol import (IGNORED_FIELDS, IGNORED_FIELDS_HEADER, ApiError, ChatCompletionRequest,
-                                       CompletionRequest, DetokenizeRequest, LoadLoRAAdapterRequest, TokenizeRequest,
-                                       UnloadLoRAAdapterRequest)
+                                       CompletionRequest, DetokenizeRequest, KVConnectRequest, LoadLoRAAdapterRequest,
+                                       TokenizeRequest, UnloadLoRAAdapterRequest)
 from tokenmill.server.responses import ResponsesRequest, ResponseStore, create_response
 from tokenmill.server.schemas import (AnthropicError, AnthropicMessage, ChatCompletionChunk, ChatCompletionResponse,
                                       CompletionChunk, CompletionResponse, DetokenizeResponse, EmbeddingResponse,
@@ -406,6 +407,24 @@ def build_app(engine_or_llm: Union[LLMEngine, AsyncLLM], *, model_name: Optional
         if bad:
             raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
         return {"prompt": ctx.tokenizer.decode(body.tokens)}
+
+    # ---- prefill/decode disaggregation: what `tokenmill router` asks an instance (engine/kv_transfer.py) ----
+    @app.get("/v1/kv_transfer", include_in_schema=False)
+    async def kv_transfer_info() -> dict[str, Any]:
+        return {"kv_role": None} if eng.transfer is None else eng.transfer.info()
+
+    @app.post("/v1/kv_transfer/connect", include_in_schema=False)
+    async def kv_transfer_connect(body: KVConnectRequest) -> dict[str, Any]:
+        sender = None if eng.transfer is None else eng.transfer.sender
+        if sender is None:
+            raise ApiError(400, "this instance sends no KV: start it with --kv-role prefill or both", "host")
+        try:
+            await asyncio.to_thread(sender.connect, body.host, body.port)
+        except ValueError as e:           # the decode instance refuses: another model, dtype or layout
+            raise ApiError(400, str(e), "port", "kv_pairing_refused")
+        except ConnectionError as e:
+            raise ApiError(503, str(e), code="kv_transfer_unreachable", type="service_unavailable")
+        return {"paired": f"{body.host}:{body.port}"}
 
     @app.get("/health", response_model=Health,
              responses=errors(503, why={503: "The engine has stopped, or the server is shutting down."}))

@@ -13,7 +13,7 @@ from tokenmill.outputs import Logprob
 from tokenmill.reasoning import ReasoningParser, get_reasoning_parser
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.common import (DONE, ServerContext, SSEResponse, checked, clamp, final_outputs, new_id, now,
-                                     sse, stream_error, submit, top_by_rank, usage)
+                                     sse, stream_error, submit, top_by_rank, transfer_params, usage)
 from tokenmill.server.protocol import ApiError, ChatCompletionRequest, ChatMessage
 from tokenmill.server.tools import ToolPlan, hermes_messages, plan_tools, supports_tools
 from tokenmill.tokenizer import apply_chat_template
@@ -202,7 +202,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     return JSONResponse({
         "id": rid, "object": "chat.completion", "created": now(), "model": ctx.answer_name(req.model), "choices": choices,
         "usage": usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs),
-                       ctx.cached(out.num_cached_tokens))})
+                       ctx.cached(out.num_cached_tokens)), **await transfer_params([out])})
 
 
 async def _stream(ctx: ServerContext, req: ChatCompletionRequest, rid: str, stream: RequestStream,

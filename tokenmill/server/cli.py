@@ -74,6 +74,15 @@ def register(subparsers: Any) -> None:
     p.add_argument("--node-rank", type=int, default=0, help="this machine's rank among --nnodes")
     p.add_argument("--master-addr", default="127.0.0.1", help="node 0's address, which every node can reach")
     p.add_argument("--master-port", type=int, default=29500, help="a free port on node 0 for the rendezvous")
+    from tokenmill.engine.kv_transfer import DEFAULT_PORT
+    p.add_argument("--kv-role", choices=("prefill", "decode", "both"), default=None,
+                   help="prefill and decode on separate instances: a prefill instance sends each prompt's KV to "
+                        "the decode instance a request names; a decode instance receives it on kv_ip:kv_port "
+                        f"(127.0.0.1:{DEFAULT_PORT} unless --kv-transfer-config says); `tokenmill router` pairs them")
+    p.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                   help="vLLM's KV transfer config: {\"kv_role\": \"kv_producer\"|\"kv_consumer\"|\"kv_both\", "
+                        "\"kv_connector\": \"TorchDistributedConnector\", \"kv_ip\": ..., \"kv_port\": ...}; "
+                        "--kv-role overrides its kv_role")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
@@ -198,12 +207,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--max-body-bytes must be >= 1")
     if not args.shutdown_timeout >= 0:
         raise ValueError("--shutdown-timeout must be >= 0")
+    from tokenmill.engine.kv_transfer import KVTransferConfig
+    transfer = KVTransferConfig.of(args.kv_transfer_config, args.kv_role)
     sock = _bind(args.host, args.port)
     if args.data_parallel_size == 1:
-        llm = AsyncLLM.from_engine_args(args.model, **engine_kwargs(args), reasoning_parser=args.reasoning_parser)
+        llm = AsyncLLM.from_engine_args(args.model, **engine_kwargs(args), reasoning_parser=args.reasoning_parser,
+                                        kv_transfer_config=transfer)
     else:
         llm = DataParallelLLM(args.model, args.data_parallel_size, args.data_parallel_routing,
-                              **engine_kwargs(args), reasoning_parser=args.reasoning_parser)
+                              **engine_kwargs(args), reasoning_parser=args.reasoning_parser,
+                              kv_transfer_config=transfer)
         where = ", ".join(f"cores {','.join(map(str, c))}" if c else f"cuda:{i}" for i, c in enumerate(llm.cores))
         print(f"tokenmill: {args.data_parallel_size} data-parallel replicas ({where}), routing "
               f"{args.data_parallel_routing}", flush=True)
@@ -267,6 +280,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"tokenmill: {engine.runner.startup_line()}", flush=True)
     if engine.offload_line() is not None:
         print(f"tokenmill: {engine.offload_line()}{each}", flush=True)
+    if engine.transfer is not None:
+        print(f"tokenmill: {engine.transfer.config.describe()}", flush=True)
     print(f"tokenmill: serving {app.state.ctx.model_name} on {engine.config.device}\n"
           f"  OpenAI API:  {url}/v1{key}\n  playground:  {url}/\n  metrics:     {url}/metrics\n"
           f"  Ctrl-C or SIGTERM stops (requests in flight finish first, for up to {timeout:g} s; a second stops "

@@ -168,6 +168,17 @@ def checked(out: Any) -> Any:
     return out
 
 
+async def transfer_params(finals: list[RequestOutput]) -> dict[str, Any]:
+    """A prefill instance's reply: vLLM's kv_transfer_params, once the prompt's KV is at the decode instance (what
+    was sent, accepted and refused, or why it was not). Empty for every other reply."""
+    kvp = next((o.kv_transfer_params for o in finals if o.kv_transfer_params), None)
+    if kvp is None:
+        return {}
+    kvp = dict(kvp)
+    kvp.update(await asyncio.wrap_future(kvp.pop("transfer")))
+    return {"kv_transfer_params": kvp}
+
+
 async def final_outputs(streams: list[RequestStream], request: Request) -> list[RequestOutput]:
     """Wait for every stream to finish. A client that disconnects meanwhile aborts them all (its KV blocks are
     freed at the next engine step) instead of letting them run to the end for nobody."""

@@ -9,7 +9,7 @@ from starlette.responses import JSONResponse, Response
 from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import Logprob, RequestOutput
 from tokenmill.server.common import (DONE, ServerContext, SSEResponse, clamp, final_outputs, merged, new_id, now,
-                                     sse, stream_error, submit_all, usage)
+                                     sse, stream_error, submit_all, transfer_params, usage)
 from tokenmill.server.protocol import ApiError, CompletionRequest
 
 
@@ -93,7 +93,8 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, request:
             choices.append(choice)
     cached = sum(o.num_cached_tokens for o in finals)
     return JSONResponse({"id": rid, "object": "text_completion", "created": now(), "model": ctx.answer_name(req.model),
-                         "choices": choices, "usage": usage(n_prompt, n_out, ctx.cached(cached))})
+                         "choices": choices, "usage": usage(n_prompt, n_out, ctx.cached(cached)),
+                         **await transfer_params(finals)})
 
 
 async def _stream(ctx: ServerContext, req: CompletionRequest, rid: str, streams: list) -> AsyncIterator[str]:

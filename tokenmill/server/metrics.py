@@ -60,6 +60,13 @@ class ServerMetrics:
         self.offload_bytes = Counter("tokenmill:kv_offload_bytes", "KV bytes moved to or from an offload tier.",
                                      ["model_name", "tier", "direction"], registry=r)
         self.offload_corrupt = counter("kv_offload_corrupt_files", "Offloaded KV files skipped as damaged.")
+        # prefill/decode disaggregation: what this instance's KV transfer moved
+        self.transfer_blocks = Counter("tokenmill:kv_transfer_blocks", "KV blocks sent to or received from another "
+                                       "instance, or refused (damaged, or another cache's).",
+                                       ["model_name", "direction"], registry=r)
+        self.transfer_bytes = Counter("tokenmill:kv_transfer_bytes", "KV bytes sent to or received from another "
+                                      "instance.", ["model_name", "direction"], registry=r)
+        self.transfer_failures = counter("kv_transfer_failures", "KV transfers and pairings that failed.")
         # speculative decoding, vLLM's names: verification steps of one request, tokens guessed, guesses accepted
         self.spec_drafts = counter("spec_decode_num_drafts", "Speculative verifications (one per request and step).")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Tokens guessed for verification.")
@@ -114,6 +121,7 @@ class ServerMetrics:
         self.pc_queries.inc(max(state.prefix_cache_queries - last.prefix_cache_queries, 0))
         self.pc_hits.inc(max(state.prefix_cache_hits - last.prefix_cache_hits, 0))
         self._offload(state, last)
+        self._transfer(state, last)
         self.spec_drafts.inc(max(state.spec_num_drafts - last.spec_num_drafts, 0))
         self.spec_draft_tokens.inc(max(state.spec_num_draft_tokens - last.spec_num_draft_tokens, 0))
         self.spec_accepted.inc(max(state.spec_num_accepted_tokens - last.spec_num_accepted_tokens, 0))
@@ -140,6 +148,18 @@ class ServerMetrics:
             self.offload_hits.labels(self._model, tier).inc(d(f"kv_offload_hits_{tier}"))
             for direction, field in (("load", "loaded"), ("store", "stored")):
                 self.offload_bytes.labels(self._model, tier, direction).inc(d(f"kv_offload_bytes_{field}_{tier}"))
+
+    def _transfer(self, state: EngineState, last: EngineState) -> None:
+        if not state.kv_transfer:
+            return
+
+        def d(f: str) -> int:
+            return max(state.kv_transfer.get(f"kv_transfer_{f}", 0) - last.kv_transfer.get(f"kv_transfer_{f}", 0), 0)
+        for direction in ("sent", "received", "refused"):
+            self.transfer_blocks.labels(self._model, direction).inc(d(f"blocks_{direction}"))
+        for direction in ("sent", "received"):
+            self.transfer_bytes.labels(self._model, direction).inc(d(f"bytes_{direction}"))
+        self.transfer_failures.inc(d("failures"))
 
     def _observe_finished(self, out: RequestOutput) -> None:
         reason = (out.outputs[0].finish_reason if isinstance(out, RequestOutput) else None) or "stop"

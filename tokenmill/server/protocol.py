@@ -226,6 +226,9 @@ class _Sampling(_Request):
     allowed_token_ids: Optional[list[TokenId]] = Field(default=None, min_length=1)
     return_token_ids: Optional[Bool] = False  # choices also carry token_ids (and prompt_token_ids)
     cache_salt: CacheSalt = None
+    # vLLM's disaggregated prefill: do_remote_decode with remote_host and remote_port (a prefill instance sends the
+    # prompt's KV there); do_remote_prefill (a decode instance: the KV was sent here)
+    kv_transfer_params: Optional[dict[str, Any]] = None
     # structured outputs (at most one of CONSTRAINT_FIELDS)
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[StructuredOutputs] = None
@@ -257,7 +260,8 @@ class _Sampling(_Request):
                 ignore_eos=bool(self.ignore_eos), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 logit_bias=bias, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
                 skip_special_tokens=_or(self.skip_special_tokens, True),
-                structured_outputs=self._constraint())
+                structured_outputs=self._constraint(),
+                extra_args={"kv_transfer_params": self.kv_transfer_params} if self.kv_transfer_params else None)
         except (ValueError, TypeError) as e:
             raise invalid_params(e)
 
@@ -455,6 +459,13 @@ class LoadLoRAAdapterRequest(_Request):
     """vLLM's POST /v1/load_lora_adapter."""
     lora_name: NonEmpty
     lora_path: NonEmpty
+
+
+class KVConnectRequest(_Request):
+    """POST /v1/kv_transfer/connect (a router, to a prefill instance): pair with the decode instance whose KV
+    transfer listens at host:port."""
+    host: NonEmpty
+    port: int = Field(ge=1, le=65535)
 
 
 class UnloadLoRAAdapterRequest(_Request):
