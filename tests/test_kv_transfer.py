@@ -211,3 +211,25 @@ def test_bad_settings_are_refused(models):
     with pytest.raises(ValueError, match="pair them with `tokenmill router`"):
         DataParallelLLM(path, 2, kv_transfer_config={"kv_role": "prefill"})
     dec.shutdown()
+
+
+def test_router_asks_its_clients_for_the_instances_key():
+    """With --api-key, the router wants it of its clients (401 in OpenAI's shape) and a request that has it goes on
+    to the instances (here: none is up, a 503 naming the decode instance)."""
+    from fastapi.testclient import TestClient
+
+    from tokenmill.server.disagg import DisaggRouter, build_router_app
+    dead = f"http://127.0.0.1:{free_port()}"
+    router = DisaggRouter([dead], [dead], api_key="k1")
+    router.decode[0].error = "refused"
+    with TestClient(build_router_app(router)) as client:
+        body = {"model": "m", "prompt": "hi"}
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = client.post("/v1/completions", json=body, headers={"Authorization": "Bearer k1"})
+        assert r.status_code == 503 and f"decode instance {dead} is down" in r.json()["error"]["message"]
+        assert client.get("/v1/models").status_code == 401
+        h = client.get("/health")
+        assert h.status_code == 503 and f"decode instance {dead} is down: refused" in h.json()["error"]["message"]
+    with pytest.raises(ValueError, match="at least one --prefill and one --decode"):
+        DisaggRouter([], [dead])

@@ -138,6 +138,13 @@ class TransferStats:
 COUNTERS = tuple(TransferStats().counters())
 
 
+def _one_thread() -> None:
+    """A transfer thread computes on itself alone. A torch op that ran parallel here would start an OpenMP team of
+    this thread's own, and with more OpenMP threads than cores, OpenMP stops spinning at its barriers: the engine's
+    steps then ran about 30% slower."""
+    torch.set_num_threads(1)
+
+
 def differences(theirs: dict, ours: dict) -> list[str]:
     """What differs between a prefill instance's cache identity and this one's, as readable lines."""
     ours = json.loads(json.dumps(ours, sort_keys=True, default=str))
@@ -195,6 +202,7 @@ class KVReceiver:
             k += 1
 
     def _serve(self, k: int) -> None:
+        _one_thread()
         try:
             pg = dist.ProcessGroupGloo(dist.PrefixStore(f"pair/{k}", self.store), 0, 2, IDLE)
             # kept: a group destroyed on this thread while the process exits aborts the process
@@ -261,7 +269,8 @@ class KVSender:
         self._pairs: dict[tuple[str, int], _Pair] = {}
         self._stores: list[Any] = []        # a pair's group uses its store: kept alive with it
         self._lock = threading.Lock()
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenmill-kv-send")
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenmill-kv-send",
+                                                           initializer=_one_thread)
 
     def connect(self, host: str, port: int) -> None:
         """Pair with the decode instance at host:port (once): ValueError if it refuses (naming the difference),
