@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Optional
 
 import httpx
 import pytest
@@ -89,8 +90,11 @@ REQUESTS = [
 ]
 
 
-def _ask(url: str, kind: str, kw: dict, stream: bool) -> list[str]:
+def _ask(url: str, kind: str, kw: dict, stream: bool, salt: Optional[str] = None) -> list[str]:
+    """The reply's texts. salt: a cache_salt of its own, so that the request finds no block another one left."""
     c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    if salt is not None:
+        kw = {**kw, "extra_body": {**kw.get("extra_body", {}), "cache_salt": salt}}
     if kind == "chat":
         if stream:
             return ["".join(ch.choices[0].delta.content or "" for ch in
@@ -105,8 +109,10 @@ def _ask(url: str, kind: str, kw: dict, stream: bool) -> list[str]:
     return [ch.text for ch in c.completions.create(model=MODEL, **kw).choices]
 
 
-def _workload(url: str) -> list[list[str]]:
-    return [_ask(url, kind, kw, stream) for stream in (False, True) for kind, kw in REQUESTS]
+def _workload(url: str, alone: bool = False) -> list[list[str]]:
+    """alone: each request under a salt of its own, so the instance computes every prompt itself."""
+    return [_ask(url, kind, kw, stream, f"alone-{i}-{stream}" if alone else None)
+            for stream in (False, True) for i, (kind, kw) in enumerate(REQUESTS)]
 
 
 def test_router_over_prefill_and_decode_instances(model_dir):
@@ -115,9 +121,8 @@ def test_router_over_prefill_and_decode_instances(model_dir):
     try:
         dec = serve(model_dir, 0, "--kv-role", "decode", "--kv-transfer-config", f'{{"kv_port": {kv_port}}}')
         pre = serve(model_dir, p_port, "--kv-role", "prefill")
-        one = serve(model_dir, 0)
-        procs += [dec, pre, one]
-        for p in (dec, pre, one):
+        procs += [dec, pre]
+        for p in (dec, pre):
             p.wait_ready("OpenAI API:")
         assert any(f"KV transfer: role decode (kv_consumer), receives KV on 127.0.0.1:{kv_port}" in line
                    for line in dec.log)
@@ -125,8 +130,9 @@ def test_router_over_prefill_and_decode_instances(model_dir):
         procs.append(router)
         router.wait_ready("router on")
 
-        # a mixed workload: one instance's replies, streamed and not; greedy ones are transformers' tokens
-        expected = _workload(one.url)
+        # a mixed workload: one instance's replies (the decode instance's own, each computing its prompt), streamed
+        # and not; greedy ones are transformers' tokens
+        expected = _workload(dec.url, alone=True)
         assert _workload(router.url) == expected
         r = httpx.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": TEXT, "max_tokens": 12,
                                                              "temperature": 0, "return_token_ids": True}).json()
@@ -182,8 +188,13 @@ def test_router_over_prefill_and_decode_instances(model_dir):
             bad.stderr, bad.stderr
         # a router given an instance of the wrong role says which
         wrong = subprocess.run([sys.executable, "-m", "tokenmill.cli", "router", "--port", "0", "--prefill",
-                                one.url, "--decode", dec.url], capture_output=True, text=True, timeout=120)
-        assert wrong.returncode == 2 and "its KV role is None; start it with --kv-role prefill" in wrong.stderr
+                                dec.url, "--decode", dec.url], capture_output=True, text=True, timeout=120)
+        assert wrong.returncode == 2 and "its KV role is kv_consumer; start it with --kv-role prefill" in \
+            wrong.stderr, wrong.stderr
+        # paired instances stop as any server does: SIGTERM, exit 0
+        for p in (pre2, dec):
+            p.proc.send_signal(signal.SIGTERM)
+            assert p.proc.wait(timeout=60) == 0, "".join(p.log)
     finally:
         for p in procs:
             p.close()

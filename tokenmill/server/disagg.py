@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import json
+import os
 import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -40,7 +42,7 @@ class Instance:
 
 
 def _error(status: int, message: str, code: str) -> JSONResponse:
-    kind = "service_unavailable" if status == 503 else "server_error"
+    kind = {503: "service_unavailable", 401: "invalid_request_error"}.get(status, "server_error")
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status)
 
 
@@ -48,12 +50,15 @@ class DisaggRouter:
     """The instances, the pick of each request's pair (least loaded, as the data-parallel router does), the two
     legs, and the counts."""
 
-    def __init__(self, prefill: list[str], decode: list[str], timeout: float = 600.0):
+    def __init__(self, prefill: list[str], decode: list[str], timeout: float = 600.0, api_key: Optional[str] = None):
         if not prefill or not decode:
             raise ValueError("tokenmill router needs at least one --prefill and one --decode instance URL")
+        # the instances' key: sent on every call to them, and asked of the router's clients
+        self.api_key = api_key
+        self.auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.prefill = [Instance(u.rstrip("/"), "prefill") for u in prefill]
         self.decode = [Instance(u.rstrip("/"), "decode") for u in decode]
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0))
+        self.client = self.new_client(timeout)
         self.pick_prefill = Router("least_loaded", len(self.prefill), 16, 0)
         self.pick_decode = Router("least_loaded", len(self.decode), 16, 0)
         self.registry = CollectorRegistry()
@@ -64,6 +69,14 @@ class DisaggRouter:
                                  ["reason"], registry=self.registry)
         self.bytes = Counter("tokenmill:kv_transfer_bytes", "KV bytes the prefill instances sent.",
                              registry=self.registry)
+
+    def new_client(self, timeout: float = 600.0) -> httpx.AsyncClient:
+        return httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=5.0), headers=self.auth)
+
+    def authorized(self, request: Request) -> bool:
+        if not self.api_key:
+            return True
+        return hmac.compare_digest(request.headers.get("authorization", ""), f"Bearer {self.api_key}")
 
     # ---- the instances ----------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -85,6 +98,9 @@ class DisaggRouter:
             r = await self.client.get(f"{inst.url}/v1/kv_transfer")
         except httpx.HTTPError as e:
             raise ValueError(f"the {inst.role} instance {inst.url} cannot be reached ({e!r})") from None
+        if r.status_code == 401:
+            raise ValueError(f"the {inst.role} instance {inst.url} wants an API key: give the router the instances' "
+                             f"key with --api-key (or $TOKENMILL_API_KEY)")
         if r.status_code != 200:
             raise ValueError(f"the {inst.role} instance {inst.url} answers {r.status_code} to /v1/kv_transfer: is "
                              f"it a tokenmill server?")
@@ -138,8 +154,10 @@ class DisaggRouter:
 
     # ---- a request's two legs ---------------------------------------------------------------------------------
     async def route(self, path: str, request: Request) -> Response:
+        if not self.authorized(request):
+            return _error(401, "a valid API key is required: send 'Authorization: Bearer KEY'", "invalid_api_key")
         raw = await request.body()
-        headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
+        headers = {k: v for k, v in request.headers.items() if k.lower() == "content-type"}
         try:
             body = json.loads(raw)
         except ValueError:
@@ -220,10 +238,12 @@ class DisaggRouter:
 
     async def forward_get(self, path: str, request: Request) -> Response:
         """A GET for the model list, from a decode instance that is up."""
+        if not self.authorized(request):
+            return _error(401, "a valid API key is required: send 'Authorization: Bearer KEY'", "invalid_api_key")
         for d in self.decode:
             if d.error is None:
                 try:
-                    r = await self.client.get(f"{d.url}{path}", headers=dict(request.headers))
+                    r = await self.client.get(f"{d.url}{path}")
                     return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
                 except httpx.HTTPError as e:
                     self._down(d, f"{e!r}")
@@ -270,6 +290,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode instances' URLs")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
+                   help="the instances' API key: sent to them, and required of the router's clients (default: "
+                        "$TOKENMILL_API_KEY, else none)")
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_router)
 
@@ -278,9 +301,9 @@ def cmd_router(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tokenmill.server.cli import _bind
-    router = DisaggRouter(args.prefill, args.decode)
+    router = DisaggRouter(args.prefill, args.decode, api_key=args.api_key)
     asyncio.run(router.start())
-    router.client = httpx.AsyncClient(timeout=router.client.timeout)     # the first loop is closed
+    router.client = router.new_client()     # the first one belongs to the closed loop
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     pairs = ", ".join(f"{d.url} (KV at {d.kv[0]}:{d.kv[1]})" for d in router.decode)
