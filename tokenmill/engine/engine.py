@@ -344,7 +344,8 @@ class LLMEngine:
             self.tokenizer = self._load_tokenizer(path) if tokenizer == "auto" else tokenizer
         self.structured_outputs = StructuredOutputManager(self.tokenizer, mc.vocab_size, mc.eos_token_ids, so_config)
         self.kv = make_kv_manager(num_blocks, block_size, enable_prefix_caching, mc.kv_groups.windows)
-        identity = self._cache_identity(cpu_kernels, quantization, int8_activations)
+        identity = self._cache_identity(cpu_kernels, quantization, int8_activations) \
+            if offload_cfg.enabled or transfer_cfg is not None else None
         self.offload = self._offload(offload_cfg, tensor_parallel_size, identity, transfer_cfg)
         self.transfer = self._transfer(transfer_cfg, tensor_parallel_size, identity)
         self.scheduler = Scheduler(sched_cfg, self.kv, self.offload)
@@ -385,7 +386,7 @@ class LLMEngine:
                  "tensors": [(str(t.dtype), tuple(t.shape[1:])) for t in tensors], "fp8_scales": fp8_scales}
         return tensors, parts
 
-    def _offload(self, cfg: KVOffloadConfig, tp_size: int, identity: tuple[list[torch.Tensor], dict],
+    def _offload(self, cfg: KVOffloadConfig, tp_size: int, identity: Optional[tuple[list[torch.Tensor], dict]],
                  transfer: Optional[KVTransferConfig]) -> Optional[KVOffload]:
         """The prefix cache's host and disk tiers (None where none is asked for)."""
         if not cfg.enabled:
@@ -408,7 +409,8 @@ class LLMEngine:
         log.info("KV offload: %s (namespace %s)", cfg.describe(), offload.namespace)
         return offload
 
-    def _transfer(self, cfg: Optional[KVTransferConfig], tp_size: int, identity: tuple[list[torch.Tensor], dict]
+    def _transfer(self, cfg: Optional[KVTransferConfig], tp_size: int,
+                  identity: Optional[tuple[list[torch.Tensor], dict]]
                   ) -> Optional[KVTransfer]:
         """This instance's side of prefill/decode disaggregation (None: no kv_transfer_config)."""
         if cfg is None:
