@@ -17,7 +17,7 @@ import os
 import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 import httpx
 from fastapi import FastAPI, Request
@@ -168,16 +168,26 @@ class DisaggRouter:
                           "instance_down")
         di = self.pick_decode.pick([], alive)
         dec = self.decode[di]
+        released = False
+
+        def release() -> None:          # once the decode leg ends: for a stream, when its last byte is relayed
+            nonlocal released
+            if not released:
+                released = True
+                self.pick_decode.load[di] -= 1
         try:
             if isinstance(body, dict):
                 kvp = await self._prefill(path, body, headers, dec)
                 if isinstance(kvp, Response):        # bad input: the client gets the prefill instance's answer
+                    release()
                     return kvp
                 body = {**body, "kv_transfer_params": kvp} if kvp else body
                 raw = json.dumps(body).encode()
-            return await self._decode(path, raw, headers, dec, bool(isinstance(body, dict) and body.get("stream")))
-        finally:
-            self.pick_decode.load[di] -= 1
+            stream = bool(isinstance(body, dict) and body.get("stream"))
+            return await self._decode(path, raw, headers, dec, stream, release)
+        except BaseException:
+            release()
+            raise
 
     async def _prefill(self, path: str, body: dict, headers: dict, dec: Instance) -> Any:
         """The prefill leg: the kv_transfer_params for the decode leg (None: fallback), or the error Response the
@@ -216,16 +226,21 @@ class DisaggRouter:
         self.fallbacks.labels(reason).inc()
         return None
 
-    async def _decode(self, path: str, raw: bytes, headers: dict, dec: Instance, stream: bool) -> Response:
+    async def _decode(self, path: str, raw: bytes, headers: dict, dec: Instance, stream: bool,
+                      release: Callable[[], None]) -> Response:
         try:
             req = self.client.build_request("POST", f"{dec.url}{path}", content=raw, headers=headers)
             r = await self.client.send(req, stream=True)
         except httpx.HTTPError as e:
+            release()
             self._down(dec, f"{e!r}")
             return _error(503, f"decode instance {dec.url} cannot be reached ({e!r})", "instance_down")
         if not stream or r.status_code != 200:
-            content = await r.aread()
-            await r.aclose()
+            try:
+                content = await r.aread()
+            finally:
+                await r.aclose()
+                release()
             return Response(content, r.status_code, media_type=r.headers.get("content-type"))
 
         async def relay() -> AsyncIterator[bytes]:
@@ -234,6 +249,7 @@ class DisaggRouter:
                     yield chunk
             finally:
                 await r.aclose()
+                release()
         return StreamingResponse(relay(), r.status_code, media_type=r.headers.get("content-type"))
 
     async def forward_get(self, path: str, request: Request) -> Response:
