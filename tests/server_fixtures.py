@@ -19,6 +19,22 @@ API_KEY = "test-key"
 MAX_BODY_BYTES = 64 * 1024
 
 
+def read_url(proc: Any, marker: str, log: list[str], deadline: float) -> str:
+    """The address a subprocess prints after marker (a `tokenmill serve` or `router` starting), its lines kept in
+    log; then a thread keeps reading them. "" if it exits or the deadline passes first."""
+    url = ""
+    while not url and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        log.append(line)
+        if marker in line:
+            url = line.split(marker)[1].split()[0].removesuffix("/v1")
+    if url:
+        threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True).start()
+    return url
+
+
 def build_chat_model(path: str) -> str:
     """A 2-layer Llama (hidden 64) sized to the tokenizer, saved with save_pretrained, plus the tokenizer."""
     import torch

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from typing import Optional
 
@@ -17,7 +16,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server_fixtures import build_chat_model
+from tests.server_fixtures import build_chat_model, read_url
 from tests.test_kv_transfer import free_port
 
 openai = pytest.importorskip("openai")
@@ -37,16 +36,8 @@ class Proc:
 
     def wait_ready(self, marker: str, timeout: float = 180) -> "Proc":
         deadline = time.monotonic() + timeout
-        assert self.proc.stdout is not None
-        while not self.url and time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            self.log.append(line)
-            if marker in line:
-                self.url = line.split(marker)[1].split()[0].removesuffix("/v1")
+        self.url = read_url(self.proc, marker, self.log, deadline)
         assert self.url, "".join(self.log)
-        threading.Thread(target=lambda: self.log.extend(self.proc.stdout), daemon=True).start()
         while time.monotonic() < deadline:
             try:
                 if httpx.get(self.url + "/health", timeout=5).status_code == 200:

@@ -9,12 +9,13 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from typing import Any, Optional
 
 import httpx
 import pytest
+
+from tests.server_fixtures import read_url
 
 pytest_plugins = ["tests.server_fixtures"]
 openai = pytest.importorskip("openai")
@@ -43,16 +44,8 @@ class Serve:
 
     def wait_ready(self, timeout: float = 120) -> "Serve":
         deadline = time.monotonic() + timeout
-        assert self.proc.stdout is not None
-        while not self.url and time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            self.log.append(line)
-            if "OpenAI API:" in line:
-                self.url = line.split("OpenAI API:")[1].split()[0].removesuffix("/v1")
+        self.url = read_url(self.proc, "OpenAI API:", self.log, deadline)
         assert self.url, "".join(self.log)
-        threading.Thread(target=lambda: self.log.extend(self.proc.stdout), daemon=True).start()
         while time.monotonic() < deadline:       # the URL is printed just before uvicorn starts listening
             try:
                 if httpx.get(self.url + "/health", timeout=5).status_code == 200:
