@@ -90,6 +90,7 @@ def test_disaggregated_equals_one_instance_and_transformers(models, kind):
     port = free_port()
     dec = _engine(path, "decode", port, max_num_batched_tokens=24)
     pre = _engine(path, "prefill")
+    pre.transfer.sender.connect("127.0.0.1", port)
     one = _engine(path, max_num_batched_tokens=24)
     work = _workload()
     got, sent = _disaggregated(pre, dec, port, work)
@@ -120,20 +121,44 @@ def test_disaggregated_equals_one_instance_and_transformers(models, kind):
         e.shutdown()
 
 
+DECODE_CHILD = """
+import sys, time
+from tokenmill.engine.engine import LLMEngine
+engine = LLMEngine(sys.argv[1], dtype="float32", max_model_len=256, kv_cache_memory_gb=0.005,
+                   kv_transfer_config={"kv_role": "decode", "kv_port": int(sys.argv[2])})
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
 def test_a_failed_transfer_is_computed_on_the_decode_instance(models):
-    """The decode instance is not there: the prefill leg says why, the failure is counted, and the request
-    decoded alone gives the same tokens."""
+    """The decode instance dies after pairing: the prefill leg says why, the failure is counted, and the request
+    decoded on another instance gives transformers' tokens. A destination never paired is refused up front."""
+    import subprocess
+    import sys
     path, hf = models["llama"]
-    port = free_port()          # nobody listens
-    pre = _engine(path, "prefill")
+    port = free_port()
+    child = subprocess.Popen([sys.executable, "-c", DECODE_CHILD, path, str(port)], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        pre = _engine(path, "prefill")
+        pre.transfer.sender.connect("127.0.0.1", port)
+    finally:
+        child.kill()
+        child.wait()
     dec = _engine(path, "decode", free_port())
     work = [w for w in _workload(1) if w[2].temperature == 0][:2]
     got, sent = _disaggregated(pre, dec, port, [(r, p, s, {"transfer": True}) for r, p, s, _ in work])
-    assert all("cannot be reached" in s["error"] for s in sent.values()), sent
+    assert all("failed" in s["error"] or "cannot be reached" in s["error"] for s in sent.values()), sent
     assert pre.transfer.stats.counters()["kv_transfer_failures"] == 2
     assert dec.stats.kv_offload_hits_host == 0
     for rid, prompt, _, _ in work:
         assert got[rid][0][0] == hf_greedy(hf, prompt["prompt_token_ids"], 7)
+    other = free_port()
+    with pytest.raises(ValueError, match=f"names 127.0.0.1:{other}, which this prefill instance has not paired"):
+        pre.add_request("x", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(extra_args={"kv_transfer_params": {
+            "do_remote_decode": True, "remote_host": "127.0.0.1", "remote_port": other}}))
     pre.shutdown()
     dec.shutdown()
 

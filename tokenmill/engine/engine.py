@@ -575,10 +575,13 @@ class LLMEngine:
                              f"shorten the prompt (it must leave room for at least one new token) "
                              f"or raise max_model_len")
         check_params_for_vocab(params, mc.vocab_size)
-        if remote_decode((params.extra_args or {}).get("kv_transfer_params")) is not None and \
-                (self.transfer is None or self.transfer.sender is None):
+        dest = remote_decode((params.extra_args or {}).get("kv_transfer_params"))
+        if dest is not None and (self.transfer is None or self.transfer.sender is None):
             raise ValueError("kv_transfer_params asks for do_remote_decode, but this instance sends no KV; start it "
                              "with kv_role prefill or both")
+        if dest is not None and dest not in self.transfer.sender.paired:
+            raise ValueError(f"kv_transfer_params names {dest[0]}:{dest[1]}, which this prefill instance has not "
+                             f"paired with; a router pairs it first (POST /v1/kv_transfer/connect)")
         max_tokens = min(params.max_tokens or sc.max_model_len, sc.max_model_len - len(ids))
         if mc.sliding_window is None:
             need = self.kv.blocks_needed(len(ids) + max_tokens)
@@ -813,7 +816,7 @@ class LLMEngine:
                     blocks.append((bid, blk.block_hash, key_text(blk.key)))
         payloads = self.kv_codec.read([b for b, _, _ in blocks]) if blocks else []
         items = [(k, text, p) for (_, k, text), p in zip(blocks, payloads)]
-        req.kv_transfer_params = {"do_remote_prefill": True, "remote_host": dest[0], "remote_port": dest[1],
+        req.kv_transfer_params = {"do_remote_prefill": True,
                                   "transfer": self.transfer.sender.send_async(dest[0], dest[1], items)}
 
     def _pool(self, req: Request, start: int, count: int, part: torch.Tensor, now: float) -> bool:

@@ -32,6 +32,7 @@ ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 CONNECTORS = ("TorchDistributedConnector",)
 DEFAULT_PORT = 14579
 DECODE_HOST_GB = 1.0            # a receiving instance's host tier when kv_offload_memory_gb is not given
+HELLO_S = 30.0          # how long a taken pairing slot waits for its hello
 CONNECT_S = 10.0        # a sender's wait for a decode instance to answer its pairing
 IDLE = datetime.timedelta(days=365)     # a decode instance's receive waits for the next transfer this long
 
@@ -185,21 +186,39 @@ class KVReceiver:
         self._acceptor.start()
 
     def _accept(self) -> None:
-        k = 0
+        """Answer each prefill instance's hello, in whatever order they come. A slot whose hello never comes (its
+        sender died between taking the slot and writing) is given up after HELLO_S instead of blocking the rest."""
+        waiting: dict[int, float] = {}          # slots taken and not answered -> when first seen
+        taken = 0
         while not self._closed:
-            if not self.store.check([f"hello/{k}"]):      # nobody yet
-                time.sleep(0.05)
-                continue
             try:
-                diff = differences(json.loads(self.store.get(f"hello/{k}")), self.identity)
-            except Exception as e:
-                diff = [f"the prefill instance's hello cannot be read ({e})"]
-            self.store.set(f"answer/{k}", json.dumps({"refused": diff}))
-            if diff:
-                log.warning("KV transfer: pairing %d refused: %s", k, "; ".join(diff))
-            else:
-                threading.Thread(target=self._serve, args=(k,), name=f"tokenmill-kv-recv{k}", daemon=True).start()
-            k += 1
+                now = time.monotonic()
+                n = self.store.add("clients", 0)
+                for k in range(taken, n):
+                    waiting[k] = now
+                taken = max(taken, n)
+                for k in sorted(waiting):
+                    if self.store.check([f"hello/{k}"]):
+                        del waiting[k]
+                        self._answer(k)
+                    elif now - waiting[k] > HELLO_S:
+                        del waiting[k]
+                        log.warning("KV transfer: prefill instance %d took a pairing slot and never said hello", k)
+            except Exception as e:          # the rendezvous must outlive one bad exchange
+                if not self._closed:
+                    log.warning("KV transfer: answering a pairing failed (%s)", e)
+            time.sleep(0.05)
+
+    def _answer(self, k: int) -> None:
+        try:
+            diff = differences(json.loads(self.store.get(f"hello/{k}")), self.identity)
+        except Exception as e:
+            diff = [f"the prefill instance's hello cannot be read ({e})"]
+        self.store.set(f"answer/{k}", json.dumps({"refused": diff}))
+        if diff:
+            log.warning("KV transfer: pairing %d refused: %s", k, "; ".join(diff))
+        else:
+            threading.Thread(target=self._serve, args=(k,), name=f"tokenmill-kv-recv{k}", daemon=True).start()
 
     def _serve(self, k: int) -> None:
         _one_thread()
@@ -269,13 +288,21 @@ class KVSender:
         self._pairs: dict[tuple[str, int], _Pair] = {}
         self._stores: list[Any] = []        # a pair's group uses its store: kept alive with it
         self._lock = threading.Lock()
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenmill-kv-send",
-                                                           initializer=_one_thread)
+        # the decode instances connect() paired (a router, through POST /v1/kv_transfer/connect): a request may
+        # send its KV to these only, so that a client cannot make this instance connect elsewhere
+        self.paired: set[tuple[str, int]] = set()
+        # one sending thread per decode instance: a slow or dead one holds up only its own transfers
+        self._senders: dict[tuple[str, int], concurrent.futures.ThreadPoolExecutor] = {}
 
     def connect(self, host: str, port: int) -> None:
-        """Pair with the decode instance at host:port (once): ValueError if it refuses (naming the difference),
-        ConnectionError if it cannot be reached."""
+        """Pair with the decode instance at host:port, afresh (it may have restarted since): ValueError if it
+        refuses (naming the difference), ConnectionError if it cannot be reached. Requests may then send their KV
+        there."""
+        with self._lock:
+            self._pairs.pop((host, port), None)
         self._pair(host, port)
+        with self._lock:
+            self.paired.add((host, port))
 
     def _pair(self, host: str, port: int) -> _Pair:
         with self._lock:
@@ -298,7 +325,11 @@ class KVSender:
             if refused:
                 raise ValueError(f"the decode instance at {host}:{port} refuses the pairing: its cache differs from "
                                  f"this prefill instance's: " + "; ".join(refused))
-            pg = dist.ProcessGroupGloo(dist.PrefixStore(f"pair/{k}", store), 1, 2, self.config.timeout)
+            try:
+                pg = dist.ProcessGroupGloo(dist.PrefixStore(f"pair/{k}", store), 1, 2, self.config.timeout)
+            except Exception as e:
+                raise ConnectionError(f"the decode instance at {host}:{port} accepted the pairing but its group "
+                                      f"did not form ({e})") from None
             self._stores.append(store)
             pair = self._pairs[(host, port)] = _Pair(pg)
             return pair
@@ -327,19 +358,31 @@ class KVSender:
         return {"blocks": len(items), "bytes": len(items) * nbytes, "accepted": accepted, "refused": refused}
 
     def send_async(self, host: str, port: int, items: list[Item]) -> concurrent.futures.Future:
-        """send() on the sender's thread; the future gives its result dict, or {"error": why} on a failure."""
+        """send() on that decode instance's sending thread; the future gives its result dict, or {"error": why}
+        on a failure (or a destination connect() has not paired)."""
         def run() -> dict[str, Any]:
             try:
+                if (host, port) not in self.paired:
+                    raise ConnectionError(f"{host}:{port} is not a paired decode instance; a router pairs it "
+                                          f"first (POST /v1/kv_transfer/connect)")
                 return self.send(host, port, items)
-            except (ConnectionError, ValueError) as e:
+            except Exception as e:          # whatever gloo raises: the reply says why, the decode side computes
                 log.warning("KV transfer: %s", e)
                 self.stats.add(failures=1)
                 return {"error": str(e)}
-        return self._pool.submit(run)
+        with self._lock:
+            pool = self._senders.get((host, port))
+            if pool is None:
+                pool = self._senders[(host, port)] = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="tokenmill-kv-send", initializer=_one_thread)
+        return pool.submit(run)
 
     def close(self) -> None:
         """Stop sending; the pairs close, so their decode instances see them end."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            pools = list(self._senders.values())
+        for pool in pools:
+            pool.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             for pair in self._pairs.values():
                 try:
@@ -365,7 +408,8 @@ def remote_decode(params: Optional[dict]) -> Optional[tuple[str, int]]:
 
 class KVTransfer:
     """An instance's side of the transfer, as its role asks: a sender (prefill), a receiver (decode), or both.
-    codec reads the blocks a sender sends; deliver takes the blocks a receiver accepts."""
+    identity: what shapes this cache's bytes; nbytes: a block's payload; deliver takes the blocks a receiver
+    accepts."""
 
     def __init__(self, config: KVTransferConfig, identity: dict, nbytes: int,
                  deliver: Optional[Callable[[list[Item]], None]]):

@@ -106,9 +106,10 @@ class DisaggRouter:
                              f"it a tokenmill server?")
         return r.json()
 
-    async def _pair(self, p: Instance) -> None:
-        for d in self.decode:
-            if d.kv is None:
+    async def _pair(self, p: Instance, decode: Optional[list[Instance]] = None) -> None:
+        """Pair prefill instance p with the decode instances that are up (or those given)."""
+        for d in decode if decode is not None else self.decode:
+            if d.kv is None or d.error is not None:
                 continue
             try:
                 r = await self.client.post(f"{p.url}/v1/kv_transfer/connect", json={"host": d.kv[0], "port": d.kv[1]})
@@ -139,12 +140,21 @@ class DisaggRouter:
                         await self._pair(inst)
                     else:       # restarted, perhaps on another KV port
                         info = await self._info(inst)
+                        if info.get("kv_role") not in ("kv_consumer", "kv_both"):
+                            raise ValueError(f"its KV role is now {info.get('kv_role')}")
                         inst.kv = (info["kv_ip"], info["kv_port"])
                 except (httpx.HTTPError, ConnectionError, ValueError) as e:
                     inst.error = f"{inst.error.split(' (last probe')[0]} (last probe: {e})"
                     continue
                 log.warning("%s instance %s is back", inst.role, inst.url)
                 inst.error = None
+                if inst.role == "decode":       # the prefill instances that are up pair with it again
+                    for p in self.prefill:
+                        if p.error is None:
+                            try:
+                                await self._pair(p, [inst])
+                            except (httpx.HTTPError, ConnectionError, ValueError) as e:
+                                self._down(p, str(e))
 
     def health(self) -> Response:
         down = [f"{i.role} instance {i.url} is down: {i.error}" for i in self.prefill + self.decode if i.error]
@@ -162,6 +172,9 @@ class DisaggRouter:
             body = json.loads(raw)
         except ValueError:
             body = None
+        if isinstance(body, dict) and "kv_transfer_params" in body:     # the router's to set, not a client's
+            body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+            raw = json.dumps(body).encode()
         alive = [d.error is None for d in self.decode]
         if not any(alive):
             return _error(503, "; ".join(f"decode instance {d.url} is down: {d.error}" for d in self.decode),
@@ -216,9 +229,11 @@ class DisaggRouter:
         kvp = r.json().get("kv_transfer_params") or {}
         if "error" in kvp or "blocks" not in kvp:
             return self._fallback("transfer failed")
-        self.requests.labels("transferred").inc()
         self.bytes.inc(kvp["bytes"])
-        return {k: v for k, v in kvp.items() if k != "error"}
+        if not kvp["accepted"]:
+            return self._fallback("no block accepted" if kvp["blocks"] else "prompt within one block")
+        self.requests.labels("transferred").inc()
+        return kvp
 
     def _fallback(self, reason: str) -> None:
         """The decode instance computes the prompt: counted, by reason."""
