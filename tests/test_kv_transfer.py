@@ -81,7 +81,7 @@ def _disaggregated(pre: LLMEngine, dec: LLMEngine, port: int, work) -> tuple[dic
     return _results(_drain(dec)), sent
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+@pytest.mark.parametrize("kind", ["llama", pytest.param("gemma2", marks=pytest.mark.slow)])
 def test_disaggregated_equals_one_instance_and_transformers(models, kind):
     """A mixed workload, decoded under chunked prefill (24-token budget): tokens equal one engine's and, greedy,
     transformers'; logprobs within 1e-5 of one engine's; the decode instance computes only each transferred
@@ -131,6 +131,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow
 def test_a_failed_transfer_is_computed_on_the_decode_instance(models):
     """The decode instance dies after pairing: the prefill leg says why, the failure is counted, and the request
     decoded on another instance gives transformers' tokens. A destination never paired is refused up front."""
@@ -258,3 +259,22 @@ def test_router_asks_its_clients_for_the_instances_key():
         assert h.status_code == 503 and f"decode instance {dead} is down: refused" in h.json()["error"]["message"]
     with pytest.raises(ValueError, match="at least one --prefill and one --decode"):
         DisaggRouter([], [dead])
+
+
+def test_router_tries_another_decode_instance(models):
+    """A decode instance that cannot be reached is marked down and the request goes to the next one; with none
+    left, a 503 names each."""
+    from fastapi.testclient import TestClient
+
+    from tokenmill.server.disagg import DisaggRouter, build_router_app
+    dead1, dead2 = (f"http://127.0.0.1:{free_port()}" for _ in range(2))
+    router = DisaggRouter([dead1], [dead1, dead2])
+    router.prefill[0].error = "down"
+    for d in router.decode:
+        d.kv = ("127.0.0.1", 1)
+    with TestClient(build_router_app(router)) as client:
+        r = client.post("/v1/completions", json={"model": "m", "prompt": "hi"})
+        msg = r.json()["error"]["message"]
+        assert r.status_code == 503 and f"decode instance {dead1} is down: cannot be reached" in msg \
+            and f"decode instance {dead2} is down: cannot be reached" in msg, msg
+        assert router.pick_decode.load == [0, 0]

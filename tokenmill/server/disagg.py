@@ -175,10 +175,21 @@ class DisaggRouter:
         if isinstance(body, dict) and "kv_transfer_params" in body:     # the router's to set, not a client's
             body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
             raw = json.dumps(body).encode()
-        alive = [d.error is None for d in self.decode]
-        if not any(alive):
-            return _error(503, "; ".join(f"decode instance {d.url} is down: {d.error}" for d in self.decode),
-                          "instance_down")
+        # a decode instance found unreachable is marked down, and the request tried once more on another that
+        # is up (its prefill leg runs again, for that instance)
+        for _ in range(2):
+            alive = [d.error is None for d in self.decode]
+            if not any(alive):
+                break
+            response = await self._route_to(path, raw, body, headers, alive)
+            if response is not None:
+                return response
+        return _error(503, "; ".join(f"decode instance {d.url} is down: {d.error}" for d in self.decode
+                                     if d.error is not None), "instance_down")
+
+    async def _route_to(self, path: str, raw: bytes, body: Any, headers: dict, alive: list[bool]
+                        ) -> Optional[Response]:
+        """The request's two legs, on the least loaded decode instance that is up; None if it cannot be reached."""
         di = self.pick_decode.pick([], alive)
         dec = self.decode[di]
         released = False
@@ -242,14 +253,14 @@ class DisaggRouter:
         return None
 
     async def _decode(self, path: str, raw: bytes, headers: dict, dec: Instance, stream: bool,
-                      release: Callable[[], None]) -> Response:
+                      release: Callable[[], None]) -> Optional[Response]:
         try:
             req = self.client.build_request("POST", f"{dec.url}{path}", content=raw, headers=headers)
             r = await self.client.send(req, stream=True)
         except httpx.HTTPError as e:
             release()
-            self._down(dec, f"{e!r}")
-            return _error(503, f"decode instance {dec.url} cannot be reached ({e!r})", "instance_down")
+            self._down(dec, f"cannot be reached ({e!r})")
+            return None
         if not stream or r.status_code != 200:
             try:
                 content = await r.aread()
