@@ -157,9 +157,11 @@ def test_router_over_prefill_and_decode_instances(model_dir):
         m = _metrics(router.url)
         assert m[("tokenmill:kv_transfer_requests_total", (("outcome", "fallback"),))] == 2 + len(REQUESTS)
 
-        # it comes back on its port: paired again, the router healthy, transfers resume
+        # it comes back on its port: paired again, the router healthy, transfers resume (and, for the last part,
+        # a prefill instance whose cache differs starts beside it)
         pre2 = serve(model_dir, p_port, "--kv-role", "prefill")
-        procs.append(pre2)
+        odd = serve(model_dir, 0, "--kv-role", "prefill", "--dtype", "bfloat16")
+        procs += [pre2, odd]
         pre2.wait_ready("OpenAI API:")
         deadline = time.monotonic() + 30
         while httpx.get(router.url + "/health").status_code != 200:
@@ -169,20 +171,16 @@ def test_router_over_prefill_and_decode_instances(model_dir):
         m = _metrics(router.url)
         assert m[("tokenmill:kv_transfer_requests_total", (("outcome", "transferred"),))] == n + 1
 
-        # a prefill instance whose cache differs (bfloat16) is refused when the router pairs it
-        odd = serve(model_dir, 0, "--kv-role", "prefill", "--dtype", "bfloat16")
-        procs.append(odd)
+        # a prefill instance whose cache differs (bfloat16) is refused when the router pairs it, and a router given
+        # an instance of the wrong role says which
         odd.wait_ready("OpenAI API:")
-        bad = subprocess.run([sys.executable, "-m", "tokenmill.cli", "router", "--port", "0", "--prefill", odd.url,
-                              "--decode", dec.url], capture_output=True, text=True, timeout=120)
-        assert bad.returncode == 2
-        assert "refuses the pairing" in bad.stderr and 'dtype: the prefill instance has "torch.bfloat16"' in \
-            bad.stderr, bad.stderr
-        # a router given an instance of the wrong role says which
-        wrong = subprocess.run([sys.executable, "-m", "tokenmill.cli", "router", "--port", "0", "--prefill",
-                                dec.url, "--decode", dec.url], capture_output=True, text=True, timeout=120)
-        assert wrong.returncode == 2 and "its KV role is kv_consumer; start it with --kv-role prefill" in \
-            wrong.stderr, wrong.stderr
+        routers = [subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "router", "--port", "0", "--prefill",
+                                     first, "--decode", dec.url], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True) for first in (odd.url, dec.url)]
+        (_, bad), (_, wrong) = [r.communicate(timeout=120) for r in routers]
+        assert [r.returncode for r in routers] == [2, 2]
+        assert "refuses the pairing" in bad and 'dtype: the prefill instance has "torch.bfloat16"' in bad, bad
+        assert "its KV role is kv_consumer; start it with --kv-role prefill" in wrong, wrong
         # paired instances stop as any server does: SIGTERM, exit 0
         for p in (pre2, dec):
             p.proc.send_signal(signal.SIGTERM)

@@ -23,13 +23,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class _Models(dict):
+    """Tiny models by kind, each built when a test first asks for it."""
+
+    def __init__(self, factory):
+        super().__init__()
+        self.factory = factory
+
+    def __missing__(self, kind: str):
+        self[kind] = build_tiny(kind, self.factory.mktemp(kind))
+        return self[kind]
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    out = {}
-    for kind in ("llama", "gemma2"):
-        path, model = build_tiny(kind, tmp_path_factory.mktemp(kind))
-        out[kind] = (path, model)
-    return out
+    return _Models(tmp_path_factory)
 
 
 def _engine(path: str, role=None, port=None, **kw) -> LLMEngine:
