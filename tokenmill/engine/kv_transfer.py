@@ -141,8 +141,8 @@ COUNTERS = tuple(TransferStats().counters())
 
 def _one_thread() -> None:
     """A transfer thread computes on itself alone. A torch op that ran parallel here would start an OpenMP team of
-    this thread's own, and with more OpenMP threads than cores, OpenMP stops spinning at its barriers: the engine's
-    steps then ran about 30% slower."""
+    this thread's own, and with more OpenMP threads than cores, OpenMP stops spinning at its barriers: every later
+    engine step slows down (BENCHMARKS.md, run qq)."""
     torch.set_num_threads(1)
 
 
