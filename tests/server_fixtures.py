@@ -35,6 +35,21 @@ def read_url(proc: Any, marker: str, log: list[str], deadline: float) -> str:
     return url
 
 
+def wait_started(proc: Any, marker: str, log: list[str], timeout: float) -> str:
+    """read_url, then wait until /health answers 200 there (the URL is printed just before uvicorn listens)."""
+    import httpx
+    deadline = time.monotonic() + timeout
+    url = read_url(proc, marker, log, deadline)
+    assert url, "".join(log)
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return url
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    raise AssertionError(f"{url} did not answer /health: " + "".join(log))
+
+
 def build_chat_model(path: str) -> str:
     """A 2-layer Llama (hidden 64) sized to the tokenizer, saved with save_pretrained, plus the tokenizer."""
     import torch

@@ -16,7 +16,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server_fixtures import build_chat_model, read_url
+from tests.server_fixtures import build_chat_model, wait_started
 from tests.test_kv_transfer import free_port
 
 openai = pytest.importorskip("openai")
@@ -35,16 +35,8 @@ class Proc:
         self.url = ""
 
     def wait_ready(self, marker: str, timeout: float = 180) -> "Proc":
-        deadline = time.monotonic() + timeout
-        self.url = read_url(self.proc, marker, self.log, deadline)
-        assert self.url, "".join(self.log)
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                time.sleep(0.05)
-        raise AssertionError("no answer on /health: " + "".join(self.log))
+        self.url = wait_started(self.proc, marker, self.log, timeout)
+        return self
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import httpx
 import pytest
 
-from tests.server_fixtures import read_url
+from tests.server_fixtures import wait_started
 
 pytest_plugins = ["tests.server_fixtures"]
 openai = pytest.importorskip("openai")
@@ -43,16 +43,8 @@ class Serve:
         self.url = ""
 
     def wait_ready(self, timeout: float = 120) -> "Serve":
-        deadline = time.monotonic() + timeout
-        self.url = read_url(self.proc, "OpenAI API:", self.log, deadline)
-        assert self.url, "".join(self.log)
-        while time.monotonic() < deadline:       # the URL is printed just before uvicorn starts listening
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                time.sleep(0.05)
-        raise AssertionError("the server did not answer /health: " + "".join(self.log))
+        self.url = wait_started(self.proc, "OpenAI API:", self.log, timeout)
+        return self
 
     def send(self, sig: int) -> None:
         self.proc.send_signal(sig)
