@@ -16,13 +16,11 @@ tokenmill:kv_transfer_bytes_total.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
-import socket
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -31,42 +29,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from harness import git_commit, write_result  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Proc:
-    def __init__(self, *args: str):
-        self.proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-        self.url, self.log = "", []
-
-    def ready(self, marker: str) -> "Proc":
-        while not self.url:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError("".join(self.log))
-            self.log.append(line)
-            if marker in line:
-                self.url = line.split(marker)[1].split()[0].removesuffix("/v1")
-        threading.Thread(target=lambda: self.log.extend(self.proc.stdout), daemon=True).start()
-        while True:
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                time.sleep(0.1)
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+from serving import free_port, scrape, start  # noqa: E402
 
 
 def timed(url: str, model: str, ids: list[int], max_tokens: int) -> tuple[float, float]:
@@ -84,10 +47,7 @@ def timed(url: str, model: str, ids: list[int], max_tokens: int) -> tuple[float,
 
 
 def transfer_bytes(url: str) -> float:
-    for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith("tokenmill:kv_transfer_bytes_total"):
-            return float(line.split()[-1])
-    return 0.0
+    return scrape(url).get("tokenmill:kv_transfer_bytes_total", 0.0)
 
 
 def main() -> None:
@@ -100,21 +60,15 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     kv_port = free_port()
-    procs = []
-    try:
-        pool = ("--kv-cache-memory-gb", args.kv_cache_memory_gb)
-        dec = Proc("serve", "--port", "0", *pool, "--kv-role", "decode", "--kv-transfer-config",
-                   json.dumps({"kv_port": kv_port}))
-        pre = Proc("serve", "--port", "0", *pool, "--kv-role", "prefill")
-        one = Proc("serve", "--port", "0", *pool)
-        procs += [dec, pre, one]
-        for p in procs:
-            p.ready("OpenAI API:")
-        router = Proc("router", "--port", "0", "--prefill", pre.url, "--decode", dec.url)
-        procs.append(router)
-        router.ready("router on")
-        model = httpx.get(one.url + "/v1/models").json()["data"][0]["id"]
-        arms = {"one instance": one.url, "router (prefill -> decode)": router.url}
+    pool = ("--kv-cache-memory-gb", args.kv_cache_memory_gb)
+    with contextlib.ExitStack() as stack:
+        dec, _ = stack.enter_context(start([*pool, "--kv-role", "decode", "--kv-transfer-config",
+                                            json.dumps({"kv_port": kv_port})]))
+        pre, _ = stack.enter_context(start([*pool, "--kv-role", "prefill"]))
+        one, _ = stack.enter_context(start(pool))
+        router, _ = stack.enter_context(start(["--prefill", pre, "--decode", dec], command="router"))
+        model = httpx.get(one + "/v1/models").json()["data"][0]["id"]
+        arms = {"one instance": one, "router (prefill -> decode)": router}
         time.sleep(10)                     # the pools' memory faulted in
         r = random.Random(0)
         for url in arms.values():          # warm-up: the kernels' first calls, the first pairing
@@ -126,11 +80,11 @@ def main() -> None:
                 order = list(arms) if rnd % 2 == 0 else list(arms)[::-1]
                 for arm in order:
                     ids = [r.randrange(1000, 40000) for _ in range(n)]
-                    before = transfer_bytes(router.url)
+                    before = transfer_bytes(router)
                     ttft, total = timed(arms[arm], model, ids, args.max_tokens)
                     rows[arm][n].append((ttft, total))
-                    if arms[arm] == router.url:
-                        moved[n].append(transfer_bytes(router.url) - before)
+                    if arms[arm] == router:
+                        moved[n].append(transfer_bytes(router) - before)
                     print(f"round {rnd} {n:5d} tokens  {arm:28s} TTFT {ttft * 1e3:8.1f} ms  reply "
                           f"{total * 1e3:8.1f} ms", file=sys.stderr, flush=True)
         from tokenmill.executor.kernels import machine_record
@@ -151,9 +105,6 @@ def main() -> None:
         out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / \
             f"{time.strftime('%Y-%m-%d')}-pd-disagg.json"
         write_result(out, res)
-    finally:
-        for p in procs:
-            p.close()
 
 
 if __name__ == "__main__":

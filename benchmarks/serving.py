@@ -62,13 +62,15 @@ def scrape(url: str) -> dict[str, float]:
 
 
 @contextmanager
-def start(extra: tuple[str, ...] | list[str] = (), tree: Path | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
-    """`tokenmill serve` on a free port with these extra arguments, once its /health answers; from another checkout
-    (its kernels built) when `tree` is given, for a before/after in one run."""
+def start(extra: tuple[str, ...] | list[str] = (), tree: Path | None = None,
+          command: str = "serve") -> Iterator[tuple[str, subprocess.Popen]]:
+    """`tokenmill serve` (or another command that serves, `router`) on a free port with these extra arguments, once
+    its /health answers; from another checkout (its kernels built) when `tree` is given, for a before/after in one
+    run."""
     import httpx
     port = free_port()
     env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree)}
-    proc = subprocess.Popen(TM + ["serve", "--port", str(port), *extra], cwd=tree or ROOT, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(TM + [command, "--port", str(port), *extra], cwd=tree or ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     try:

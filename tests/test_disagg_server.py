@@ -17,7 +17,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server_fixtures import build_chat_model, wait_started
-from tests.test_kv_transfer import free_port
+from tokenmill.executor.parallel import free_port
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow

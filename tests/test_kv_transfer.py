@@ -5,22 +5,16 @@ difference."""
 from __future__ import annotations
 
 import random
-import socket
 
 import pytest
 
 from tests.tiny_models import build_tiny, hf_greedy
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.kv_transfer import KVTransferConfig, remote_decode
+from tokenmill.executor.parallel import free_port
 from tokenmill.sampling_params import SamplingParams
 
 BS = 16
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Models(dict):
@@ -185,7 +179,7 @@ def test_blocks_of_another_size_or_key_are_never_served(models):
     _drain(pre)
     blocks = [(bid, pre.kv.pool.blocks[bid]) for bid in range(pre.kv.num_blocks)
               if pre.kv.pool.blocks[bid].block_hash is not None]
-    payloads = pre.kv_codec.read([b for b, _ in blocks])
+    payloads = pre.transfer.codec.read([b for b, _ in blocks])
     sender = pre.transfer.sender
     short = [(blk.block_hash, "x", p[:-4]) for (_, blk), p in zip(blocks, payloads)]
     assert sender.send("127.0.0.1", port, short) == {"blocks": len(short), "bytes": len(short) * (payloads[0].numel() - 4),

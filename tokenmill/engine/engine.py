@@ -421,10 +421,9 @@ class LLMEngine:
             raise ValueError("kv_transfer_config: the transferred blocks are found through the prefix cache, which "
                              "is off here (enable_prefix_caching=False, or a sliding window); turn it on")
         tensors, parts = identity
-        self.kv_codec = self.offload.codec if self.offload is not None else \
+        codec = self.offload.codec if self.offload is not None else \
             BlockCodec(tensors, self.config.cache_config.block_size)
-        transfer = KVTransfer(cfg, parts, self.kv_codec.nbytes,
-                              self.offload.receive if self.offload is not None else None)
+        transfer = KVTransfer(cfg, parts, codec, self.offload.receive if self.offload is not None else None)
         self._close_transfer = weakref.finalize(self, transfer.close)
         log.info("%s", cfg.describe())
         return transfer
@@ -814,7 +813,7 @@ class LLMEngine:
                 blk = self.kv.pool.blocks[bid] if bid >= 0 else None
                 if blk is not None and blk.block_hash is not None:
                     blocks.append((bid, blk.block_hash, key_text(blk.key)))
-        payloads = self.kv_codec.read([b for b, _, _ in blocks]) if blocks else []
+        payloads = self.transfer.codec.read([b for b, _, _ in blocks]) if blocks else []
         items = [(k, text, p) for (_, k, text), p in zip(blocks, payloads)]
         req.kv_transfer_params = {"do_remote_prefill": True,
                                   "transfer": self.transfer.sender.send_async(dest[0], dest[1], items)}

@@ -408,12 +408,13 @@ def remote_decode(params: Optional[dict]) -> Optional[tuple[str, int]]:
 
 class KVTransfer:
     """An instance's side of the transfer, as its role asks: a sender (prefill), a receiver (decode), or both.
-    identity: what shapes this cache's bytes; nbytes: a block's payload; deliver takes the blocks a receiver
-    accepts."""
+    identity: what shapes this cache's bytes; codec: reads the blocks a sender sends; deliver takes the blocks a
+    receiver accepts."""
 
-    def __init__(self, config: KVTransferConfig, identity: dict, nbytes: int,
+    def __init__(self, config: KVTransferConfig, identity: dict, codec: Any,
                  deliver: Optional[Callable[[list[Item]], None]]):
-        self.config = config
+        self.config, self.codec = config, codec
+        nbytes = codec.nbytes
         self.stats = TransferStats()
         self.sender = KVSender(config, identity, self.stats) if config.sends else None
         self.receiver = None
