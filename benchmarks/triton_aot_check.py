@@ -63,6 +63,10 @@ KERNELS = {     # (module, kernel): a short name for the report
     (LORA, "_lora_expand_kernel"): "lora_expand",
 }
 HIGH_REGS = 200         # flagged: close to the 255 a thread may hold, occupancy suffers
+# kernels that round each product and sum to the activations' dtype as torch's ops do: a half-precision FMA in
+# their PTX rounds once where torch rounds twice (a compile error here)
+ROUNDS_AS_TORCH = {(OPS, "_rotary_write_kernel")}
+_HALF_FMA = re.compile(r"\bfma\.rn\.(?:f16|bf16)")
 
 
 def _quiet() -> None:
@@ -367,6 +371,9 @@ def compile_one(launch: Launch, arch: int) -> dict:
             ck = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=launch.options)
         md = ck.metadata
         res.update(warps=md.num_warps, shared=md.shared, cubin=len(ck.kernel))
+        if launch.kernel in ROUNDS_AS_TORCH and _HALF_FMA.search(ck.asm["ptx"]):
+            raise ValueError("a fused half-precision FMA where the kernel rounds as torch's separate ops do "
+                             "(launch it with enable_fp_fusion=False)")
         log = stdout.getvalue()
         if m := _PTXAS_REGS.search(log):
             res["regs"] = int(m.group(1))

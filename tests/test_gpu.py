@@ -36,19 +36,22 @@ def _hf(hf, prompt: list[int], n: int, dtype: torch.dtype) -> tuple[list[int], l
     return out.sequences[0, len(prompt):].tolist(), tops
 
 
-def _ours(path: str, prompts: list[list[int]], n: int, dtype: str):
-    llm = LLM(path, dtype=dtype, device="cuda", kv_cache_memory_gb=0.05, max_model_len=512)
-    assert llm.llm_engine.runner.backend.name == "triton"
+def _ours(path: str, prompts: list[list[int]], n: int, dtype: str, plan: str = "triton"):
+    """plan 'triton': the GPU's kernels; 'reference': torch's ops and attention on the device (the plain path)."""
+    kw = {} if plan == "triton" else {"cpu_kernels": "reference", "attention_backend": "torch"}
+    llm = LLM(path, dtype=dtype, device="cuda", kv_cache_memory_gb=0.05, max_model_len=512, **kw)
+    assert (llm.llm_engine.runner.backend.name == "triton") == (plan == "triton")
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=TOP), use_tqdm=False)
     return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
             for o in outs]
 
 
-def test_float32_token_exact(model):
+@pytest.mark.parametrize("plan", ["triton", "reference"])
+def test_float32_token_exact(model, plan):
     path, hf = model
     prompts = random_prompts([5, 33, 70, 12, 1, 48], seed=11)
-    for p, (toks, lps) in zip(prompts, _ours(path, prompts, 24, "float32")):
+    for p, (toks, lps) in zip(prompts, _ours(path, prompts, 24, "float32", plan)):
         want, want_lps = _hf(hf, p, 24, torch.float32)
         assert toks == want
         for t, got, ref in zip(toks, lps, want_lps):
@@ -70,11 +73,12 @@ def test_bfloat16_logprobs_close(model):
 
 
 @pytest.mark.parametrize("case", ["mixed", "decode6", "long", "context", "long_prompt"])
-@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("window,softcap", [(None, None), (20, None), (20, 5.0)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernels_match_reference(case, window, dtype):
+def test_kernels_match_reference(case, window, softcap, dtype):
     """The Triton kernels on the device against the torch reference on the device: decodes (split or not),
-    fresh prompts, prompts over a cached context, sliding windows; float32 products and bfloat16 ones."""
+    fresh prompts, prompts over a cached context, sliding windows, Gemma 2's soft cap (the tiny model's 5.0);
+    float32 products and bfloat16 ones."""
     from tests.test_attention_backends import CASES, _meta
     from tokenmill.executor.attention import get_backend
     from tokenmill.executor.kv_cache import LayerKV
@@ -85,11 +89,11 @@ def test_kernels_match_reference(case, window, dtype):
     q, k, v = (torch.randn(sum(qn), n, D, device=dev).to(dtype) for n in (H, KV, KV))
     outs = []
     for name in ("torch", "triton"):
-        be = get_backend(name, dev, H, KV, D, None)
+        be = get_backend(name, dev, H, KV, D, None, softcap=softcap)
         be.bind_kv_cache([LayerKV(k0.clone(), v0.clone())])
         meta = _meta(ctx, qn, bs, window, nblocks)
         meta.device, meta.slot_mapping = dev, meta.slot_mapping.to(dev)
-        outs.append(be.forward(0, q, k, v, be.prepare(meta), D ** -0.5).float())
+        outs.append(be.forward(0, q, k, v, be.prepare(meta), D ** -0.5, softcap=softcap).float())
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
 

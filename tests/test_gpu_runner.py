@@ -303,6 +303,28 @@ def test_async_scheduling_waits_for_requests_that_read_their_past(llama):
     assert len(sync) == 3 and len(set(sync["r3"])) == len(sync["r3"]) and run(True) == sync
 
 
+def test_async_scheduling_switched_on_between_requests(llama):
+    """One engine, its config switched to async scheduling after a request ran step by step (as benchmarks/gpu.py
+    measures both on one 8B engine): the runner keeps each step's tokens whatever its own config says, and the
+    next request's tokens equal the first's."""
+    import dataclasses
+    path, _ = llama
+    prompt = {"prompt_token_ids": random_prompts([20], seed=31)[0]}
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    eng = runner_llm(path, graphs=True).llm_engine
+
+    def run(rid: str) -> list[int]:
+        eng.add_request(rid, prompt, params)
+        done = {}
+        while eng.has_unfinished_requests():
+            done.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
+        return done[rid]
+    sync = run("sync")
+    sc = eng.config.scheduler_config
+    eng.config = dataclasses.replace(eng.config, scheduler_config=dataclasses.replace(sc, async_scheduling=True))
+    assert run("async") == sync
+
+
 def test_async_scheduling_is_refused_where_it_cannot_run(llama):
     path, _ = llama
     with pytest.raises(ValueError, match="GPU runner"):

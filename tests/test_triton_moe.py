@@ -290,7 +290,7 @@ def test_a_moe_model_on_the_triton_plan_gives_transformers_tokens(tmp_path):
     from tests.tiny_models import build_tiny, hf_greedy, random_prompts
     from tokenmill import LLM, SamplingParams
     path, hf = build_tiny("qwen3_moe", tmp_path)
-    llm = LLM(path, dtype="float32", device="cpu", cpu_kernels="triton", kv_cache_memory_gb=0.02, max_model_len=256,
+    llm = LLM(path, dtype="float32", device=DEVICE, cpu_kernels="triton", kv_cache_memory_gb=0.02, max_model_len=256,
               enforce_eager=True)
     model = llm.llm_engine.model
     ops = model.ops

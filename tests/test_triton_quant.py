@@ -200,7 +200,7 @@ def test_triton_ops_linear_routes_group_weights_to_the_kernel(monkeypatch):
     assert tq.group_matmul_fits(unfit, BF16) is not None
     x96 = _x(3, 96, BF16)
     assert torch.equal(_linear(unfit, ops, bias=False)(x96), ref.linear(x96, _linear(unfit, ref, bias=False)))
-    dense = Linear(96, 8, False, ops)
+    dense = Linear(96, 8, False, ops).to(DEVICE)
     torch.nn.init.normal_(dense.weight)
     assert torch.equal(dense(x96.float()), ref.linear(x96.float(), dense))
     assert calls == []
@@ -221,12 +221,12 @@ def test_triton_ops_linear_routes_fp8_weights_to_the_scaled_matmul():
     torch.manual_seed(0)
     with torch.device("meta"):
         lin = Linear(64, 48, True, TritonOps(F32))
-    lin.quant, lin.weight = quantize_fp8(torch.randn(48, 64)), None
-    lin.bias = torch.nn.Parameter(torch.randn(48))
-    x = torch.randn(3, 64)
+    lin.quant, lin.weight = quantize_fp8(torch.randn(48, 64)).to(torch.device(DEVICE)), None
+    lin.bias = torch.nn.Parameter(torch.randn(48).to(DEVICE))
+    x = torch.randn(3, 64).to(DEVICE)
     assert torch.equal(lin(x), fp8_linear(x, lin.quant, lin.bias))
     # a shape the FP8 matmul does not take: the dequantised weight, exactly
     with torch.device("meta"):
         odd = Linear(64, 40, False, TritonOps(F32))
-    odd.quant, odd.weight = quantize_fp8(torch.randn(40, 64)), None
+    odd.quant, odd.weight = quantize_fp8(torch.randn(40, 64)).to(torch.device(DEVICE)), None
     torch.testing.assert_close(odd(x), x @ odd.quant.dequantize().t())

@@ -111,8 +111,10 @@ class GpuRunner(ModelRunner):
         return self.resident
 
     def _launched(self, plan: StepPlan, pending) -> None:
+        # kept whatever the config says: the engine picks async launches step by step (not while a request reads
+        # its past tokens), and a step launched ahead needs the last one's tokens
         self._last_rows.clear()
-        if pending is None or not self.config.scheduler_config.async_scheduling:
+        if pending is None:
             return
         self._last_tokens = pending.token_ids_device
         row = 0

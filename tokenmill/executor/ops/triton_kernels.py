@@ -253,7 +253,10 @@ def rotary_write(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torc
         cos.stride(0), cos.stride(-1), sin.stride(0), sin.stride(-1), slots.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), BLOCK_HEADS=block_heads, BLOCK_HALF=block_half, ACT_KIND=_KIND[qk.dtype],
-        KC_KIND=_KIND[k_cache.dtype], VC_KIND=_KIND[v_cache.dtype], num_warps=4)
+        KC_KIND=_KIND[k_cache.dtype], VC_KIND=_KIND[v_cache.dtype], num_warps=4,
+        # unfused: float16 rounding is a conversion the compiler sees through, and it would fuse a product and the
+        # sum into one FMA, rounding once where torch rounds twice
+        enable_fp_fusion=False)
 
 
 @rotary_write.register_fake
