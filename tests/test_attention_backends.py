@@ -141,7 +141,18 @@ def test_quantised_cache_attends_the_dequantised_values(backend, kv_dtype):
                                                    D ** -0.5), atol=1e-4, rtol=0)   # the rounding is really there
 
 
-def _compare_with_reference(backend, window, dtype, case, H, KV, D, kv_dtype=None):
+# Gemma 2's soft cap on every path of the C kernels (decode_fast, attend_rows for D = 40, the cascade, prompt
+# tiles, ranges split past 1024 positions), Gemma 3 270M's heads (4, 1, 256) among them; a cap of 3 bends scores of
+# about that size, so dropping it fails (checked in the test)
+@pytest.mark.parametrize("case", ["mixed", "cascade_mixed", "context", "long", "long_prompt"])
+@pytest.mark.parametrize("shape", [(6, 2, 32), (4, 1, 256), (4, 4, 40)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", CPU)
+def test_cpu_kernels_soft_cap_scores(backend, dtype, shape, case):
+    _compare_with_reference(backend, 20 if case == "context" else None, dtype, case, *shape, softcap=3.0)
+
+
+def _compare_with_reference(backend, window, dtype, case, H, KV, D, kv_dtype=None, softcap=None):
     bs, nblocks = 4, 300
     ctx, qn, shared = CASES[case]
     torch.manual_seed(0)
@@ -154,12 +165,18 @@ def _compare_with_reference(backend, window, dtype, case, H, KV, D, kv_dtype=Non
         be = _backend(name, H, KV, D)
         be.bind_kv_cache([_clone(cache)])
         meta = be.prepare(_meta(ctx, qn, bs, window, nblocks, shared_blocks=shared))
-        outs[name] = be.forward(0, q, k, v, meta, D ** -0.5).float()
+        outs[name] = be.forward(0, q, k, v, meta, D ** -0.5, softcap=softcap).float()
         if name.startswith("cpu"):
             shared_len = meta.decode_step.shared_len if meta.decode_step is not None else 0
             assert shared_len == (68 if shared and window is None else 0)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[backend], outs["torch"], atol=tol, rtol=tol)
+    if softcap is not None:         # the cap changes the result: a kernel that dropped it would fail above
+        be = _backend("torch", H, KV, D)
+        be.bind_kv_cache([_clone(cache)])
+        uncapped = be.forward(0, q, k, v, be.prepare(_meta(ctx, qn, bs, window, nblocks, shared_blocks=shared)),
+                              D ** -0.5).float()
+        assert (uncapped - outs["torch"]).abs().max() > 2 * tol
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "int8", "fp8"])

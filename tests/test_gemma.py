@@ -1,7 +1,7 @@
 """Gemma 2 and Gemma 3 (text): greedy tokens equal transformers' for prompts longer than the local layers' window,
 under chunked prefill, prefix hits and preemption, through every attention backend the engine may pick, and from
-GGUF files in llama.cpp's names; the kernels' attention refuses what it cannot do (soft-capping, per-layer windows)
-and the engine says so by falling back. (The mixed-length batch with logprobs is test_models.py's.)"""
+GGUF files in llama.cpp's names. The CPU kernels attend with Gemma 2's soft cap and each KV group's window, on every
+kernel variant this CPU runs. (The mixed-length batch with logprobs is test_models.py's.)"""
 from __future__ import annotations
 
 import pytest
@@ -11,6 +11,7 @@ from tests.family_checks import (PRESSURE, check_blocks_equal_dequantised, check
 from tests.tiny_models import build_tiny, hf_greedy, random_prompts
 from tokenmill import LLM
 from tokenmill.config import ModelConfig
+from tokenmill.executor.kernels import runnable_variants
 
 ENGINE = dict(dtype="float32", kv_cache_memory_gb=0.02, max_model_len=512)
 
@@ -29,12 +30,12 @@ def test_config_reads_the_layer_pattern(gemma):
     assert mc.query_pre_attn_scalar == hf.config.query_pre_attn_scalar
 
 
-@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("backend", ["auto", "batched", "torch"])
 def test_long_prompts_past_the_window(gemma, backend):
     """Prompts of up to 4x the window of 16, and 30 tokens each, in one batch."""
     path, hf = gemma
     llm = LLM(path, **ENGINE, attention_backend=backend)
-    assert llm.llm_engine.runner.backend.name == ("torch" if backend == "torch" else "batched")
+    assert llm.llm_engine.runner.backend.name == ("cpu" if backend == "auto" else backend)
     prompts = random_prompts([60, 10, 45, 17, 33], seed=2)
     for p, got in zip(prompts, greedy(llm, prompts, 30)):
         assert got == hf_greedy(hf, p, 30), len(p)
@@ -49,11 +50,15 @@ def test_prefix_hits(gemma):
     check_prefix_hits(*gemma, ENGINE)
 
 
-def test_kernel_attention_is_refused(gemma):
-    path, _ = gemma
-    with pytest.raises(ValueError, match="attention_backend='cpu' cannot run here: (attention logit soft-capping|"
-                                         "sliding windows that differ between layers)"):
-        LLM(path, **ENGINE, attention_backend="cpu")
+@pytest.mark.parametrize("isa", runnable_variants())
+def test_every_kernel_variant_attends_as_transformers(gemma, isa):
+    """Each CPU kernel variant's ops and attention, chunked prompts past the window among decodes: greedy tokens
+    equal transformers'."""
+    path, hf = gemma
+    llm = LLM(path, **ENGINE, cpu_kernels=isa, attention_backend="cpu", max_num_batched_tokens=24)
+    prompts = random_prompts([60, 10, 45, 33], seed=7)
+    for p, got in zip(prompts, greedy(llm, prompts, 20)):
+        assert got == hf_greedy(hf, p, 20), len(p)
 
 
 def test_config_options_outside_the_implementation_are_named(gemma):

@@ -89,7 +89,7 @@ def test_kernels_match_reference(case, window, softcap, dtype):
     q, k, v = (torch.randn(sum(qn), n, D, device=dev).to(dtype) for n in (H, KV, KV))
     outs = []
     for name in ("torch", "triton"):
-        be = get_backend(name, dev, H, KV, D, None, softcap=softcap)
+        be = get_backend(name, dev, H, KV, D, None)
         be.bind_kv_cache([LayerKV(k0.clone(), v0.clone())])
         meta = _meta(ctx, qn, bs, window, nblocks)
         meta.device, meta.slot_mapping = dev, meta.slot_mapping.to(dev)

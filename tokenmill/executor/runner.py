@@ -63,8 +63,7 @@ class ModelRunner:
         mc = config.model_config
         self.block_size = config.cache_config.block_size
         self.backend = get_backend(config.attention_backend, self.device, mc.num_attention_heads,
-                                   mc.cache_kv_heads, mc.cache_head_dim, model.ops.kernels, mc.attn_logit_softcapping,
-                                   any(w is not None for w in mc.layer_windows), mc.cache_value_dim,
+                                   mc.cache_kv_heads, mc.cache_head_dim, model.ops.kernels, mc.cache_value_dim,
                                    config.kv_cache_dtype, mc.rotary_dim if model.ops.name == "triton" else None)
         why_not = self.backend.kv_cache_dtype_error(config.kv_cache_dtype, self.device)
         if why_not is not None:

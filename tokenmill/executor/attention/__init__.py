@@ -20,20 +20,18 @@ log = logging.getLogger("tokenmill")
 
 
 def get_backend(name: str, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int,
-                kernels: Optional[KernelLibrary], softcap: Optional[float] = None,
-                layer_windows: bool = False, value_dim: Optional[int] = None,
-                kv_cache_dtype: str = "auto", rotary_dim: Optional[int] = None) -> AttentionBackend:
+                kernels: Optional[KernelLibrary], value_dim: Optional[int] = None, kv_cache_dtype: str = "auto",
+                rotary_dim: Optional[int] = None) -> AttentionBackend:
     """'auto': the CPU kernels on CPU where they take the model's shapes and attention (else torch, said once),
     the Triton kernels on a GPU where Triton is installed and they take the shapes (else torch, said once);
     'cpu', 'triton', 'batched', 'padded' or 'torch' by name ('triton' on CPU only under TRITON_INTERPRET=1, for tests). kernels: the CPU kernel library, None without one.
-    softcap: the model's attention logit soft cap; layer_windows: whether its layers have sliding windows of their
-    own (Gemma); value_dim: values narrower than keys (latent attention's), which only torch attends;
+    value_dim: values narrower than keys (latent attention's), which only torch attends;
     kv_cache_dtype: the cache's dtype by name (the Triton kernels read float and fp8 caches); rotary_dim: under the
     Triton op plan, the dims of each head that rotary embeddings turn (all of them: the Triton backend turns q and k
     as it writes the cache; None: the plan's own rotary)."""
     fused_rotary = rotary_dim == head_dim
     why_not = "the CPU kernels are off (reference)" if kernels is None else \
-        kernel_fits(kernels, num_heads, num_kv_heads, head_dim, softcap, layer_windows, value_dim)
+        kernel_fits(kernels, num_heads, num_kv_heads, head_dim, value_dim)
     if name == "auto":
         if device.type == "cpu" and why_not is None:
             return CpuKernelBackend(kernels)

@@ -25,17 +25,11 @@ _KV_FORMATS = {"float32": "TM_KV_F32", "bfloat16": "TM_KV_BF16", "int8": "TM_KV_
 
 
 def kernel_fits(kernels: KernelLibrary, num_heads: int, num_kv_heads: int, head_dim: int,
-                softcap: Optional[float] = None, layer_windows: bool = False,
                 value_dim: Optional[int] = None) -> Optional[str]:
     """None when the attention kernels take these shapes (tokenmill.h's TM_ATTN_ limits) and this attention, else
-    why not. They take one sliding window for every layer, no soft-capping of the scores, and values as wide as
-    keys."""
+    why not. They take a soft cap and each KV group's own window (Gemma), and values as wide as keys."""
     if value_dim is not None:
         return "values narrower than keys (latent attention)"
-    if softcap is not None:
-        return "attention logit soft-capping"
-    if layer_windows:
-        return "sliding windows that differ between layers"
     lim = kernels.limits
     if num_heads % num_kv_heads or num_heads // num_kv_heads > lim["TM_ATTN_MAX_GROUP"]:
         return f"{num_heads // num_kv_heads} query heads per kv head (at most {lim['TM_ATTN_MAX_GROUP']})"
@@ -132,18 +126,19 @@ class CpuKernelBackend(AttentionBackend):
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: CpuAttentionMetadata,
                 scale: float, window: Optional[int] = None, softcap: Optional[float] = None) -> torch.Tensor:
-        if softcap is not None or window not in (None, meta.sliding_window):
-            raise ValueError("the CPU attention kernels take neither soft-capping nor a layer's own window "
-                             "(kernel_fits refuses such models)")
+        if window not in (None, meta.sliding_window):
+            raise ValueError(f"layer {layer}'s window of {window} is not its KV group's ({meta.sliding_window}): "
+                             f"the CPU kernels attend through the group's")
+        cap = softcap or 0.0
         self._write(layer, k, v, meta)
         if meta.all_decode:       # a pure decode step: no row gather or scatter around the kernel
-            return self._decode(layer, q, meta, scale)
+            return self._decode(layer, q, meta, scale, cap)
         q = _rows_dense(q)
         out = torch.empty(q.shape, dtype=q.dtype)
         if meta.decode_rows is not None:
-            out[meta.decode_rows] = self._decode(layer, q[meta.decode_rows], meta, scale)
+            out[meta.decode_rows] = self._decode(layer, q[meta.decode_rows], meta, scale, cap)
         self.kernels.run("paged_prefill", kv=meta.kv[layer], q=q, q_stride=_row_stride(q), q_bf16=_bf16(q),
-                         out=out, heads=q.shape[1], scale=scale, **meta.prefill)
+                         out=out, heads=q.shape[1], scale=scale, softcap=cap, **meta.prefill)
         return out
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -156,12 +151,13 @@ class CpuKernelBackend(AttentionBackend):
             return
         self.kv_caches[layer].write(meta.slot_mapping, k, v)
 
-    def _decode(self, layer: int, q: torch.Tensor, meta: CpuAttentionMetadata, scale: float) -> torch.Tensor:
-        """The decoding requests' rows q [Bd, H, D] through the kernel."""
+    def _decode(self, layer: int, q: torch.Tensor, meta: CpuAttentionMetadata, scale: float,
+                cap: float) -> torch.Tensor:
+        """The decoding requests' rows q [Bd, H, D] through the kernel (cap: the soft cap, 0 for none)."""
         q = _rows_dense(q)
         out = torch.empty(q.shape, dtype=q.dtype)
         self.kernels.run("paged_decode", step=meta.decode_step, kv=meta.kv[layer], q=q, q_stride=_row_stride(q),
-                         q_bf16=_bf16(q), out=out, heads=q.shape[1], scale=scale)
+                         q_bf16=_bf16(q), out=out, heads=q.shape[1], scale=scale, softcap=cap)
         return out
 
 

@@ -19,6 +19,8 @@
  *   q      [B, H, D]            out [B, H, D]      (q's rows q_stride elements apart: a view into fused qkv)
  *   k, v   [slots, KV, D]       slot = tables[b][pos / block_size] * block_size + pos % block_size
  *   starts [B], lens [B]        attend positions start..len-1 (start > 0 under a sliding window)
+ * A soft cap (Gemma 2) turns each score s into cap * tanh(s / cap) before the softmax, on every path; a model
+ * whose layers have windows of their own calls once per KV group, each with its group's window.
  */
 #include <float.h>
 #include <math.h>
@@ -240,6 +242,7 @@ static void attend_rows(const ctx_t *c, int h0, int NH, int RG, float (*qs)[MAX_
                     if (nr == 2) score8(q, 2, kr + j, D, o);
                     else score8(q, 1, kr + j, D, o);
                 }
+                for (int r = 0; r < nr; r++) cap_scores(s[r], top, c->cap);
                 int live = 0;
                 for (int r = 0; r < nr; r++)
                     live += fold(s[r], top, lo[r], hi[r], &m[row + r], &l[row + r], acc[row + r], D);
@@ -442,7 +445,7 @@ static int same_tile(const int32_t *tables, int max_blocks, const int32_t *start
 
 static int paged_decode(const void *q, int q_stride, const tm_kv_cache *kv, void *out, int q_bf16,
                  const int32_t *tables, int max_blocks, const int32_t *starts, const int32_t *lens, int shared_len,
-                 int B, int H, int block_size, float scale, int num_threads) {
+                 int B, int H, int block_size, float scale, float softcap, int num_threads) {
     /* shared_len > 0 (cascade): positions 0 .. shared_len-1 sit in the same blocks for every request (the
      * caller checked the tables and that no request starts later than 0); they are attended once per tile of
      * requests, and each request's items cover only shared_len .. len-1. */
@@ -452,6 +455,7 @@ static int paged_decode(const void *q, int q_stride, const tm_kv_cache *kv, void
     const int bs_shift = __builtin_ctz(block_size), bs_mask = block_size - 1;
     const size_t es = q_bf16 ? 2 : 4;
     const int fast = HAVE_FAST && D % 16 == 0;
+    if (softcap > 0.f) scale /= softcap;     /* the scores come divided by the cap, as cap_scores takes them */
     const split_t split = {(2 * num_threads + KV - 1) / KV, fast};
     /* Tiles: runs of entries that are one verification's rows (fast path only), up to what a work item carries */
     const int most_per_tile = H <= MAX_ROWS ? MAX_ROWS / H : MAX_ROWS / G;
@@ -512,7 +516,7 @@ static int paged_decode(const void *q, int q_stride, const tm_kv_cache *kv, void
             for (int item = 0; item < KV * ctiles; item++) {
                 if (!ok) continue;
                 const int h = item % KV, b0 = (item / KV) * tile, nb = B - b0 < tile ? B - b0 : tile;
-                const ctx_t c = ctx_of(kv, bs_shift, bs_mask, tables);   /* request 0's table */
+                const ctx_t c = ctx_of(kv, bs_shift, bs_mask, tables, softcap);   /* request 0's table */
                 for (int i = 0; i < nb; i++)
                     for (int g = 0; g < G; g++)
                         load_q(s.qs[i * G + g], (const char *)q + (size_t)(b0 + i) * q_stride * es, q_bf16,
@@ -550,7 +554,7 @@ static int paged_decode(const void *q, int q_stride, const tm_kv_cache *kv, void
                             s.end[r] = lens[b0 + i];
                         }
                 if (count > 0) {
-                    const ctx_t c = ctx_of(kv, bs_shift, bs_mask, tables + (size_t)b0 * max_blocks);
+                    const ctx_t c = ctx_of(kv, bs_shift, bs_mask, tables + (size_t)b0 * max_blocks, softcap);
 #if HAVE_FAST
                     if (fast)
                         decode_fast_any(&c, h0, NH, RG, s.qs, begin, count, s.m, s.l, s.acc, s.sbuf, s.slot, s.kt,
@@ -610,10 +614,11 @@ static int paged_decode(const void *q, int q_stride, const tm_kv_cache *kv, void
 static int paged_prefill(const void *q, int q_stride, const tm_kv_cache *kv, void *out, int q_bf16,
                   const int32_t *tables, int max_blocks, const int32_t *row0, const int32_t *count,
                   const int32_t *computed, int R, int H, int block_size, int window, float scale,
-                  int num_threads) {
+                  float softcap, int num_threads) {
     const int KV = kv->kv_heads, D = kv->head_dim;
     if (!shapes_ok(H, KV, D, block_size)) return -1;
     const int G = H / KV;
+    if (softcap > 0.f) scale /= softcap;     /* as paged_decode */
     const int bs_shift = __builtin_ctz(block_size), bs_mask = block_size - 1;
     const size_t es = q_bf16 ? 2 : 4;
     const int tok = TILE_ROWS / G > 0 ? TILE_ROWS / G : 1;      /* tokens per tile */
@@ -636,7 +641,7 @@ static int paged_prefill(const void *q, int q_stride, const tm_kv_cache *kv, voi
             while (first_item[i] > item) i--;
             const int local = item - first_item[i], h = local % KV, t0 = (local / KV) * tok;
             const int nt = count[i] - t0 < tok ? count[i] - t0 : tok;
-            const ctx_t c = ctx_of(kv, bs_shift, bs_mask, tables + (size_t)i * max_blocks);
+            const ctx_t c = ctx_of(kv, bs_shift, bs_mask, tables + (size_t)i * max_blocks, softcap);
             int p0 = 1 << 30, p1 = 0;
             for (int t = 0; t < nt; t++) {
                 const int pos = computed[i] + t0 + t;
@@ -767,7 +772,7 @@ static int decode_attention(float *qkv, int qkv_stride, float *out, const float 
     const int rc = write_kv(qkv + (size_t)H * D, qkv + (size_t)(H + KV) * D, qkv_stride, kv, slots, B);
     if (rc != 0) return rc;
     return paged_decode(qkv, qkv_stride, kv, out, 0, tables, max_blocks, starts, lens, shared_len, B, H, block_size,
-                        scale, num_threads);
+                        scale, 0.f, num_threads);
 }
 
 
@@ -783,13 +788,14 @@ TM_API int tm_paged_decode(const tm_paged_decode_args *a) {
     const tm_decode_step *s = a->step;
     if (!kv_ok(a->kv)) return -1;
     return paged_decode(a->q, a->q_stride, a->kv, a->out, a->q_bf16, s->tables, s->max_blocks, s->starts, s->lens,
-                        s->shared_len, s->batch, a->heads, s->block_size, a->scale, s->num_threads);
+                        s->shared_len, s->batch, a->heads, s->block_size, a->scale, a->softcap, s->num_threads);
 }
 
 TM_API int tm_paged_prefill(const tm_paged_prefill_args *a) {
     if (!kv_ok(a->kv)) return -1;
     return paged_prefill(a->q, a->q_stride, a->kv, a->out, a->q_bf16, a->tables, a->max_blocks, a->row0, a->count,
-                         a->computed, a->reqs, a->heads, a->block_size, a->window, a->scale, a->num_threads);
+                         a->computed, a->reqs, a->heads, a->block_size, a->window, a->scale, a->softcap,
+                         a->num_threads);
 }
 
 TM_API int tm_write_kv(const tm_write_kv_args *a) {

@@ -1,6 +1,7 @@
 /* Shared by attention.c and its per-ISA paths (arch/<isa>/attention_*.c); not part of the library's interface. */
 #ifndef TOKENMILL_ATTENTION_H
 #define TOKENMILL_ATTENTION_H
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -18,12 +19,21 @@ typedef struct {
     const void *ks, *vs;                  /* the quantised formats' scales (tm_kv_cache.k_scale) */
     int fmt, KV, D, bs_shift, bs_mask;    /* fmt: TM_KV_*; block_size = 1 << bs_shift */
     const int32_t *table;
+    float cap;                            /* the soft cap (0: none); q comes scaled by 1 / cap as well */
 } ctx_t;
 
-static inline ctx_t ctx_of(const tm_kv_cache *kv, int bs_shift, int bs_mask, const int32_t *table) {
+static inline ctx_t ctx_of(const tm_kv_cache *kv, int bs_shift, int bs_mask, const int32_t *table, float cap) {
     const ctx_t c = {kv->k, kv->v, kv->k_scale, kv->v_scale, kv->format, kv->kv_heads, kv->head_dim, bs_shift,
-                     bs_mask, table};
+                     bs_mask, table, cap};
     return c;
+}
+
+/* Soft-capped scores: s[j] holds q.k * scale / cap, and becomes cap * tanh(s[j]) (transformers' Gemma 2 order:
+ * scale, divide, tanh, multiply). Nothing without a cap. */
+static inline void cap_scores(float *s, int n, float cap) {
+    if (cap <= 0.f) return;
+#pragma omp simd
+    for (int j = 0; j < n; j++) s[j] = cap * tanhf(s[j]);
 }
 
 /* bytes of one cached value (int4: see kv_head_bytes) */

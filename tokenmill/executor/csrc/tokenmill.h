@@ -220,6 +220,7 @@ typedef struct {
     void *out;                    /* [batch, heads, head_dim], q's dtype */
     int heads;
     float scale;
+    float softcap;                /* > 0: each score s becomes softcap * tanh(s / softcap) (Gemma 2); 0: none */
 } tm_paged_decode_args;
 TM_API int tm_paged_decode(const tm_paged_decode_args *a);
 
@@ -240,6 +241,7 @@ typedef struct {
     int block_size;
     int window;                   /* sliding window, 0 for none */
     float scale;
+    float softcap;                /* as tm_paged_decode_args.softcap */
     int num_threads;
 } tm_paged_prefill_args;
 TM_API int tm_paged_prefill(const tm_paged_prefill_args *a);

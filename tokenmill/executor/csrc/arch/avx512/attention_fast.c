@@ -219,6 +219,7 @@ static inline __attribute__((always_inline)) void decode_fast(const ctx_t *c, in
     const int many = !few && NH == 1 && G >= GEMM_ROWS;
     if (many) scores_many(c, h0, G, qs, n, sbuf, slot, kt, fmt);
     else scores_few(c, h0, NH, G, qs, n, sbuf, slot, fmt);
+    for (int r = 0; r < NH * G; r++) cap_scores(sbuf + (size_t)r * FAST_N, n, c->cap);
     /* One exact softmax per row over the positions it attends, [lo, hi) of the n (row r's [begin, end) where
      * given, as a causal prompt tile has; the rest weigh 0), 16 at a time */
     const int rows = NH * G;
