@@ -26,7 +26,7 @@ from tokenmill.executor.layers.rotary import apply_rotary
 from tokenmill.executor.memory import PageToucher, touch_pages
 from tokenmill.executor.ops import CpuKernelOps, ReferenceOps
 
-QTYPES = ["Q4_0", "Q4_1", "Q8_0"]
+QTYPES = ["Q4_0", "Q4_1", "Q5_0", "Q8_0"]
 VARIANTS = runnable_variants()
 REF = ReferenceOps()
 
@@ -113,7 +113,7 @@ def test_a_library_built_from_other_sources_is_refused(tmp_path) -> None:
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_pack_dequantizes_like_gguf(qtype: str) -> None:
     p, ref = _packed(qtype, 37, 96)
-    assert p.bits == (8 if qtype == "Q8_0" else 4)
+    assert p.bits == (8 if qtype in ("Q8_0", "Q5_0") else 4)        # Q5_0: its codes - 16 as Q8_0's int8
     # Q4_0 is d * (c - 8) in gguf and d * c - 8d here: equal up to one rounding
     torch.testing.assert_close(p.dequantize(), ref, rtol=1e-6, atol=1e-6)
     if qtype != "Q4_0":

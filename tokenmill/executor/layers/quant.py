@@ -1,7 +1,9 @@
 """Weights kept quantised: no float copy of a quantised matrix is ever made.
 
-Two forms. PackedWeight: Q4_0, Q4_1 and Q8_0 repacked for the kernel library's tuned qmatmul (csrc/qmatmul.c).
-GGMLWeight: every other GGUF matrix type (F16, BF16, Q5_0, Q5_1, the K-quants) in the file's own blocks, read
+Two forms. PackedWeight: Q4_0, Q4_1 and Q8_0 repacked for the kernel library's tuned qmatmul (csrc/qmatmul.c),
+and Q5_0 as Q8_0's int8 codes (exact: its codes minus 16 are integers in -16..15; the int8 kernels then take it,
+for 34 bytes a block of 32 instead of 22). GGMLWeight: every other GGUF matrix type (F16, BF16, Q5_1, the
+K-quants) in the file's own blocks, read
 where the file is mapped (csrc/gblocks.c). A matmul over a few rows (decode) reads the blocks directly;
 prefill-sized batches dequantise tiles of rows into a scratch buffer for a float GEMM (ops). Both compute with
 exactly the dequantised values, so quantised and dequantised paths differ only in float32 summation order."""
@@ -16,7 +18,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 
 BLOCK = 32
-PACKABLE = ("Q4_0", "Q4_1", "Q8_0")
+PACKABLE = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,14 @@ def pack_ggml(type_name: str, raw: np.ndarray, shape: tuple[int, int]) -> Option
     if type_name == "Q8_0":
         codes = torch.from_numpy(payload.copy().view(np.int8).reshape(n, k))
         return PackedWeight(8, codes, torch.from_numpy(d), None, shape)
+    if type_name == "Q5_0":      # 32 high bits (bit j: code j's fifth), then code j's low nibble (j + 16's high)
+        qh = payload[..., :4].copy().view("<u4")                               # [N, K/32, 1]
+        qs = payload[..., 4:]
+        low = np.concatenate([qs & 15, qs >> 4], axis=-1)                        # [N, K/32, 32]
+        high = (qh >> np.arange(32, dtype=np.uint32)) & 1
+        codes = (low.astype(np.int16) | (high.astype(np.int16) << 4)) - 16
+        return PackedWeight(8, torch.from_numpy(codes.astype(np.int8).reshape(n, k)), torch.from_numpy(d), None,
+                            shape)
     codes = torch.from_numpy(payload.copy().reshape(n, k // 2))
     if type_name == "Q4_1":
         m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
