@@ -1,16 +1,19 @@
 #!/usr/bin/env python3
-"""Random-weight Llama models of real shapes, quantised to Q4_K_M (or Q5_K_M) by llama.cpp's own quantiser.
+"""Random-weight models of real shapes (Llama 3, Gemma 3), quantised to Q4_K_M (or Q5_K_M) by llama.cpp's own
+quantiser.
 
-  .venv/bin/python benchmarks/make_kquant_models.py --shape llama-3.2-1b [--shape llama-3.1-8b]
+  .venv/bin/python benchmarks/make_kquant_models.py --shape llama-3.2-1b [--shape llama-3.1-8b] [--shape gemma-3-270m]
         [--type Q4_K_M|Q5_K_M] [--cache-dir DIR] [--keep-f16] [--llamacpp-venv DIR] [--threads N] [--plain-rope]
         [--no-check]
 
 Per shape, in <cache-dir>/<shape>/ (default cache dir ~/.cache/tokenmill/bench-models, outside the repo):
-  1. config.json: a transformers LlamaConfig of the model's shape (Llama-3.2-1B or Llama-3.1-8B);
+  1. config.json: a transformers config of the model's shape (Llama-3.2-1B, Llama-3.1-8B; Gemma-3-270M's text
+     model: 18 layers, 5 local of window 512 to 1 global, 4 heads over 1 kv head of 256, vocabulary 262,144);
   2. <shape>-random-F16.gguf: that model with random weights (normal, std 0.02; norms 1.0; fixed seed), written
      tensor by tensor with gguf-py (one tensor in memory at a time: the 8B one is 16 GB on disk), under
-     llama.cpp's tensor names and "llama" keys, with a byte-level BPE vocabulary of 128,256 tokens
-     (tokenizer.ggml.model "gpt2", pre "llama-bpe") that any text tokenizes with;
+     llama.cpp's tensor names and "llama" or "gemma3" keys (Gemma's norms stored as 1 + w, as its converter
+     writes them), with a byte-level BPE vocabulary of the model's size (128,256 or 262,144 tokens;
+     tokenizer.ggml.model "gpt2", pre "llama-bpe") that any text tokenizes with;
   3. <shape>-random-<type>.gguf: llama.cpp's llama_model_quantize (LLAMA_FTYPE_MOSTLY_<type>), run with the
      llama-cpp-python venv's python; the F16 file is deleted afterwards unless --keep-f16;
   4. a check that llama.cpp loads the quantised file and evaluates a few tokens.
@@ -37,9 +40,13 @@ SHAPES: dict[str, dict] = {
                          head_dim=64, intermediate_size=8192, tie_word_embeddings=True, rope_factor=32.0),
     "llama-3.1-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                          head_dim=128, intermediate_size=14336, tie_word_embeddings=False, rope_factor=8.0),
+    # Google's gemma-3-270m (text): the config's own values; tied embeddings are most of its weights
+    "gemma-3-270m": dict(family="gemma3", hidden_size=640, num_hidden_layers=18, num_attention_heads=4,
+                         num_key_value_heads=1, head_dim=256, intermediate_size=2048, tie_word_embeddings=True,
+                         vocab_size=262144, sliding_window=512, pattern=6),
 }
 VOCAB = 128256
-N_SPECIAL = 256                     # Llama 3: ids 128000..128255 are special tokens
+N_SPECIAL = 256                     # Llama 3: ids 128000..128255 are special tokens (the last 256 of any vocab)
 BOS, EOS, EOT = 128000, 128001, 128009
 STD = 0.02
 SEED = 0
@@ -53,6 +60,8 @@ def log(msg: str) -> None:
 def hf_config(shape: str, plain_rope: bool):
     from transformers import LlamaConfig
     s = SHAPES[shape]
+    if s.get("family") == "gemma3":
+        return gemma3_config(s)
     rope_scaling = None if plain_rope else {
         "rope_type": "llama3", "factor": s["rope_factor"], "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192}
@@ -67,6 +76,28 @@ def hf_config(shape: str, plain_rope: bool):
     except TypeError:
         cfg = LlamaConfig(**kw, rope_scaling=rope_scaling)
     return cfg
+
+
+def gemma3_config(s: dict):
+    from transformers import Gemma3TextConfig
+    L, n = s["num_hidden_layers"], s["pattern"]
+    special = special_ids(s["vocab_size"])
+    return Gemma3TextConfig(
+        vocab_size=s["vocab_size"], hidden_size=s["hidden_size"], intermediate_size=s["intermediate_size"],
+        num_hidden_layers=L, num_attention_heads=s["num_attention_heads"],
+        num_key_value_heads=s["num_key_value_heads"], head_dim=s["head_dim"], query_pre_attn_scalar=s["head_dim"],
+        sliding_window=s["sliding_window"], max_position_embeddings=32768, rms_norm_eps=1e-6,
+        layer_types=["full_attention" if (i + 1) % n == 0 else "sliding_attention" for i in range(L)],
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        tie_word_embeddings=True, bos_token_id=special["bos"], eos_token_id=special["eos"],
+        torch_dtype="bfloat16", architectures=["Gemma3ForCausalLM"])
+
+
+def special_ids(vocab: int) -> dict[str, int]:
+    """The begin, end and end-of-turn ids of a vocabulary whose last N_SPECIAL ids are special (Llama 3's)."""
+    first = vocab - N_SPECIAL
+    return {"bos": first + BOS - 128000, "eos": first + EOS - 128000, "eot": first + EOT - 128000}
 
 
 def cfg_get(cfg, name: str):
@@ -119,8 +150,8 @@ def bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
-def vocabulary() -> tuple[list[str], list[int], list[str]]:
-    """128,000 byte-level BPE tokens (the 256 bytes, then 2- and 3-character merges over letters and the
+def vocabulary(vocab: int = VOCAB) -> tuple[list[str], list[int], list[str]]:
+    """vocab - 256 byte-level BPE tokens (the 256 bytes, then 2-, 3- and 4-character merges over letters and the
     space character "Ġ", every one reachable by the merges listed) and Llama 3's 256 special tokens."""
     byte_tokens = [bytes_to_unicode()[b] for b in range(256)]
     letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [chr(c) for c in range(ord("A"), ord("Z") + 1)] + ["Ġ"]
@@ -131,16 +162,21 @@ def vocabulary() -> tuple[list[str], list[int], list[str]]:
         merges.append(f"{p[0]} {p[1]}")
         tokens.append(p)
         seen.add(p)
-    n_plain = VOCAB - N_SPECIAL
-    for p in pairs:
-        for c in letters:
-            if len(tokens) >= n_plain:
-                break
-            t = p + c
-            if t not in seen:
-                merges.append(f"{p} {c}")
-                tokens.append(t)
-                seen.add(t)
+    n_plain = vocab - N_SPECIAL
+    stems = pairs
+    while len(tokens) < n_plain:            # longer merges until the vocabulary is full
+        longer = []
+        for p in stems:
+            for c in letters:
+                if len(tokens) >= n_plain:
+                    break
+                t = p + c
+                if t not in seen:
+                    merges.append(f"{p} {c}")
+                    tokens.append(t)
+                    seen.add(t)
+                    longer.append(t)
+        stems = longer
     assert len(tokens) == n_plain, len(tokens)
     special = {0: "<|begin_of_text|>", 1: "<|end_of_text|>", 4: "<|finetune_right_pad_id|>",
                6: "<|start_header_id|>", 7: "<|end_header_id|>", 8: "<|eom_id|>", 9: "<|eot_id|>",
@@ -160,6 +196,18 @@ def tensor_plan(cfg, with_rope_freqs: bool) -> list[tuple[str, tuple[int, ...], 
     """(llama.cpp name, torch shape (rows, cols), kind) in the order convert_hf_to_gguf writes them."""
     h, f, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     hd, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    if cfg.model_type == "gemma3_text":
+        plan = [("token_embd.weight", (cfg.vocab_size, h), "mat")]
+        for i in range(L):
+            b = f"blk.{i}."
+            plan += [(b + "attn_norm.weight", (h,), "norm"), (b + "attn_q.weight", (nh * hd, h), "mat"),
+                     (b + "attn_k.weight", (nkv * hd, h), "mat"), (b + "attn_v.weight", (nkv * hd, h), "mat"),
+                     (b + "attn_q_norm.weight", (hd,), "norm"), (b + "attn_k_norm.weight", (hd,), "norm"),
+                     (b + "attn_output.weight", (h, nh * hd), "mat"), (b + "post_attention_norm.weight", (h,), "norm"),
+                     (b + "ffn_norm.weight", (h,), "norm"), (b + "ffn_gate.weight", (f, h), "mat"),
+                     (b + "ffn_up.weight", (f, h), "mat"), (b + "ffn_down.weight", (h, f), "mat"),
+                     (b + "post_ffw_norm.weight", (h,), "norm")]
+        return plan + [("output_norm.weight", (h,), "norm")]
     plan = [("token_embd.weight", (VOCAB, h), "mat")]
     if with_rope_freqs:
         plan.append(("rope_freqs.weight", (hd // 2,), "rope"))
@@ -185,9 +233,12 @@ def write_f16_gguf(cfg, shape: str, out: Path) -> None:
     import torch
     import gguf
 
-    tokens, types, merges = vocabulary()
+    gemma = cfg.model_type == "gemma3_text"
+    vocab = cfg.vocab_size
+    tokens, types, merges = vocabulary(vocab)
+    special = special_ids(vocab)
     tmp = out.with_suffix(".gguf.part")
-    w = gguf.GGUFWriter(str(tmp), "llama")
+    w = gguf.GGUFWriter(str(tmp), "gemma3" if gemma else "llama")
     # the keys convert_hf_to_gguf writes for a Llama 3 model
     w.add_type("model")
     w.add_name(f"{shape} (random weights, for benchmarks)")
@@ -198,21 +249,24 @@ def write_f16_gguf(cfg, shape: str, out: Path) -> None:
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(rope_theta_of(cfg))
+    w.add_rope_freq_base(1000000.0 if gemma else rope_theta_of(cfg))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
+    if gemma:         # the local layers' rope base (10,000) and query scale (head_dim) are llama.cpp's for Gemma 3
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    w.add_vocab_size(VOCAB)
+    w.add_vocab_size(vocab)
     w.add_rope_dimension_count(cfg.head_dim)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("llama-bpe")
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
-    w.add_bos_token_id(BOS)
-    w.add_eos_token_id(EOS)
-    w.add_eot_token_id(EOT)
+    w.add_bos_token_id(special["bos"])
+    w.add_eos_token_id(special["eos"])
+    w.add_eot_token_id(special["eot"])
     w.add_add_bos_token(True)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
@@ -236,7 +290,7 @@ def write_f16_gguf(cfg, shape: str, out: Path) -> None:
     for name, shp, kind in plan:
         if kind == "mat":
             t = torch.randn(shp, dtype=torch.float16, generator=g).mul_(STD)
-        elif kind == "norm":
+        elif kind == "norm":        # (Gemma's 1 + w with w = 0: the same ones)
             t = torch.ones(shp, dtype=torch.float32)
         else:
             t = llama3_rope_factors(cfg)

@@ -212,7 +212,7 @@ def test_decode_attention_kernel_matches_rotary_then_reference(isa, ctx, kv_dtyp
     meta.decode_step.cos, meta.decode_step.sin = cos.data_ptr(), sin.data_ptr()
     got = torch.empty(T, H, D)
     be.kernels.run("decode_attention", step=meta.decode_step, kv=meta.kv[0], qkv=qkv.clone(), qkv_stride=qkv.shape[1],
-                   out=got, heads=H, scale=D ** -0.5)
+                   out=got, heads=H, scale=D ** -0.5, softcap=0.0)
     qk = apply_rotary(qkv[:, :(H + KV) * D].view(T, H + KV, D), cos, sin)
     v = qkv[:, (H + KV) * D:].view(T, KV, D)
     ref = _backend("torch", H, KV, D)

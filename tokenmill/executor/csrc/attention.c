@@ -766,13 +766,13 @@ static int write_kv(const float *k, const float *v, int src_stride, const tm_kv_
 static int decode_attention(float *qkv, int qkv_stride, float *out, const float *cos, const float *sin,
                             const int64_t *slots, const tm_kv_cache *kv, const int32_t *tables, int max_blocks,
                             const int32_t *starts, const int32_t *lens, int shared_len, int B, int H, int block_size,
-                            float scale, int num_threads) {
+                            float scale, float softcap, int num_threads) {
     const int KV = kv->kv_heads, D = kv->head_dim;
     rotary(qkv, cos, sin, B, H + KV, D, qkv_stride, 1);
     const int rc = write_kv(qkv + (size_t)H * D, qkv + (size_t)(H + KV) * D, qkv_stride, kv, slots, B);
     if (rc != 0) return rc;
     return paged_decode(qkv, qkv_stride, kv, out, 0, tables, max_blocks, starts, lens, shared_len, B, H, block_size,
-                        scale, 0.f, num_threads);
+                        scale, softcap, num_threads);
 }
 
 
@@ -808,5 +808,5 @@ TM_API int tm_decode_attention(const tm_decode_attention_args *a) {
     if (!s->cos || !s->sin || !s->slots || !kv_ok(a->kv)) return -1;
     return decode_attention(a->qkv, a->qkv_stride, a->out, s->cos, s->sin, s->slots, a->kv, s->tables, s->max_blocks,
                             s->starts, s->lens, s->shared_len, s->batch, a->heads, s->block_size, a->scale,
-                            s->num_threads);
+                            a->softcap, s->num_threads);
 }

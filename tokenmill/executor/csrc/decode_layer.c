@@ -1,8 +1,9 @@
 /* One decoder layer of a pure decode step in a single call, for a GGUF model whose four matrices are all in
  * quantised blocks (float32 on CPU): the same kernels the Python layer calls one by one (norm, qmatmul or
- * gmatmul, decode attention, SiLU), sequenced here so a step pays one call a layer instead of about ten, plus
- * their tensor allocations, LoRA's per-row products after each matrix where the step has adapters. No new
- * arithmetic. */
+ * gmatmul, decode attention, SiLU or GELU), sequenced here so a step pays one call a layer instead of about ten
+ * (Gemma's sandwich about twenty), plus their tensor allocations, LoRA's per-row products after each matrix where
+ * the step has adapters. No new arithmetic. Gemma's layer adds q/k norms before rotary, a soft cap on the scores,
+ * a norm of the attention's output before the residual add and one of the MLP's output. */
 #include <stdlib.h>
 
 #include "tokenmill.h"
@@ -31,6 +32,16 @@ static void norm(const float *x, float *residual, const float *weight, float *ou
     tm_rms_norm(&a);
 }
 
+/* Each of the B rows' q heads and k heads (in the fused qkv rows) normalised in place */
+static void qk_norms(const tm_layer *L, float *qkv, int B, int width) {
+    const int D = L->head_dim;
+    for (int b = 0; b < B; b++) {
+        float *q = qkv + (size_t)b * width, *k = q + (size_t)L->heads * D;
+        norm(q, q, L->q_norm, q, L->heads, D, L->eps, 0, 1);
+        norm(k, k, L->k_norm, k, L->kv_heads, D, L->eps, 0, 1);
+    }
+}
+
 /* Returns 0, or the first failing kernel's status. */
 TM_API int tm_decode_layer(const tm_decode_layer_args *a) {
     const tm_layer *L = a->layer;
@@ -46,20 +57,24 @@ TM_API int tm_decode_layer(const tm_decode_layer_args *a) {
         norm(a->x, a->residual, L->input_norm, h, B, hid, L->eps, a->add, threads);
         rc = mm(L->qkv, h, B, qkv, threads, a->lora_slots);
     }
+    if (rc == 0 && L->q_norm) qk_norms(L, qkv, B, width);
     if (rc == 0) {
-        const tm_decode_attention_args at = {a->step, a->kv, qkv, width, att, L->heads, L->scale};
+        const tm_decode_attention_args at = {a->step, a->kv, qkv, width, att, L->heads, L->scale, L->softcap};
         rc = tm_decode_attention(&at);
     }
     if (rc == 0) rc = mm(L->o, att, B, o, threads, a->lora_slots);
     if (rc == 0) {
+        if (L->attn_out_norm) norm(o, o, L->attn_out_norm, o, B, hid, L->eps, 0, threads);
         norm(o, a->residual, L->post_norm, h, B, hid, L->eps, 1, threads);
         rc = mm(L->gate_up, h, B, gu, threads, a->lora_slots);
     }
     if (rc == 0) {
         const tm_silu_mul_args sm = {gu, act, B, L->inter, threads};
-        tm_silu_mul(&sm);
+        if (L->gelu) tm_gelu_tanh_mul(&sm);
+        else tm_silu_mul(&sm);
         rc = mm(L->down, act, B, a->out, threads, a->lora_slots);
     }
+    if (rc == 0 && L->mlp_out_norm) norm(a->out, a->out, L->mlp_out_norm, a->out, B, hid, L->eps, 0, threads);
     free(h);
     free(qkv);
     free(att);

@@ -64,6 +64,20 @@ static void silu_mul(const float *gate_up, float *out, int rows, int inter, int 
     }
 }
 
+/* out = gelu(gate) * up in torch's tanh form: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) */
+static void gelu_tanh_mul(const float *gate_up, float *out, int rows, int inter, int num_threads) {
+    const float beta = 0.7978845608028654f, kappa = 0.044715f;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= PAR_ROWS)
+    for (int r = 0; r < rows; r++) {
+        const float *g = gate_up + (size_t)r * 2 * inter, *u = g + inter;
+        float *o = out + (size_t)r * inter;
+        for (int i = 0; i < inter; i++) {
+            const float x = g[i];
+            o[i] = 0.5f * x * (1.f + tanhf(beta * (x + kappa * x * x * x))) * u[i];
+        }
+    }
+}
+
 /* out[r] = the index of row r's largest value, the first one on ties, as torch.argmax: a NaN counts as the
  * largest (its first index). x [rows, n], rows split over threads. One pass: each lane keeps its largest value
  * and where it first saw it. NaNs are found from the bits (exponent all ones, mantissa non-zero), which
@@ -128,6 +142,11 @@ TM_API int tm_rms_norm(const tm_rms_norm_args *a) {
 TM_API int tm_rotary(const tm_rotary_args *a) {
     if (a->dim % 2 || a->row_stride < a->heads * a->dim) return -1;
     rotary(a->x, a->cos, a->sin, a->rows, a->heads, a->dim, a->row_stride, a->num_threads);
+    return 0;
+}
+
+TM_API int tm_gelu_tanh_mul(const tm_silu_mul_args *a) {
+    gelu_tanh_mul(a->gate_up, a->out, a->rows, a->inter, a->num_threads);
     return 0;
 }
 

@@ -132,6 +132,8 @@ typedef struct {
     int num_threads;
 } tm_silu_mul_args;
 TM_API int tm_silu_mul(const tm_silu_mul_args *a);
+/* the same with gelu(gate, tanh approximation) * up (Gemma's GeGLU), torch's formula */
+TM_API int tm_gelu_tanh_mul(const tm_silu_mul_args *a);
 
 /* torch.argmax's rules: the first index on ties, a NaN the largest */
 typedef struct {
@@ -266,6 +268,7 @@ typedef struct {
     float *out;                   /* [batch, heads, head_dim] */
     int heads;
     float scale;
+    float softcap;                /* as tm_paged_decode_args.softcap */
 } tm_decode_attention_args;
 TM_API int tm_decode_attention(const tm_decode_attention_args *a);
 
@@ -285,7 +288,7 @@ typedef struct {
 
 typedef struct {
     const float *input_norm;      /* [hidden] */
-    const float *post_norm;
+    const float *post_norm;       /* the norm before the MLP */
     float eps;
     int hidden;
     int heads;
@@ -293,6 +296,12 @@ typedef struct {
     int head_dim;
     int inter;
     float scale;
+    float softcap;                /* the attention scores' soft cap, 0 for none */
+    int gelu;                     /* the MLP's gate: 1 GELU (tanh approximation, Gemma), 0 SiLU */
+    const float *q_norm;          /* [head_dim]: each q and k head normalised before rotary (Gemma 3, Qwen3), */
+    const float *k_norm;          /* or NULL */
+    const float *attn_out_norm;   /* [hidden]: Gemma's norms of the attention's and the MLP's outputs, before */
+    const float *mlp_out_norm;    /* they join the residual; or NULL */
     const tm_matrix *qkv;
     const tm_matrix *o;
     const tm_matrix *gate_up;

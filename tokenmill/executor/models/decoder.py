@@ -85,7 +85,8 @@ class MLP(nn.Module):
         self.inter = inter or cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, False, ops)
         self.down_proj = Linear(self.inter, cfg.hidden_size, False, ops)
-        self.act = ops.gelu_tanh_mul if cfg.hidden_act == "gelu_pytorch_tanh" else ops.silu_mul
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
+        self.act = ops.gelu_tanh_mul if self.gelu else ops.silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.down_proj(self.act(self.gate_up_proj(x)))

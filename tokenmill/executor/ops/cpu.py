@@ -54,11 +54,11 @@ class CpuKernelOps(ReferenceOps):
         self._qweights: dict[int, tuple[PackedWeight, ctypes.Structure]] = {}   # id(packed) -> its tm_qweight
         self._layers: dict[int, _FusedLayer] = {}      # id(layer) -> its one-call decode
         self._rope32: tuple = (None, None, None)       # a bfloat16 step's rotary tables, and their float32 copy
-        # the norm, rotary and SiLU kernels are float32: for another dtype those ops are the reference's
+        # the norm, rotary and gated-activation kernels are float32: for another dtype those ops are the reference's
         self.float_ops = dtype == torch.float32
         if not self.float_ops:
-            log.info("rms_norm, rotary and silu_mul run on torch: the CPU kernels take float32, the model is %s",
-                     dtype)
+            log.info("rms_norm, rotary, silu_mul and gelu_tanh_mul run on torch: the CPU kernels take float32, the "
+                     "model is %s", dtype)
 
     # ---- load time -------------------------------------------------------------------------------------------
     def prepare(self, model) -> None:
@@ -141,19 +141,22 @@ class CpuKernelOps(ReferenceOps):
 
     def _layer_desc(self, layer) -> Optional[tuple[ctypes.Structure, tuple[ctypes.Structure, ...],
                                                    tuple[torch.Tensor, torch.Tensor], int]]:
-        """The tm_layer of a decoder layer the one-call decode covers (all four matrices in blocks, no biases,
-        no q/k norm, a float32 or bfloat16 model), its four tm_matrix and float32 norm weights (kept alive with
-        it) and the most rows of x it takes; else None."""
+        """The tm_layer of a decoder layer the one-call decode covers (all four matrices in blocks, no biases, a
+        float32 or bfloat16 model; Llama's shape, or Gemma's sandwich with q/k norms and soft caps), its four
+        tm_matrix and float32 norm weights (kept alive with it) and the most rows of x it takes; else None."""
         attn, mlp = layer.self_attn, layer.mlp
-        if not hasattr(mlp, "gate_up_proj") or layer.gemma or not hasattr(attn, "qkv_proj"):  # MoE, Gemma, latent
+        if not hasattr(mlp, "gate_up_proj") or not hasattr(attn, "qkv_proj"):  # MoE, latent attention
             return None
         if self.tp is not None:          # the one-call layer has no all-reduce after o_proj and down_proj
             return None
         # an adapted projection (executor/lora.py): its base's blocks, and its adapters' stacks after each product
         adapted = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         linears = tuple(getattr(m, "base", m) for m in adapted)
-        norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if self.dtype not in _LAYER_DTYPES or attn.q_norm is not None or norms[0].eps != norms[1].eps \
+        # input, before the MLP; Gemma's after attention and after the MLP; q and k heads'
+        norms = (layer.input_layernorm, layer.pre_feedforward_layernorm if layer.gemma else layer.post_attention_layernorm,
+                 layer.post_attention_layernorm if layer.gemma else None,
+                 layer.post_feedforward_layernorm if layer.gemma else None, attn.q_norm, attn.k_norm)
+        if self.dtype not in _LAYER_DTYPES or len({n.eps for n in norms if n is not None}) != 1 \
                 or attn.rotary_dim != attn.head_dim:
             return None
         if any(lin.bias is not None or lin.in_perm is not None for lin in linears):
@@ -173,11 +176,13 @@ class CpuKernelOps(ReferenceOps):
                 rows = min(rows, self.gmax_rows)
             else:
                 return None
-        weights = tuple(n.weight.detach().float().contiguous() for n in norms)
+        weights = tuple(None if n is None else n.weight.detach().float().contiguous() for n in norms)
         desc = self.kernels.struct("layer", input_norm=weights[0], post_norm=weights[1], eps=norms[0].eps,
                                    hidden=linears[0].quant.shape[1], heads=attn.num_heads,
                                    kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, inter=mlp.inter,
-                                   scale=attn.scale, qkv=matrices[0], o=matrices[1], gate_up=matrices[2],
+                                   scale=attn.scale, softcap=attn.softcap or 0.0, gelu=int(mlp.gelu),
+                                   q_norm=weights[4], k_norm=weights[5], attn_out_norm=weights[2],
+                                   mlp_out_norm=weights[3], qkv=matrices[0], o=matrices[1], gate_up=matrices[2],
                                    down=matrices[3])
         return desc, tuple(matrices), weights, rows
 
@@ -259,6 +264,8 @@ class CpuKernelOps(ReferenceOps):
         return y
 
     def rms_norm(self, x, residual, weight, eps):
+        if residual is None and self.float_ops and x.dtype == torch.float32:
+            x = x.contiguous()       # q/k heads, views of the qkv rows: normed as the one-call layer norms them
         if not self.float_ops or x.dtype != torch.float32 or not x.is_contiguous() \
                 or (residual is not None and not residual.is_contiguous()):
             return super().rms_norm(x, residual, weight, eps)
@@ -280,12 +287,21 @@ class CpuKernelOps(ReferenceOps):
         return qk
 
     def silu_mul(self, gate_up):
+        out = self._gated(gate_up, "silu_mul")
+        return super().silu_mul(gate_up) if out is None else out
+
+    def gelu_tanh_mul(self, gate_up):
+        out = self._gated(gate_up, "gelu_tanh_mul")
+        return super().gelu_tanh_mul(gate_up) if out is None else out
+
+    def _gated(self, gate_up: torch.Tensor, kernel: str) -> Optional[torch.Tensor]:
+        """act(gate) * up by the kernel (the one-call layer's own), or None where it does not take gate_up."""
         if not self.float_ops or gate_up.dtype != torch.float32 or not gate_up.is_contiguous():
-            return super().silu_mul(gate_up)
+            return None
         rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(rows, inter)
-        self.kernels.run("silu_mul", gate_up=gate_up, out=out, rows=rows, inter=inter,
-                         num_threads=torch.get_num_threads())
+        self.kernels.call(kernel, self.kernels.struct("silu_mul_args", gate_up=gate_up, out=out, rows=rows,
+                                                     inter=inter, num_threads=torch.get_num_threads()))
         return out
 
     # ---- LoRA: the kernels' per-row shrink-expand (tm_lora), its stacks in float32 whatever the model's dtype
@@ -362,11 +378,11 @@ class CpuKernelOps(ReferenceOps):
                           f"to {self.gmax_rows}), dequantised tiles and a torch GEMM for more rows; torch for float",
                 "embedding": f"{k} for GGUF tables in blocks, torch otherwise",
                 "rms_norm": k if self.float_ops else ref, "rotary": k if self.float_ops else ref,
-                "silu_mul": k if self.float_ops else ref, "argmax": k,
+                "silu_mul": k if self.float_ops else ref, "gelu_tanh_mul": k if self.float_ops else ref, "argmax": k,
                 "decoder_layer": f"{k}, one call a layer, for dense layers whose four matrices are GGUF blocks (no "
-                                 f"biases, no q/k norm) under the cpu attention backend; torch otherwise"
+                                 f"biases; Llama's shape or Gemma's) under the cpu attention backend; torch otherwise"
                                  if self.dtype in _LAYER_DTYPES else "torch",
-                "fused_moe": "torch, grouped by expert", "gelu_tanh_mul": "torch",
+                "fused_moe": "torch, grouped by expert",
                 "lora": f"{k}, each row its own adapter's slot (float32 and bfloat16 models), torch otherwise",
                 "attention": f"{k}, paged, for head_dim a multiple of {lim['TM_ATTN_HEAD_DIM_MULTIPLE']} up to "
                              f"{lim['TM_ATTN_MAX_HEAD_DIM']} and up to {lim['TM_ATTN_MAX_GROUP']} query heads per "
