@@ -342,8 +342,9 @@ class CpuKernelOps(ReferenceOps):
                 or x.dtype != self.dtype or (residual is not None and residual.dtype != self.dtype):
             return layer(x, residual, rope, backend, meta)
         cos, sin = self._float_rope(rope)
-        if step.cos != cos.data_ptr():      # the same tables for every layer of the step: set on the first
-            step.cos, step.sin = cos.data_ptr(), sin.data_ptr()
+        # set per call: Gemma's local and global layers take turns with two tables, and a table converted again
+        # may land where the other one was
+        step.cos, step.sin = cos.data_ptr(), sin.data_ptr()
         x32 = x.float().contiguous()        # x itself in a float32 model
         res = x32 if residual is None else residual.float().contiguous()
         out = torch.empty_like(x32)
