@@ -79,3 +79,22 @@ def gguf_put(w):
         x = np.ascontiguousarray(x, dtype=np.float32)
         w.add_tensor(name, x if qtype is None else gguf.quants.quantize(x, qtype), raw_dtype=qtype)
     return put
+
+
+def check_one_call_layer(llm: LLM, prompts: list, max_tokens: int, tol: float) -> None:
+    """Every layer of llm takes the CPU plan's one-call decode layer; with it and without it (the same kernels
+    called op by op from Python) the greedy tokens are equal and their logprobs within tol."""
+    ops = llm.llm_engine.model.ops
+    assert len(ops._layers) == len(llm.llm_engine.model.layers)
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    fused = llm.generate(prompts, sp, use_tqdm=False)
+    layers = dict(ops._layers)
+    ops._layers.clear()
+    plain = llm.generate(prompts, sp, use_tqdm=False)
+    ops._layers.update(layers)
+    for a, b in zip(fused, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            (ta, pa), = la.items()
+            (tb, pb), = lb.items()
+            assert ta == tb and abs(pa.logprob - pb.logprob) <= tol

@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill import LLM, SamplingParams
+from tests.family_checks import check_one_call_layer
+from tokenmill import LLM
 from tokenmill.executor.kernels import REFERENCE, Cpu, choose, load, runnable_variants, this_cpu
 from tokenmill.executor.kernels.abi import HEADER, parse
 from tokenmill.executor.layers.linear import Linear
@@ -331,16 +332,4 @@ def test_fused_decode_layer_matches_layer_by_layer(isa, kv_cache_dtype) -> None:
     llm = LLM(dtype="float32", kv_cache_memory_gb=0.1, max_model_len=512, enable_prefix_caching=False,
               kv_cache_dtype=kv_cache_dtype, cpu_kernels=isa)
     assert llm.llm_engine.runner.kv_caches[0].dtype == {"auto": "float32"}.get(kv_cache_dtype, kv_cache_dtype)
-    ops = llm.llm_engine.model.ops
-    assert len(ops._layers) == len(llm.llm_engine.model.layers)
-    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
-    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
-    fused = llm.generate(prompts, sp, use_tqdm=False)
-    ops._layers.clear()
-    plain = llm.generate(prompts, sp, use_tqdm=False)
-    for a, b in zip(fused, plain):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            (ta, pa), = la.items()
-            (tb, pb), = lb.items()
-            assert ta == tb and abs(pa.logprob - pb.logprob) < 1e-4
+    check_one_call_layer(llm, ["The capital of France is", "def fibonacci(n):", "Once upon a time"], 16, tol=1e-4)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.family_checks import (PRESSURE, check_blocks_equal_dequantised, check_prefix_hits, check_under_pressure,
-                                 greedy)
+from tests.family_checks import (PRESSURE, check_blocks_equal_dequantised, check_one_call_layer, check_prefix_hits,
+                                 check_under_pressure, greedy)
 from tests.tiny_models import build_tiny, hf_greedy, random_prompts
 from tokenmill import LLM
 from tokenmill.config import ModelConfig
@@ -220,25 +220,13 @@ def test_one_call_decode_layer_equals_the_layers_op_by_op(kind, isa, tmp_path):
     the MLP, GeGLU, each KV group's window, in C) against the same kernels called op by op from Python: equal
     greedy tokens and logprobs, on the exact route and the default one; prompts past the window."""
     import gguf
-    from tokenmill import SamplingParams
     path, _ = _as_released(kind, tmp_path / "hf")
     write_gemma_gguf(path, tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)
     prompts = [{"prompt_token_ids": p} for p in random_prompts([60, 10, 33], seed=4)]
-    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=0)
     for int8 in (False, True):
         llm = LLM(str(tmp_path / "q8.gguf"), **ENGINE, tokenizer=None, cpu_kernels=isa, int8_activations=int8,
                   enable_prefix_caching=False)     # (a hit's short suffix takes another int8 route: issue 47)
-        ops = llm.llm_engine.model.ops
-        assert len(ops._layers) == len(llm.llm_engine.model.layers)
-        fused = llm.generate(prompts, sp, use_tqdm=False)
-        ops._layers.clear()
-        plain = llm.generate(prompts, sp, use_tqdm=False)
-        for a, b in zip(fused, plain):
-            assert a.outputs[0].token_ids == b.outputs[0].token_ids
-            for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-                (ta, pa), = la.items()
-                (tb, pb), = lb.items()
-                assert ta == tb and abs(pa.logprob - pb.logprob) < 1e-4
+        check_one_call_layer(llm, prompts, 20, tol=0.0)
 
 
 @pytest.mark.parametrize("residual", [False, True])

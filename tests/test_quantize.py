@@ -432,19 +432,10 @@ def test_llama_cpp_types_named_as_llama_cpp() -> None:
 def test_qwen3_decodes_through_the_one_call_layer(tiny_models, tmp_path: Path) -> None:
     """Qwen3's q/k norms run inside the one-call decode layer: every layer of a Q8_0 file takes it, and its tokens
     and logprobs equal the same kernels called op by op."""
+    from tests.family_checks import check_one_call_layer
     from tests.tiny_models import random_prompts
-    from tokenmill import LLM, SamplingParams
+    from tokenmill import LLM
     out = tmp_path / "qwen3.q8_0.gguf"
     _quantize(tiny_models["qwen3"][0], out, "q8_0")
     llm = LLM(str(out), dtype="float32", kv_cache_memory_gb=0.02, max_model_len=256, enable_prefix_caching=False)
-    ops = llm.llm_engine.model.ops
-    assert len(ops._layers) == len(llm.llm_engine.model.layers)
-    prompts = [{"prompt_token_ids": p} for p in random_prompts([9, 30, 4], seed=5)]
-    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
-    fused = llm.generate(prompts, sp, use_tqdm=False)
-    ops._layers.clear()
-    plain = llm.generate(prompts, sp, use_tqdm=False)
-    for a, b in zip(fused, plain):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert [list(d.values())[0].logprob for d in a.outputs[0].logprobs] == \
-            [list(d.values())[0].logprob for d in b.outputs[0].logprobs]
+    check_one_call_layer(llm, [{"prompt_token_ids": p} for p in random_prompts([9, 30, 4], seed=5)], 12, tol=0.0)
