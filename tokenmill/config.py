@@ -90,8 +90,9 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else None
         if arch not in SUPPORTED_ARCHITECTURES:
+            what = repr(arch) if arch else f"(none named; model_type {cfg.get('model_type')!r})"
             raise ValueError(
-                f"unsupported architecture {arch!r}; tokenmill supports {', '.join(SUPPORTED_ARCHITECTURES)}")
+                f"unsupported architecture {what}; tokenmill supports {', '.join(SUPPORTED_ARCHITECTURES)}")
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         # transformers 5 keeps rope settings in rope_parameters; older configs in rope_theta + rope_scaling
