@@ -34,9 +34,9 @@ def load_tokenizer(model_path: str | os.PathLike[str]) -> PreTrainedTokenizerBas
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"expected a model folder or a .gguf file, got {str(path)!r}")
-        from tokenmill.executor.loader.gguf import open_gguf
+        from tokenmill.executor.loader.gguf import check_gguf_file
 
-        open_gguf(path)  # a clear ValueError for a file that is not GGUF
+        check_gguf_file(path)  # a clear ValueError for a file that is not GGUF
         try:
             return PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
         except Exception as e:  # e.g. a tokenizer model transformers cannot rebuild from GGUF
