@@ -333,3 +333,13 @@ def test_fused_decode_layer_matches_layer_by_layer(isa, kv_cache_dtype) -> None:
               kv_cache_dtype=kv_cache_dtype, cpu_kernels=isa)
     assert llm.llm_engine.runner.kv_caches[0].dtype == {"auto": "float32"}.get(kv_cache_dtype, kv_cache_dtype)
     check_one_call_layer(llm, ["The capital of France is", "def fibonacci(n):", "Once upon a time"], 16, tol=1e-4)
+
+
+def test_a_tied_head_shares_its_tables_kernel_layout() -> None:
+    """The bundled model ties its head to its Q8_0 embedding table: both read one repacked copy (the lanes layout
+    made once), not one each."""
+    llm = LLM(kv_cache_memory_gb=0.2, max_model_len=256)
+    model, ops = llm.llm_engine.model, llm.llm_engine.model.ops
+    assert model.config.tie_word_embeddings
+    assert model.lm_head.quant is model.embed_tokens.quant
+    assert sum(1 for w, _ in ops._qweights.values() if w.shape == model.embed_tokens.quant.shape) == 1

@@ -52,6 +52,8 @@ class CpuKernelOps(ReferenceOps):
         # id(weight) -> (weight, its tm_gweight chain's head, the chain's other parts)
         self._gweights: dict[int, tuple[Union[GGMLWeight, RowParts], ctypes.Structure, tuple]] = {}
         self._qweights: dict[int, tuple[PackedWeight, ctypes.Structure]] = {}   # id(packed) -> its tm_qweight
+        # id(loaded) -> (loaded, its lanes copy): a tied head's table (the embedding's own object) is laid out once
+        self._repacked: dict[int, tuple[PackedWeight, PackedWeight]] = {}
         self._layers: dict[int, _FusedLayer] = {}      # id(layer) -> its one-call decode
         self._rope32: tuple = (None, None, None)       # a bfloat16 step's rotary tables, and their float32 copy
         # the norm, rotary and gated-activation kernels are float32: for another dtype those ops are the reference's
@@ -112,7 +114,10 @@ class CpuKernelOps(ReferenceOps):
         if id(w) in self._qweights or id(w) in self._gweights or not isinstance(w, (PackedWeight, GGMLWeight)):
             return w
         if isinstance(w, PackedWeight):
-            return self._register(w)
+            done = self._repacked.get(id(w))
+            if done is None or done[0] is not w:
+                done = self._repacked[id(w)] = (w, self._register(w))
+            return done[1]
         self._gweights[id(w)] = (w, *self._gchain((w,)))
         return w
 
