@@ -465,3 +465,29 @@ def test_phase_report_names_the_kv_cache_dtype(tiny_model, tmp_path, capsys):
     capsys.readouterr()
     assert cli(["diagnose", str(out)]) == 0
     assert f"KV cache dtype: int8, {r['kv_bytes_per_token']:,} bytes per token" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next"])
+def test_kv_calc_counts_linear_attention_as_a_fixed_state(model_type):
+    """Qwen3.5 / Qwen3-Next (transformers' own configs): a 32k-token sequence keeps the KV of its full-attention
+    layers only, plus each Gated DeltaNet layer's recurrent (float32) and convolution (2-byte) state; the
+    parameter count equals transformers' model built from the same config."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.for_model(model_type)
+    full = cfg.layer_types.count("full_attention")
+    linear = cfg.layer_types.count("linear_attention")
+    assert full and linear and full + linear == cfg.num_hidden_layers
+    state = (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+             + (cfg.linear_conv_kernel_dim - 1) * (2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
+                                                   + cfg.linear_num_value_heads * cfg.linear_value_head_dim) * 2)
+    r = kvcalc.kv_calc(cfg.to_dict(), 32768, "bf16")
+    kv_token = 2 * full * cfg.num_key_value_heads * cfg.head_dim * 2
+    assert r["bytes_per_token"] == kv_token and r["state_bytes"] == linear * state
+    assert r["bytes_per_seq"] == kv_token * 32768 + linear * state
+    assert f"fixed per sequence: {linear * state:,} B = {linear} linear-attention layers" in kvcalc.format_report(r)
+    small = AutoConfig.for_model(model_type, num_hidden_layers=4, layer_types=cfg.layer_types[:4], vocab_size=1000,
+                                 **({"num_experts": 8} if model_type == "qwen3_next" else {}))
+    with torch.device("meta"):
+        want = sum(p.numel() for p in AutoModelForCausalLM.from_config(small).parameters())
+    assert kvcalc.param_count(small.to_dict()).total == want

@@ -4,7 +4,10 @@ sequences of N tokens fit in M GB once the weights are loaded (`tokenmill kv-cal
 KV arithmetic: 2 (K and V) × layers × kv_heads × head_dim × bytes per token. Context is never free: every
 token of every running sequence holds this much memory until the sequence ends. GQA/MQA shrink it by sharing
 K/V heads; a sliding-window layer stops growing at its window; DeepSeek's latent attention (MLA) keeps one vector
-per layer, the latent and the rotary key (kv_lora_rank + qk_rope_head_dim), for K and V of every head.
+per layer, the latent and the rotary key (kv_lora_rank + qk_rope_head_dim), for K and V of every head. A linear-
+attention layer (Qwen3.5's and Qwen3-Next's Gated DeltaNet) keeps no KV at all but a fixed state per sequence:
+its recurrent state (value heads x key dim x value dim, float32, as transformers computes it) and its causal
+convolution's last kernel - 1 inputs (the q, k and v widths, in the model's 2-byte dtype).
 """
 from __future__ import annotations
 
@@ -67,8 +70,10 @@ class KVShape:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    layer_windows: tuple[Optional[int], ...]  # per layer: None = full attention, else its sliding window
+    layer_windows: tuple[Optional[int], ...]  # per attention layer: None = full attention, else its window
     latent_dim: Optional[int] = None          # MLA: the one vector a token keeps per layer (head_dim is it then)
+    linear_layers: int = 0                    # of num_layers, those with a fixed state instead of KV
+    state_bytes: int = 0                      # their states, per sequence, whatever its length
 
     @property
     def attention(self) -> str:
@@ -85,14 +90,19 @@ class KVShape:
         """One token's K (or V) for one head, scales included."""
         return kv_format(kv_dtype)[1].head_bytes(self.head_dim)
 
+    @property
+    def kv_layers(self) -> int:
+        return self.num_layers - self.linear_layers
+
     def bytes_per_token(self, kv_dtype: str = "bf16") -> int:
         """Full-attention cost of one more token (before any window caps it)."""
-        return self.vectors * self.num_layers * self.head_bytes(kv_dtype)
+        return self.vectors * self.kv_layers * self.head_bytes(kv_dtype)
 
     def bytes_per_seq(self, context: int, kv_dtype: str = "bf16") -> int:
-        """One sequence of `context` tokens: each layer keeps min(context, its window) tokens."""
+        """One sequence of `context` tokens: each attention layer keeps min(context, its window) tokens; linear
+        layers their fixed state."""
         kept = sum(context if w is None else min(context, w) for w in self.layer_windows)
-        return self.vectors * self.head_bytes(kv_dtype) * kept
+        return self.vectors * self.head_bytes(kv_dtype) * kept + self.state_bytes
 
 
 def _get(cfg: Any, *names: str, default: Any = None) -> Any:
@@ -121,7 +131,27 @@ def kv_shape(cfg: Any) -> KVShape:
         if hidden is None:
             raise ValueError("config needs head_dim or hidden_size")
         head_dim = hidden // heads
-    return KVShape(int(layers), int(heads), int(kv), int(head_dim), _layer_windows(cfg, int(layers)))
+    windows = _layer_windows(cfg, int(layers))
+    linear = [t == "linear_attention" for t in (_get(cfg, "layer_types") or ())]
+    if any(linear):
+        if len(linear) != int(layers):
+            raise ValueError(f"layer_types names {len(linear)} layers, the config {layers}")
+        return KVShape(int(layers), int(heads), int(kv), int(head_dim),
+                       tuple(w for w, lin in zip(windows, linear) if not lin), None, sum(linear),
+                       sum(linear) * linear_state_bytes(cfg))
+    return KVShape(int(layers), int(heads), int(kv), int(head_dim), windows)
+
+
+def linear_state_bytes(cfg: Any) -> int:
+    """One Gated DeltaNet layer's state for one sequence: the recurrent state, float32 [value heads, key dim,
+    value dim], and the convolution's last kernel - 1 inputs, [kernel - 1, 2 x key width + value width] at 2 bytes."""
+    names = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+             "linear_conv_kernel_dim")
+    missing = [n for n in names if _get(cfg, n) is None]
+    if missing:
+        raise ValueError(f"a linear-attention layer needs {', '.join(missing)} in the config")
+    kh, vh, kd, vd, kernel = (int(_get(cfg, n)) for n in names)
+    return vh * kd * vd * 4 + (kernel - 1) * (2 * kh * kd + vh * vd) * 2
 
 
 def _layer_windows(cfg: Any, layers: int) -> tuple[Optional[int], ...]:
@@ -138,7 +168,7 @@ def kv_calc(cfg: Any, context: int = 4096, kv_dtype: str = "bf16",
     s = kv_shape(cfg)
     per_seq = s.bytes_per_seq(context, kv_dtype)
     out: dict[str, Any] = {
-        **asdict(s), "layer_windows": list(s.layer_windows), "attention": s.attention,
+        **asdict(s), "layer_windows": list(s.layer_windows), "attention": s.attention, "kv_layers": s.kv_layers,
         "kv_dtype": kv_format(kv_dtype)[0], "dtype_bytes": dtype_bytes(kv_dtype),
         "head_bytes": s.head_bytes(kv_dtype), "context": context, "bytes_per_token": s.bytes_per_token(kv_dtype),
         "bytes_per_seq": per_seq, "avg_bytes_per_token": per_seq / context,
@@ -169,16 +199,20 @@ def _human(n: float) -> str:
 def format_report(r: dict[str, Any], label: str = "") -> str:
     windows = {w for w in r["layer_windows"] if w is not None}
     slide = (f", sliding window {sorted(windows)} on {sum(w is not None for w in r['layer_windows'])} of "
-             f"{r['num_layers']} layers" if windows else "")
+             f"{r['kv_layers']} layers" if windows else "")
+    linear = r["linear_layers"]
+    hybrid = f" ({r['kv_layers']} attention, {linear} linear attention)" if linear else ""
     lines = [
         f"model: {label}" if label else "",
-        f"shape: {r['num_layers']} layers, {r['num_heads']} query heads, {r['num_kv_heads']} KV heads "
+        f"shape: {r['num_layers']} layers{hybrid}, {r['num_heads']} query heads, {r['num_kv_heads']} KV heads "
         f"({r['attention']}), head_dim {r['head_dim']}{slide}",
         f"KV dtype: {r['kv_dtype']} ({r['dtype_bytes']:g} B{_scales_note(r['kv_dtype'], ' + ')})",
-        f"per token: {r['bytes_per_token']:,} B = 2 x {r['num_layers']} layers x {r['num_kv_heads']} kv_heads"
+        f"per token: {r['bytes_per_token']:,} B = 2 x {r['kv_layers']} layers x {r['num_kv_heads']} kv_heads"
         f" x {_head_formula(r)}" if r["latent_dim"] is None else
         f"per token: {r['bytes_per_token']:,} B = {r['num_layers']} layers x 1 latent (K and V of every head) x "
         f"{_head_formula(r)}",
+        f"fixed per sequence: {r['state_bytes']:,} B = {linear} linear-attention layers x "
+        f"{r['state_bytes'] // linear:,} B of recurrent and convolution state" if linear else "",
         f"per sequence of {r['context']:,} tokens: {r['bytes_per_seq']:,} B = {_human(r['bytes_per_seq'])}",
     ]
     if windows:
@@ -282,9 +316,28 @@ def param_count(cfg: Any) -> ParamCount:
     tied = bool(_get(cfg, "tie_word_embeddings", default=False))  # Llama/Mistral/Qwen default to untied
     if s.latent_dim is not None:
         return _latent_params(cfg, s, vocab, hidden, ffn, tied)
+    if s.linear_layers:
+        return _hybrid_params(cfg, s, vocab, hidden, ffn, tied)
     return ParamCount(embedding=vocab * hidden, attention=layers * (hidden * (q + 2 * kv) + q * hidden),
                       mlp=_mlp_params(cfg, hidden, ffn, layers), lm_head=0 if tied else vocab * hidden,
                       vectors=layers * (2 * hidden + _layer_extras(cfg, s, hidden, ffn)) + hidden)
+
+
+def _hybrid_params(cfg: Any, s: KVShape, vocab: int, hidden: int, ffn: int, tied: bool) -> ParamCount:
+    """Qwen3.5 / Qwen3-Next: gated attention layers (q_proj gives the query and its output gate) and Gated DeltaNet
+    layers (q/k/v, z, the a and b gates in; the value width out; a depthwise convolution over q/k/v)."""
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    kh, vh, kd, vd, kernel = (int(_get(cfg, n)) for n in ("linear_num_key_heads", "linear_num_value_heads",
+                                                         "linear_key_head_dim", "linear_value_head_dim",
+                                                         "linear_conv_kernel_dim"))
+    keys, values = kh * kd, vh * vd
+    attention = s.kv_layers * (hidden * (2 * q + 2 * kv) + q * hidden) \
+        + s.linear_layers * (hidden * (2 * keys + 2 * values + 2 * vh) + values * hidden)
+    per_linear = (2 * keys + values) * kernel + 2 * vh + vd        # convolution, dt bias and A, the gated norm
+    return ParamCount(embedding=vocab * hidden, attention=attention, mlp=_mlp_params(cfg, hidden, ffn, s.num_layers),
+                      lm_head=0 if tied else vocab * hidden,
+                      vectors=s.num_layers * 2 * hidden + s.kv_layers * 2 * s.head_dim
+                      + s.linear_layers * per_linear + hidden)
 
 
 def _latent_params(cfg: Any, s: KVShape, vocab: int, hidden: int, ffn: int, tied: bool) -> ParamCount:
