@@ -491,3 +491,29 @@ def test_kv_calc_counts_linear_attention_as_a_fixed_state(model_type):
     with torch.device("meta"):
         want = sum(p.numel() for p in AutoModelForCausalLM.from_config(small).parameters())
     assert kvcalc.param_count(small.to_dict()).total == want
+
+
+def test_kv_calc_deepseek_v32_and_v4_from_transformers_configs():
+    """V3.2 keeps MLA's latent and an indexer key per token per layer: at 1M tokens 83.9 GiB, the explainers' figure
+    for V4's predecessor. V4 keeps a window of raw keys and one pooled entry per 4 (with an indexer key) or per 128
+    tokens per layer: under a tenth of V3.2 at 1M. A layer type kv-calc does not know is refused by name."""
+    from transformers import AutoConfig
+    v32 = AutoConfig.for_model("deepseek_v32")
+    r = kvcalc.kv_calc(v32.to_dict(), 2 ** 20, "bf16")
+    per_token = v32.num_hidden_layers * (v32.kv_lora_rank + v32.qk_rope_head_dim + v32.index_head_dim) * 2
+    assert r["attention"] == "MLA + indexer" and r["bytes_per_token"] == per_token == 85_888
+    assert round(r["bytes_per_seq"] / 2 ** 30, 1) == 83.9
+    v4 = AutoConfig.for_model("deepseek_v4")
+    types, rates = v4.layer_types, v4.compress_rates
+    csa, hca = types.count("compressed_sparse_attention"), types.count("heavily_compressed_attention")
+    entry = v4.head_dim * 2
+    grow = csa * (entry + v4.index_head_dim * 2) / rates["compressed_sparse_attention"] \
+        + hca * entry / rates["heavily_compressed_attention"]
+    r4 = kvcalc.kv_calc(v4.to_dict(), 2 ** 20, "bf16")
+    assert r4["bytes_per_token"] == grow
+    want = v4.num_hidden_layers * v4.sliding_window * entry \
+        + csa * (2 ** 20 // 4) * (entry + v4.index_head_dim * 2) + hca * (2 ** 20 // 128) * entry
+    assert r4["bytes_per_seq"] == want and r4["bytes_per_seq"] < 0.1 * r["bytes_per_seq"]
+    bad = {**v4.to_dict(), "layer_types": ["hashed_attention"] * v4.num_hidden_layers}
+    with pytest.raises(ValueError, match="hashed_attention"):
+        kvcalc.kv_calc(bad, 4096)

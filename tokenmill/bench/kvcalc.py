@@ -7,7 +7,10 @@ K/V heads; a sliding-window layer stops growing at its window; DeepSeek's latent
 per layer, the latent and the rotary key (kv_lora_rank + qk_rope_head_dim), for K and V of every head. A linear-
 attention layer (Qwen3.5's and Qwen3-Next's Gated DeltaNet) keeps no KV at all but a fixed state per sequence:
 its recurrent state (value heads x key dim x value dim, float32, as transformers computes it) and its causal
-convolution's last kernel - 1 inputs (the q, k and v widths, in the model's 2-byte dtype).
+convolution's last kernel - 1 inputs (the q, k and v widths, in the model's 2-byte dtype). DeepSeek-V3.2 keeps MLA's
+latent and its sparse attention's indexer key (index_head_dim) per token per layer. DeepSeek-V4 keeps, per layer,
+a sliding window of raw keys (keys and values one vector) and one pooled entry per compress_rate tokens (4 for
+compressed sparse attention, which also keeps an indexer key per entry; 128 for heavily compressed attention).
 """
 from __future__ import annotations
 
@@ -74,17 +77,23 @@ class KVShape:
     latent_dim: Optional[int] = None          # MLA: the one vector a token keeps per layer (head_dim is it then)
     linear_layers: int = 0                    # of num_layers, those with a fixed state instead of KV
     state_bytes: int = 0                      # their states, per sequence, whatever its length
+    index_dim: int = 0                        # V3.2 / V4: an indexer key kept beside each (indexed) entry
+    # V4: per layer, tokens per pooled entry (its window of raw keys is layer_windows'); empty: every token kept
+    layer_rates: tuple[int, ...] = ()
+    indexed_rate: int = 0                     # V4: the rate whose entries carry indexer keys
 
     @property
     def attention(self) -> str:
+        if self.layer_rates:
+            return "compressed (CSA/HCA)"
         if self.latent_dim is not None:
-            return "MLA"
+            return "MLA + indexer" if self.index_dim else "MLA"
         return "MHA" if self.num_kv_heads == self.num_heads else "MQA" if self.num_kv_heads == 1 else "GQA"
 
     @property
     def vectors(self) -> int:
-        """Vectors a token keeps per layer: K and V of each kv head, or MLA's one latent."""
-        return 1 if self.latent_dim is not None else 2 * self.num_kv_heads
+        """Vectors a token keeps per layer: K and V of each kv head, or MLA's one latent (V4's one key = value)."""
+        return 1 if self.latent_dim is not None or self.layer_rates else 2 * self.num_kv_heads
 
     def head_bytes(self, kv_dtype: str = "bf16") -> int:
         """One token's K (or V) for one head, scales included."""
@@ -94,15 +103,30 @@ class KVShape:
     def kv_layers(self) -> int:
         return self.num_layers - self.linear_layers
 
-    def bytes_per_token(self, kv_dtype: str = "bf16") -> int:
-        """Full-attention cost of one more token (before any window caps it)."""
-        return self.vectors * self.kv_layers * self.head_bytes(kv_dtype)
+    def index_bytes(self, kv_dtype: str = "bf16") -> int:
+        return kv_format(kv_dtype)[1].head_bytes(self.index_dim) if self.index_dim else 0
+
+    def entry_bytes(self, rate: int, kv_dtype: str = "bf16") -> int:
+        """V4: one pooled entry of a layer of this rate, its indexer key included."""
+        return self.head_bytes(kv_dtype) + (self.index_bytes(kv_dtype) if rate == self.indexed_rate else 0)
+
+    def bytes_per_token(self, kv_dtype: str = "bf16") -> float:
+        """Full-attention cost of one more token (before any window caps it); V4: what its pooled entries add,
+        on average."""
+        if self.layer_rates:
+            grow = sum(self.entry_bytes(r, kv_dtype) / r for r in self.layer_rates)
+            return int(grow) if grow == int(grow) else grow
+        return self.kv_layers * (self.vectors * self.head_bytes(kv_dtype) + self.index_bytes(kv_dtype))
 
     def bytes_per_seq(self, context: int, kv_dtype: str = "bf16") -> int:
         """One sequence of `context` tokens: each attention layer keeps min(context, its window) tokens; linear
-        layers their fixed state."""
+        layers their fixed state; V4's layers their window and one entry per full group of `rate` tokens."""
         kept = sum(context if w is None else min(context, w) for w in self.layer_windows)
-        return self.vectors * self.head_bytes(kv_dtype) * kept + self.state_bytes
+        out = (self.vectors * self.head_bytes(kv_dtype) + self.index_bytes(kv_dtype)) * kept + self.state_bytes
+        if self.layer_rates:
+            out = self.head_bytes(kv_dtype) * kept + sum(context // r * self.entry_bytes(r, kv_dtype)
+                                                         for r in self.layer_rates)
+        return out
 
 
 def _get(cfg: Any, *names: str, default: Any = None) -> Any:
@@ -122,9 +146,22 @@ def kv_shape(cfg: Any) -> KVShape:
         raise ValueError("config needs num_hidden_layers and num_attention_heads")
     kv = _get(cfg, "num_key_value_heads", "num_kv_heads", "n_head_kv",
               default=1 if _get(cfg, "multi_query") else heads)
+    types = tuple(_get(cfg, "layer_types") or ())
     if _get(cfg, "kv_lora_rank"):          # latent attention: one latent and one rotary key per token per layer
         latent = int(_get(cfg, "kv_lora_rank") + _get(cfg, "qk_rope_head_dim", default=0))
-        return KVShape(int(layers), int(heads), 1, latent, (None,) * int(layers), latent)
+        index = int(_get(cfg, "index_head_dim", default=0)) if "indexed_attention" in types else 0
+        return KVShape(int(layers), int(heads), 1, latent, (None,) * int(layers), latent, index_dim=index)
+    rates = _get(cfg, "compress_rates")
+    if rates and types:                    # DeepSeek-V4
+        known = {"compressed_sparse_attention", "heavily_compressed_attention"}
+        if set(types) - known or len(types) != int(layers):
+            raise ValueError(f"DeepSeek-V4 layer types {sorted(set(types) - known) or types} are not ones kv-calc "
+                             f"counts ({', '.join(sorted(known))}, one per layer)")
+        window = int(_get(cfg, "sliding_window"))
+        return KVShape(int(layers), int(heads), 1, int(_get(cfg, "head_dim")), (window,) * int(layers),
+                       index_dim=int(_get(cfg, "index_head_dim")),
+                       layer_rates=tuple(int(rates[t]) for t in types),
+                       indexed_rate=int(rates["compressed_sparse_attention"]))
     head_dim = _get(cfg, "head_dim")
     if head_dim is None:
         hidden = _get(cfg, "hidden_size", "n_embd")
@@ -168,7 +205,8 @@ def kv_calc(cfg: Any, context: int = 4096, kv_dtype: str = "bf16",
     s = kv_shape(cfg)
     per_seq = s.bytes_per_seq(context, kv_dtype)
     out: dict[str, Any] = {
-        **asdict(s), "layer_windows": list(s.layer_windows), "attention": s.attention, "kv_layers": s.kv_layers,
+        **asdict(s), "layer_windows": list(s.layer_windows), "layer_rates": list(s.layer_rates), "attention": s.attention,
+        "kv_layers": s.kv_layers,
         "kv_dtype": kv_format(kv_dtype)[0], "dtype_bytes": dtype_bytes(kv_dtype),
         "head_bytes": s.head_bytes(kv_dtype), "context": context, "bytes_per_token": s.bytes_per_token(kv_dtype),
         "bytes_per_seq": per_seq, "avg_bytes_per_token": per_seq / context,
@@ -207,10 +245,7 @@ def format_report(r: dict[str, Any], label: str = "") -> str:
         f"shape: {r['num_layers']} layers{hybrid}, {r['num_heads']} query heads, {r['num_kv_heads']} KV heads "
         f"({r['attention']}), head_dim {r['head_dim']}{slide}",
         f"KV dtype: {r['kv_dtype']} ({r['dtype_bytes']:g} B{_scales_note(r['kv_dtype'], ' + ')})",
-        f"per token: {r['bytes_per_token']:,} B = 2 x {r['kv_layers']} layers x {r['num_kv_heads']} kv_heads"
-        f" x {_head_formula(r)}" if r["latent_dim"] is None else
-        f"per token: {r['bytes_per_token']:,} B = {r['num_layers']} layers x 1 latent (K and V of every head) x "
-        f"{_head_formula(r)}",
+        _per_token_line(r),
         f"fixed per sequence: {r['state_bytes']:,} B = {linear} linear-attention layers x "
         f"{r['state_bytes'] // linear:,} B of recurrent and convolution state" if linear else "",
         f"per sequence of {r['context']:,} tokens: {r['bytes_per_seq']:,} B = {_human(r['bytes_per_seq'])}",
@@ -221,6 +256,21 @@ def format_report(r: dict[str, Any], label: str = "") -> str:
         lines.append(f"fits in {r['memory_gb']:g} GB: {r['max_seqs']:,} sequences of {r['context']:,} tokens "
                      f"({r['max_tokens_full_attention']:,} tokens at full attention), weights and activations not counted")
     return "\n".join(x for x in lines if x)
+
+
+def _per_token_line(r: dict[str, Any]) -> str:
+    index = f" + indexer key ({r['index_dim']} x {r['dtype_bytes']:g} B)" if r["index_dim"] else ""
+    if r["layer_rates"]:
+        rates = sorted(set(r["layer_rates"]))
+        parts = " + ".join(f"{r['layer_rates'].count(k)} layers x (1 key=value{index if k == r['indexed_rate'] else ''})"
+                           f" / {k} tokens" for k in rates)
+        return (f"per token: {r['bytes_per_token']:,} B = {parts}, key=value {_head_formula(r)}; each layer's last "
+                f"{r['layer_windows'][0]} raw keys besides (the group still being pooled not counted)")
+    if r["latent_dim"] is not None:
+        return (f"per token: {r['bytes_per_token']:,} B = {r['num_layers']} layers x (1 latent (K and V of every head)"
+                f" x {_head_formula(r)}{index})")
+    return (f"per token: {r['bytes_per_token']:,} B = 2 x {r['kv_layers']} layers x {r['num_kv_heads']} kv_heads"
+            f" x {_head_formula(r)}")
 
 
 def _scales_note(kv_dtype: str, prefix: str) -> str:
