@@ -205,8 +205,8 @@ def kv_calc(cfg: Any, context: int = 4096, kv_dtype: str = "bf16",
     s = kv_shape(cfg)
     per_seq = s.bytes_per_seq(context, kv_dtype)
     out: dict[str, Any] = {
-        **asdict(s), "layer_windows": list(s.layer_windows), "layer_rates": list(s.layer_rates), "attention": s.attention,
-        "kv_layers": s.kv_layers,
+        **asdict(s), "layer_windows": list(s.layer_windows), "layer_rates": list(s.layer_rates),
+        "attention": s.attention, "kv_layers": s.kv_layers,
         "kv_dtype": kv_format(kv_dtype)[0], "dtype_bytes": dtype_bytes(kv_dtype),
         "head_bytes": s.head_bytes(kv_dtype), "context": context, "bytes_per_token": s.bytes_per_token(kv_dtype),
         "bytes_per_seq": per_seq, "avg_bytes_per_token": per_seq / context,
@@ -262,8 +262,8 @@ def _per_token_line(r: dict[str, Any]) -> str:
     index = f" + indexer key ({r['index_dim']} x {r['dtype_bytes']:g} B)" if r["index_dim"] else ""
     if r["layer_rates"]:
         rates = sorted(set(r["layer_rates"]))
-        parts = " + ".join(f"{r['layer_rates'].count(k)} layers x (1 key=value{index if k == r['indexed_rate'] else ''})"
-                           f" / {k} tokens" for k in rates)
+        parts = " + ".join(f"{r['layer_rates'].count(k)} layers x (1 key=value"
+                           f"{index if k == r['indexed_rate'] else ''}) / {k} tokens" for k in rates)
         return (f"per token: {r['bytes_per_token']:,} B = {parts}, key=value {_head_formula(r)}; each layer's last "
                 f"{r['layer_windows'][0]} raw keys besides (the group still being pooled not counted)")
     if r["latent_dim"] is not None:

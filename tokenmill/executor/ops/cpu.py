@@ -145,7 +145,7 @@ class CpuKernelOps(ReferenceOps):
                                    lanes_codes=lc, lanes_scale=ls, lanes_offset=lo, n=p.shape[0], k=p.shape[1])
 
     def _layer_desc(self, layer) -> Optional[tuple[ctypes.Structure, tuple[ctypes.Structure, ...],
-                                                   tuple[torch.Tensor, torch.Tensor], int]]:
+                                                   tuple[Optional[torch.Tensor], ...], int]]:
         """The tm_layer of a decoder layer the one-call decode covers (all four matrices in blocks, no biases, a
         float32 or bfloat16 model; Llama's shape, or Gemma's sandwich with q/k norms and soft caps), its four
         tm_matrix and float32 norm weights (kept alive with it) and the most rows of x it takes; else None."""
@@ -158,9 +158,10 @@ class CpuKernelOps(ReferenceOps):
         adapted = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         linears = tuple(getattr(m, "base", m) for m in adapted)
         # input, before the MLP; Gemma's after attention and after the MLP; q and k heads'
-        norms = (layer.input_layernorm, layer.pre_feedforward_layernorm if layer.gemma else layer.post_attention_layernorm,
-                 layer.post_attention_layernorm if layer.gemma else None,
-                 layer.post_feedforward_layernorm if layer.gemma else None, attn.q_norm, attn.k_norm)
+        gemma = layer.gemma
+        norms = (layer.input_layernorm, layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm,
+                 layer.post_attention_layernorm if gemma else None, layer.post_feedforward_layernorm if gemma else None,
+                 attn.q_norm, attn.k_norm)
         if self.dtype not in _LAYER_DTYPES or len({n.eps for n in norms if n is not None}) != 1 \
                 or attn.rotary_dim != attn.head_dim:
             return None
