@@ -73,24 +73,20 @@ def passages(tokenizer, n: int, length: int) -> list[list[int]]:
     return [ids[i * step:i * step + length] for i in range(n)]
 
 
+def engine(model: str, **kw):
+    from tokenmill import LLM
+    return LLM(model, max_model_len=1024, kv_cache_memory_gb=0.2, enable_prefix_caching=False, **kw)
+
+
 def tokenmill_top1(model: str, texts: list[list[int]], **kw) -> list[list[int]]:
     """Per passage, the top-1 token after each of its first len - 1 positions (teacher forcing)."""
-    from tokenmill import LLM, SamplingParams
-    llm = LLM(model, max_model_len=1024, kv_cache_memory_gb=0.2, enable_prefix_caching=False, **kw)
-    sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, detokenize=False)
-    outs = llm.generate([{"prompt_token_ids": p} for p in texts], sp, use_tqdm=False)
-    res = []
-    for o in outs:
-        res.append([min(d, key=lambda t: d[t].rank) for d in o.prompt_logprobs[1:]])
-    return res
+    from tokenmill.bench.kvquality import score
+    return [[max(d, key=d.get) for d in passage] for passage in score(engine(model, **kw), texts)]
 
 
 def tokenmill_greedy(model: str, prompts: list[list[int]], new: int, **kw) -> list[list[int]]:
-    from tokenmill import LLM, SamplingParams
-    llm = LLM(model, max_model_len=1024, kv_cache_memory_gb=0.2, enable_prefix_caching=False, **kw)
-    sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, detokenize=False)
-    return [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp,
-                                                                 use_tqdm=False)]
+    from tokenmill.bench.kvquality import greedy_sequences
+    return [s[len(p):] for p, s in zip(prompts, greedy_sequences(engine(model, **kw), prompts, new))]
 
 
 def hf_greedy(model: str, prompts: list[list[int]], new: int) -> list[list[int]]:

@@ -122,11 +122,10 @@ class KVShape:
         """One sequence of `context` tokens: each attention layer keeps min(context, its window) tokens; linear
         layers their fixed state; V4's layers their window and one entry per full group of `rate` tokens."""
         kept = sum(context if w is None else min(context, w) for w in self.layer_windows)
-        out = (self.vectors * self.head_bytes(kv_dtype) + self.index_bytes(kv_dtype)) * kept + self.state_bytes
         if self.layer_rates:
-            out = self.head_bytes(kv_dtype) * kept + sum(context // r * self.entry_bytes(r, kv_dtype)
-                                                         for r in self.layer_rates)
-        return out
+            return self.head_bytes(kv_dtype) * kept + sum(context // r * self.entry_bytes(r, kv_dtype)
+                                                          for r in self.layer_rates)
+        return (self.vectors * self.head_bytes(kv_dtype) + self.index_bytes(kv_dtype)) * kept + self.state_bytes
 
 
 def _get(cfg: Any, *names: str, default: Any = None) -> Any:
@@ -169,7 +168,7 @@ def kv_shape(cfg: Any) -> KVShape:
             raise ValueError("config needs head_dim or hidden_size")
         head_dim = hidden // heads
     windows = _layer_windows(cfg, int(layers))
-    linear = [t == "linear_attention" for t in (_get(cfg, "layer_types") or ())]
+    linear = [t == "linear_attention" for t in types]
     if any(linear):
         if len(linear) != int(layers):
             raise ValueError(f"layer_types names {len(linear)} layers, the config {layers}")
@@ -179,15 +178,21 @@ def kv_shape(cfg: Any) -> KVShape:
     return KVShape(int(layers), int(heads), int(kv), int(head_dim), windows)
 
 
-def linear_state_bytes(cfg: Any) -> int:
-    """One Gated DeltaNet layer's state for one sequence: the recurrent state, float32 [value heads, key dim,
-    value dim], and the convolution's last kernel - 1 inputs, [kernel - 1, 2 x key width + value width] at 2 bytes."""
+def _linear_dims(cfg: Any) -> tuple[int, int, int, int, int]:
+    """A Gated DeltaNet layer's (key heads, value heads, key dim, value dim, convolution kernel)."""
     names = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
              "linear_conv_kernel_dim")
     missing = [n for n in names if _get(cfg, n) is None]
     if missing:
         raise ValueError(f"a linear-attention layer needs {', '.join(missing)} in the config")
     kh, vh, kd, vd, kernel = (int(_get(cfg, n)) for n in names)
+    return kh, vh, kd, vd, kernel
+
+
+def linear_state_bytes(cfg: Any) -> int:
+    """One Gated DeltaNet layer's state for one sequence: the recurrent state, float32 [value heads, key dim,
+    value dim], and the convolution's last kernel - 1 inputs, [kernel - 1, 2 x key width + value width] at 2 bytes."""
+    kh, vh, kd, vd, kernel = _linear_dims(cfg)
     return vh * kd * vd * 4 + (kernel - 1) * (2 * kh * kd + vh * vd) * 2
 
 
@@ -377,9 +382,7 @@ def _hybrid_params(cfg: Any, s: KVShape, vocab: int, hidden: int, ffn: int, tied
     """Qwen3.5 / Qwen3-Next: gated attention layers (q_proj gives the query and its output gate) and Gated DeltaNet
     layers (q/k/v, z, the a and b gates in; the value width out; a depthwise convolution over q/k/v)."""
     q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    kh, vh, kd, vd, kernel = (int(_get(cfg, n)) for n in ("linear_num_key_heads", "linear_num_value_heads",
-                                                         "linear_key_head_dim", "linear_value_head_dim",
-                                                         "linear_conv_kernel_dim"))
+    kh, vh, kd, vd, kernel = _linear_dims(cfg)
     keys, values = kh * kd, vh * vd
     attention = s.kv_layers * (hidden * (2 * q + 2 * kv) + q * hidden) \
         + s.linear_layers * (hidden * (2 * keys + 2 * values + 2 * vh) + values * hidden)
