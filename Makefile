@@ -30,14 +30,15 @@ kernels: $(KERNELS)
 run: setup
 	.venv/bin/tokenmill serve --host 127.0.0.1 --port 8000
 
-# two workers, then alone the tests that compare their own latency with an idle baseline (pytest -m serial)
+# two workers, then alone the tests that compare their own latency with an idle baseline (pytest -m serial); a test
+# past its timeout has every thread's stack printed and its worker ended, even one stuck in C code
 test: setup
-	$(PY) -m pytest -x --timeout=600 --durations=25 -n 2 -m "not serial"
-	$(PY) -m pytest -x --timeout=600 -m serial
+	$(PY) -m pytest -x --timeout=600 --timeout-method=thread --durations=25 -n 2 -m "not serial"
+	$(PY) -m pytest -x --timeout=600 --timeout-method=thread -m serial
 
 # the inner loop: everything but the slow end-to-end tests (pytest -m slow)
 test-fast: setup
-	$(PY) -m pytest -x --timeout=600 -n 2 -m "not slow"
+	$(PY) -m pytest -x --timeout=600 --timeout-method=thread -n 2 -m "not slow"
 
 clean:
 	rm -rf .venv build tokenmill/executor/kernels/_lib

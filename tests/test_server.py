@@ -295,7 +295,12 @@ def test_queue_bound_is_503(chat_model_dir, server_factory):
                 next(first.iter_lines())                                   # running
                 with c.stream("POST", "/v1/completions", json=body) as second:
                     assert second.status_code == 200                       # waiting
-                    r = c.post("/v1/completions", json={**body, "stream": False})
+                    deadline = time.monotonic() + 10
+                    while server.llm.state.num_waiting != 1 and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    state = server.llm.state
+                    assert (state.num_running, state.num_waiting) == (1, 1), state
+                    r = c.post("/v1/completions", json={**body, "stream": False}, timeout=10)
                     released.set()
                     err = _expect(r, 503)
                     assert err["code"] == "queue_full"
