@@ -215,21 +215,23 @@ def variants(wide: bool = False) -> list[tuple[str, Callable[[], None]]]:
         scales = (torch.ones(KV), torch.ones(KV)) if cd in (e4m3, e5m2) else (None, None)
         return q, torch.empty_like(q), kc, vc, scales
 
-    def decode(D, H, KV, qd, cd, S, win, cap, path, bs):
+    def decode(D, H, KV, qd, cd, S, win, cap, path, bs, sinks=False):
         q, o, kc, vc, (ks, vs) = attn_tensors(D, H, KV, qd, cd)
         qsl, _, lens, tables, dec, _, _ = index(path)
+        sink = torch.zeros(H) if sinks else None
         return lambda: A.paged_decode(o, q, kc, vc, ks, vs, qsl, lens, tables, dec, S, bs, D ** -0.5,
-                                      4096 if win else None, 50.0 if cap else None)
+                                      4096 if win else None, 50.0 if cap else None, sink)
 
-    def prompt(D, H, KV, qd, cd, win, cap, path, bs):
+    def prompt(D, H, KV, qd, cd, win, cap, path, bs, sinks=False):
         q, o, kc, vc, (ks, vs) = attn_tensors(D, H, KV, qd, cd)
         qsl, computed, _, tables, _, treq, tm0 = index(path)
+        sink = torch.zeros(H) if sinks else None
         return lambda: A.paged_prompt(o, q, kc, vc, ks, vs, qsl, computed, tables, treq, tm0, bs, D ** -0.5,
-                                      4096 if win else None, 50.0 if cap else None)
+                                      4096 if win else None, 50.0 if cap else None, sink)
 
-    def alabel(D, H, KV, qd, cd, win, cap, path, bs, S=None):
+    def alabel(D, H, KV, qd, cd, win, cap, path, bs, S=None, sinks=False):
         return (f"{'' if S is None else f'S={S} '}D={D} G={H // KV} q={name[qd]} kv={name[cd]}"
-                f"{' win' if win else ''}{' cap' if cap else ''} idx={path} bs={bs}"
+                f"{' win' if win else ''}{' cap' if cap else ''}{' sinks' if sinks else ''} idx={path} bs={bs}"
                 f"{' IEEE' if qd == f32 else ''}")
 
     for D, H, KV, qd, cd, S, win, cap, path, bs in (
@@ -269,6 +271,13 @@ def variants(wide: bool = False) -> list[tuple[str, Callable[[], None]]]:
             (128, 32, 4, f32, bf16, False, False, "gpu", 16),
             (256, 8, 8, f32, bf16, True, False, "host", 16)):
         out.append((alabel(D, H, KV, qd, cd, win, cap, path, bs), prompt(D, H, KV, qd, cd, win, cap, path, bs)))
+    # gpt-oss: a sink a head with 128-token windows, 8 query heads a kv head; one split (folded in at its end) and
+    # several (added by the merge)
+    for S in (1, 8):
+        out.append((alabel(64, 64, 8, bf16, bf16, True, False, "gpu", 16, S, sinks=True),
+                    decode(64, 64, 8, bf16, bf16, S, True, False, "gpu", 16, sinks=True)))
+    out.append((alabel(64, 64, 8, bf16, bf16, True, False, "gpu", 16, sinks=True),
+                prompt(64, 64, 8, bf16, bf16, True, False, "gpu", 16, sinks=True)))
 
     # int4 / int8 group-quantised linear layers (ops/triton_quant.py): x [M, K], a GroupWeight's uint8 codes, scales
     # [N, K/group] and uint8 zero points. M picks the kernel (GEMV up to GEMV_MAX_ROWS rows) and the GEMM's tile;

@@ -152,7 +152,26 @@ def test_cpu_kernels_soft_cap_scores(backend, dtype, shape, case):
     _compare_with_reference(backend, 20 if case == "context" else None, dtype, case, *shape, softcap=3.0)
 
 
-def _compare_with_reference(backend, window, dtype, case, H, KV, D, kv_dtype=None, softcap=None):
+# gpt-oss's attention sinks (a logit per query head that takes a share of each softmax) on every path of the C
+# kernels: decode_fast and attend_rows (D = 40), ranges split past 1024 positions and merged, the cascade's shared
+# part, prompt tiles with a window; sinks from -1 to 3 against scores of about 1, so dropping them fails
+@pytest.mark.parametrize("case", ["mixed", "decode6", "cascade_mixed", "context", "long", "long_prompt"])
+@pytest.mark.parametrize("shape", [(6, 2, 32), (8, 1, 64), (4, 4, 40)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", CPU)
+def test_attention_sinks(backend, dtype, shape, case):
+    sinks = torch.linspace(-1.0, 3.0, shape[0])
+    _compare_with_reference(backend, 20 if case == "context" else None, dtype, case, *shape, sinks=sinks)
+
+
+@pytest.mark.parametrize("case", ["mixed", "context", "long_prompt"])
+@pytest.mark.parametrize("backend", ["batched", "padded"])
+def test_attention_sinks_torch_backends(backend, case):
+    _compare_with_reference(backend, 20 if case == "context" else None, torch.float32, case, 6, 2, 32,
+                            sinks=torch.linspace(-1.0, 3.0, 6))
+
+
+def _compare_with_reference(backend, window, dtype, case, H, KV, D, kv_dtype=None, softcap=None, sinks=None):
     bs, nblocks = 4, 300
     ctx, qn, shared = CASES[case]
     torch.manual_seed(0)
@@ -165,13 +184,13 @@ def _compare_with_reference(backend, window, dtype, case, H, KV, D, kv_dtype=Non
         be = _backend(name, H, KV, D)
         be.bind_kv_cache([_clone(cache)])
         meta = be.prepare(_meta(ctx, qn, bs, window, nblocks, shared_blocks=shared))
-        outs[name] = be.forward(0, q, k, v, meta, D ** -0.5, softcap=softcap).float()
+        outs[name] = be.forward(0, q, k, v, meta, D ** -0.5, softcap=softcap, sinks=sinks).float()
         if name.startswith("cpu"):
             shared_len = meta.decode_step.shared_len if meta.decode_step is not None else 0
             assert shared_len == (68 if shared and window is None else 0)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[backend], outs["torch"], atol=tol, rtol=tol)
-    if softcap is not None:         # the cap changes the result: a kernel that dropped it would fail above
+    if softcap is not None or sinks is not None:    # a kernel that dropped the cap or the sinks would fail above
         be = _backend("torch", H, KV, D)
         be.bind_kv_cache([_clone(cache)])
         uncapped = be.forward(0, q, k, v, be.prepare(_meta(ctx, qn, bs, window, nblocks, shared_blocks=shared)),
@@ -212,7 +231,7 @@ def test_decode_attention_kernel_matches_rotary_then_reference(isa, ctx, kv_dtyp
     meta.decode_step.cos, meta.decode_step.sin = cos.data_ptr(), sin.data_ptr()
     got = torch.empty(T, H, D)
     be.kernels.run("decode_attention", step=meta.decode_step, kv=meta.kv[0], qkv=qkv.clone(), qkv_stride=qkv.shape[1],
-                   out=got, heads=H, scale=D ** -0.5, softcap=0.0)
+                   out=got, heads=H, scale=D ** -0.5, softcap=0.0, sinks=None)
     qk = apply_rotary(qkv[:, :(H + KV) * D].view(T, H + KV, D), cos, sin)
     v = qkv[:, (H + KV) * D:].view(T, KV, D)
     ref = _backend("torch", H, KV, D)

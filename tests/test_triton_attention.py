@@ -69,10 +69,19 @@ def test_layer_window_and_soft_cap(case):
         torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("case", ["mixed", "long", "long_prompt"])
 @pytest.mark.parametrize("window", [None, 20])
-def test_long_decodes_are_split_and_merged(window):
+def test_attention_sinks(window, case):
+    """gpt-oss's sinks in the decode kernel (folded in at the end of one split, or once by the merge of several)
+    and the prompt kernel."""
+    _compare_with_reference("triton", window, torch.float32, case, 8, 2, 32, sinks=torch.linspace(-1.0, 3.0, 8))
+
+
+@pytest.mark.parametrize("sinks", [None, torch.linspace(-1.0, 3.0, 6)], ids=["plain", "sinks"])
+@pytest.mark.parametrize("window", [None, 20])
+def test_long_decodes_are_split_and_merged(window, sinks):
     """A long context's decode is split over several programs and the partial results merged by their
-    log-sum-exp; the result is the unsplit one's."""
+    log-sum-exp (and the sinks, once); the result is the unsplit one's."""
     from tokenmill.executor.attention.gpu import TritonBackend
     cache = _cache(torch.randn(1200, 2, 32), torch.randn(1200, 2, 32), torch.float32)
     q, k, v = torch.randn(2, 6, 32), torch.randn(2, 2, 32), torch.randn(2, 2, 32)
@@ -82,7 +91,7 @@ def test_long_decodes_are_split_and_merged(window):
         be.bind_kv_cache([_clone(cache)])
         meta = be.prepare(_meta([1100, 40], [1, 1], 4, window, 300))
         assert (meta.num_splits > 1) == (min_programs > 1)
-        outs.append(be.forward(0, q, k, v, meta, 32 ** -0.5))
+        outs.append(be.forward(0, q, k, v, meta, 32 ** -0.5, sinks=sinks))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=1e-6)
 
 

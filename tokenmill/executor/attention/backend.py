@@ -102,21 +102,28 @@ def _mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int]) -> to
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
-               softcap: Optional[float], is_causal: bool = False) -> torch.Tensor:
+               softcap: Optional[float], is_causal: bool = False, sinks: Optional[torch.Tensor] = None
+               ) -> torch.Tensor:
     """SDPA over [..., heads, len, D] (k, v with fewer heads: GQA). With a soft cap (Gemma 2), scores become
-    tanh(s / cap) * cap before the mask and softmax, which SDPA cannot do: the plain math then, as transformers'
-    eager attention does it."""
-    if softcap is None:
+    tanh(s / cap) * cap before the mask and softmax; with sinks (gpt-oss: a logit per head), each row's softmax
+    takes its head's sink as one more score, whose weight is then dropped. SDPA can do neither: the plain math
+    then, as transformers' eager attention does it."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
                                               enable_gqa=True)
     rep = q.shape[-3] // k.shape[-3]
     k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
-    s = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap
+    s = q @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
     if is_causal:
         mask = torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=s.device).tril()
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
-    return s.softmax(dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    if sinks is None:
+        return s.softmax(dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    sink = sinks.to(s.dtype)[:, None, None].expand(*s.shape[:-1], 1)
+    return torch.cat([s, sink], dim=-1).softmax(dim=-1, dtype=torch.float32)[..., :-1].to(q.dtype) @ v
 
 
 class AttentionBackend:
@@ -163,30 +170,32 @@ class AttentionBackend:
         raise NotImplementedError(f"the {self.name!r} attention backend cannot be captured in a graph")
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
-                scale: float, window: Optional[int] = None, softcap: Optional[float] = None) -> torch.Tensor:
+                scale: float, window: Optional[int] = None, softcap: Optional[float] = None,
+                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KV, D] (v's D may be narrower: latent attention), written into the layer's cache
-        first. Returns [T, H, v's D]. window: this
-        layer's sliding window (Gemma's local layers; else the model's, meta.sliding_window); softcap: tanh
-        soft-capping of the scores (Gemma 2)."""
+        first. Returns [T, H, v's D]. window: this layer's sliding window (Gemma's local layers; else the model's,
+        meta.sliding_window); softcap: tanh soft-capping of the scores (Gemma 2); sinks: [H] float32, each head's
+        sink logit (gpt-oss)."""
         cache = self.kv_caches[layer]
         cache.write(meta.slot_mapping, k, v)     # kv_cache_dtype may differ from the model's
-        return self._attend(q, k, v, cache, meta, scale, window or meta.sliding_window, softcap)
+        return self._attend(q, k, v, cache, meta, scale, window or meta.sliding_window, softcap, sinks)
 
     def forward_rotary(self, layer: int, qk: torch.Tensor, v: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                        rotary: Callable, meta: AttentionMetadata, scale: float, window: Optional[int] = None,
-                       softcap: Optional[float] = None) -> torch.Tensor:
+                       softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """forward() of q and k side by side as qk [T, H + KV, D] (a view of the fused qkv rows), turned first by
         the plan's rotary with rope (cos, sin [T, 1, rotary dims]). A backend may turn them and write the cache in
         one kernel."""
         qk = rotary(qk, *rope)
         H = qk.shape[1] - v.shape[1]
-        return self.forward(layer, qk[:, :H], qk[:, H:], v, meta, scale, window, softcap)
+        return self.forward(layer, qk[:, :H], qk[:, H:], v, meta, scale, window, softcap, sinks)
 
-    def _attend(self, q, k, v, cache: LayerKV, meta, scale, window, softcap) -> torch.Tensor:
+    def _attend(self, q, k, v, cache: LayerKV, meta, scale, window, softcap, sinks) -> torch.Tensor:
         raise NotImplementedError
 
     def _one_request(self, q: torch.Tensor, cache: LayerKV, meta: AttentionMetadata, i: int, scale: float,
-                     window: Optional[int], softcap: Optional[float]) -> torch.Tensor:
+                     window: Optional[int], softcap: Optional[float], sinks: Optional[torch.Tensor]
+                     ) -> torch.Tensor:
         """Attention of request i's query rows q [Q, H, D] over its cached context. Returns [Q, H, D]."""
         start = _window_start(meta, i, window)
         slots = _context_slots(meta, i, start).to(cache.k.device)
@@ -195,7 +204,7 @@ class AttentionBackend:
         k_pos = torch.arange(start, meta.seq_lens[i])
         mask = _mask(q_pos, k_pos, window).to(q.device)
         out = _attention(q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),  # [heads, len, D]
-                         mask, scale, softcap)
+                         mask, scale, softcap, sinks=sinks)
         return out.transpose(0, 1)
 
 
@@ -203,11 +212,11 @@ class TorchReferenceBackend(AttentionBackend):
     """The oracle: one masked SDPA per request, over keys read back from the paged cache."""
     name = "torch"
 
-    def _attend(self, q, k, v, cache, meta, scale, window, softcap):
+    def _attend(self, q, k, v, cache, meta, scale, window, softcap, sinks):
         out = q.new_empty(*q.shape[:2], v.shape[-1])
         for i in range(meta.num_reqs):
             a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            out[a:b] = self._one_request(q[a:b], cache, meta, i, scale, window, softcap)
+            out[a:b] = self._one_request(q[a:b], cache, meta, i, scale, window, softcap, sinks)
         return out
 
 
@@ -253,16 +262,16 @@ class BatchedBackend(AttentionBackend):
         out.decode_qpos = (torch.tensor([meta.seq_lens[i] for i in decode]) - 1)[:, None, None, None].to(meta.device)
         return out
 
-    def _attend(self, q, k, v, cache, meta, scale, window, softcap):
+    def _attend(self, q, k, v, cache, meta, scale, window, softcap, sinks):
         out = q.new_empty(*q.shape[:2], v.shape[-1])      # values may be narrower than keys (latent attention)
         if meta.decode_rows is not None:
             rows = meta.decode_rows
             keys, vals = cache.read(meta.decode_slots, q.dtype)
             keys, vals = keys.transpose(1, 2), vals.transpose(1, 2)          # [Bd, KV, L, D]
             qd = q[rows][:, :, None, :]                                 # [Bd, H, 1, D]
-            o = _attention(qd, keys, vals, self._decode_mask(meta, window), scale, softcap)
+            o = _attention(qd, keys, vals, self._decode_mask(meta, window), scale, softcap, sinks=sinks)
             out[rows] = o[:, :, 0, :]
-        self._prefill(q, k, v, cache, meta, scale, window, softcap, out)
+        self._prefill(q, k, v, cache, meta, scale, window, softcap, sinks, out)
         return out
 
     @staticmethod
@@ -274,14 +283,14 @@ class BatchedBackend(AttentionBackend):
             meta.window_masks[window] = meta.decode_mask & (meta.decode_qpos - meta.decode_pos < window)
         return meta.window_masks[window]
 
-    def _prefill(self, q, k, v, cache, meta, scale, window, softcap, out) -> None:
+    def _prefill(self, q, k, v, cache, meta, scale, window, softcap, sinks, out) -> None:
         for i in meta.prefill_reqs or ():
             a, b = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             fresh = meta.num_computed[i] == 0 and (window is None or b - a <= window) and cache.dtype == k.dtype
             if fresh:  # the whole context is this step's tokens: no need to read the cache back (unless the cache
                 # rounds them: then every query sees the K/V that later decode steps will see)
                 o = _attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), None, scale,
-                               softcap, is_causal=True)
+                               softcap, is_causal=True, sinks=sinks)
                 out[a:b] = o.transpose(0, 1)
             else:
-                out[a:b] = self._one_request(q[a:b], cache, meta, i, scale, window, softcap)
+                out[a:b] = self._one_request(q[a:b], cache, meta, i, scale, window, softcap, sinks)

@@ -27,7 +27,8 @@ _KV_FORMATS = {"float32": "TM_KV_F32", "bfloat16": "TM_KV_BF16", "int8": "TM_KV_
 def kernel_fits(kernels: KernelLibrary, num_heads: int, num_kv_heads: int, head_dim: int,
                 value_dim: Optional[int] = None) -> Optional[str]:
     """None when the attention kernels take these shapes (tokenmill.h's TM_ATTN_ limits) and this attention, else
-    why not. They take a soft cap and each KV group's own window (Gemma), and values as wide as keys."""
+    why not. They take a soft cap and each KV group's own window (Gemma), sinks (gpt-oss), and values as wide as
+    keys."""
     if value_dim is not None:
         return "values narrower than keys (latent attention)"
     lim = kernels.limits
@@ -125,20 +126,21 @@ class CpuKernelBackend(AttentionBackend):
         return shared if shared >= self.min_shared_len else 0
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: CpuAttentionMetadata,
-                scale: float, window: Optional[int] = None, softcap: Optional[float] = None) -> torch.Tensor:
+                scale: float, window: Optional[int] = None, softcap: Optional[float] = None,
+                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         if window not in (None, meta.sliding_window):
             raise ValueError(f"layer {layer}'s window of {window} is not its KV group's ({meta.sliding_window}): "
                              f"the CPU kernels attend through the group's")
         cap = softcap or 0.0
         self._write(layer, k, v, meta)
         if meta.all_decode:       # a pure decode step: no row gather or scatter around the kernel
-            return self._decode(layer, q, meta, scale, cap)
+            return self._decode(layer, q, meta, scale, cap, sinks)
         q = _rows_dense(q)
         out = torch.empty(q.shape, dtype=q.dtype)
         if meta.decode_rows is not None:
-            out[meta.decode_rows] = self._decode(layer, q[meta.decode_rows], meta, scale, cap)
+            out[meta.decode_rows] = self._decode(layer, q[meta.decode_rows], meta, scale, cap, sinks)
         self.kernels.run("paged_prefill", kv=meta.kv[layer], q=q, q_stride=_row_stride(q), q_bf16=_bf16(q),
-                         out=out, heads=q.shape[1], scale=scale, softcap=cap, **meta.prefill)
+                         out=out, heads=q.shape[1], scale=scale, softcap=cap, sinks=sinks, **meta.prefill)
         return out
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -151,13 +153,14 @@ class CpuKernelBackend(AttentionBackend):
             return
         self.kv_caches[layer].write(meta.slot_mapping, k, v)
 
-    def _decode(self, layer: int, q: torch.Tensor, meta: CpuAttentionMetadata, scale: float,
-                cap: float) -> torch.Tensor:
-        """The decoding requests' rows q [Bd, H, D] through the kernel (cap: the soft cap, 0 for none)."""
+    def _decode(self, layer: int, q: torch.Tensor, meta: CpuAttentionMetadata, scale: float, cap: float,
+                sinks: Optional[torch.Tensor]) -> torch.Tensor:
+        """The decoding requests' rows q [Bd, H, D] through the kernel (cap: the soft cap, 0 for none; sinks: [H]
+        float32 or None)."""
         q = _rows_dense(q)
         out = torch.empty(q.shape, dtype=q.dtype)
         self.kernels.run("paged_decode", step=meta.decode_step, kv=meta.kv[layer], q=q, q_stride=_row_stride(q),
-                         q_bf16=_bf16(q), out=out, heads=q.shape[1], scale=scale, softcap=cap)
+                         q_bf16=_bf16(q), out=out, heads=q.shape[1], scale=scale, softcap=cap, sinks=sinks)
         return out
 
 

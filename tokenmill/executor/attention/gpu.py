@@ -68,13 +68,14 @@ class TritonBackend(AttentionBackend):
         why = fused.rotary_write_fits(c.head_dim, c.head_dim, c.k.dtype, c.k.dtype) if not c.quantized else "fp8"
         self.write_rotated = fused.rotary_write if self.fused_rotary and why is None else None
 
-    def forward_rotary(self, layer, qk, v, rope, rotary, meta, scale, window=None, softcap=None) -> torch.Tensor:
+    def forward_rotary(self, layer, qk, v, rope, rotary, meta, scale, window=None, softcap=None,
+                       sinks=None) -> torch.Tensor:
         if self.write_rotated is None or rope[0].dtype != qk.dtype:
-            return super().forward_rotary(layer, qk, v, rope, rotary, meta, scale, window, softcap)
+            return super().forward_rotary(layer, qk, v, rope, rotary, meta, scale, window, softcap, sinks)
         cache = self.kv_caches[layer]
         H = qk.shape[1] - v.shape[1]
         self.write_rotated(qk, v, rope[0], rope[1], cache.k, cache.v, meta.slot_mapping, H)
-        return self._attend(qk[:, :H], None, None, cache, meta, scale, window or meta.sliding_window, softcap)
+        return self._attend(qk[:, :H], None, None, cache, meta, scale, window or meta.sliding_window, softcap, sinks)
 
     def prepare_device(self, batch: DeviceBatch) -> TritonMetadata:
         """The step's decode entries and prompt tiles from the host's row counts (one small copy; none when every
@@ -131,16 +132,17 @@ class TritonBackend(AttentionBackend):
             return 1
         return self.kernels.decode_splits(num_decode, self.kv_caches[0].k.shape[1], self.min_programs)
 
-    def _attend(self, q, k, v, cache: LayerKV, meta: TritonMetadata, scale, window, softcap) -> torch.Tensor:
+    def _attend(self, q, k, v, cache: LayerKV, meta: TritonMetadata, scale, window, softcap, sinks) -> torch.Tensor:
         if q.stride(2) != 1:
             q = q.contiguous()
         out = torch.empty_like(q)
         bs = meta.block_size
         if meta.decode_reqs is not None:
             self.kernels.paged_decode(out, q, cache.k, cache.v, cache.k_scale, cache.v_scale, meta.qsl, meta.lens,
-                                      meta.tables, meta.decode_reqs, meta.num_splits, bs, scale, window, softcap)
+                                      meta.tables, meta.decode_reqs, meta.num_splits, bs, scale, window, softcap,
+                                      sinks)
         if meta.tile_req is not None:
             self.kernels.paged_prompt(out, q, cache.k, cache.v, cache.k_scale, cache.v_scale, meta.qsl,
                                       meta.computed, meta.tables, meta.tile_req, meta.tile_m0, bs, scale, window,
-                                      softcap)
+                                      softcap, sinks)
         return out

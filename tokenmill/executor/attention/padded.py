@@ -64,7 +64,7 @@ class PaddedBackend(AttentionBackend):
         return _Fields(entry, batch.num_computed[entry] + rows - batch.qsl[entry], batch.seq_lens[entry], key_slots,
                        key_pos)
 
-    def _attend(self, q, k, v, cache, meta: PaddedMetadata, scale, window, softcap) -> torch.Tensor:
+    def _attend(self, q, k, v, cache, meta: PaddedMetadata, scale, window, softcap, sinks) -> torch.Tensor:
         keys, vals = cache.read(meta.key_slots[meta.row_entry], q.dtype)          # [T, L, KV, D]
         seen = (meta.key_pos[None, :] <= meta.row_pos[:, None]) & (meta.key_pos[None, :] < meta.row_len[:, None])
         if window is not None:
@@ -73,7 +73,7 @@ class PaddedBackend(AttentionBackend):
         keys = keys.masked_fill(~seen[:, :, None, None], 0.0)
         vals = vals.masked_fill(~seen[:, :, None, None], 0.0)
         o = _attention(q[:, :, None, :], keys.transpose(1, 2), vals.transpose(1, 2), seen[:, None, None, :], scale,
-                       softcap)[:, :, 0, :]                                         # [T, H, D]
+                       softcap, sinks=sinks)[:, :, 0, :]                                         # [T, H, D]
         # a padding row (length 0) attends nothing: zeros, not the NaN of an empty softmax
         return o.masked_fill(~seen.any(-1)[:, None, None], 0.0)
 

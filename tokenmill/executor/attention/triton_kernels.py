@@ -33,12 +33,13 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 @triton.jit
 def _decode_split_kernel(
         q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-        qsl_ptr, seq_lens_ptr, tables_ptr, decode_reqs_ptr,
+        qsl_ptr, seq_lens_ptr, tables_ptr, decode_reqs_ptr, sinks_ptr,
         scale, softcap, window,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_table, stride_ot, stride_oh,
         MAX_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr):
+        HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+        IEEE: tl.constexpr):
     """One program: one decoding request, one kv head with all its query heads (GQA), one split of the context.
     The request uses n = min(MAX_SPLITS, max(1, cdiv(keys, MIN_SPLIT_LEN))) splits, counted here from its own
     length (the grid has MAX_SPLITS whatever the lengths); the programs past its n leave at once. A length of 0 (a
@@ -103,6 +104,12 @@ def _decode_split_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty))
         m_i = m_new
 
+    if HAS_SINKS and MAX_SPLITS == 1:   # with splits, the merge adds the sink once
+        sink = tl.load(sinks_ptr + heads, mask=g < GROUP, other=0.0)
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.exp(sink - m_new)
+        acc = acc * alpha[:, None]
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if MAX_SPLITS == 1:
         tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + dd[None, :],
@@ -118,12 +125,12 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _decode_merge_kernel(out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, seq_lens_ptr, decode_reqs_ptr, window,
-                         stride_ot, stride_oh, MAX_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
-                         D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr):
+def _decode_merge_kernel(out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, seq_lens_ptr, decode_reqs_ptr, sinks_ptr,
+                         window, stride_ot, stride_oh, MAX_SPLITS: tl.constexpr, MIN_SPLIT_LEN: tl.constexpr,
+                         D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr):
     """One program: one decoding request's head; its n splits (counted as the split kernel counts them) weighed
     by exp(lse - max lse). The partials past n were never written and are not read; no split with a key (a
-    length of 0) gives a zero row."""
+    length of 0) gives a zero row. A sink joins as one more split whose output is zero and whose lse is the sink."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     H = tl.num_programs(1)
@@ -140,8 +147,13 @@ def _decode_merge_kernel(out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, seq_lens_pt
     base = (b * H + h) * MAX_SPLITS + s
     lse = tl.load(part_lse_ptr + base, mask=used, other=float("-inf"))
     top = tl.max(lse, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + h)
+        top = tl.maximum(top, sink)
     w = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))
     total = tl.sum(w, 0)
+    if HAS_SINKS:
+        total += tl.exp(sink - top)
     w = w / tl.where(total == 0.0, 1.0, total)
     o = tl.sum(tl.load(part_o_ptr + base[:, None] * BLOCK_D + dd[None, :], mask=used[:, None], other=0.0)
                * w[:, None], 0)
@@ -151,12 +163,13 @@ def _decode_merge_kernel(out_ptr, part_o_ptr, part_lse_ptr, qsl_ptr, seq_lens_pt
 @triton.jit
 def _prompt_kernel(
         q_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
-        qsl_ptr, num_computed_ptr, tables_ptr, tile_req_ptr, tile_m0_ptr,
+        qsl_ptr, num_computed_ptr, tables_ptr, tile_req_ptr, tile_m0_ptr, sinks_ptr,
         scale, softcap, window,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_table, stride_ot, stride_oh,
         GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, IEEE: tl.constexpr):
+        HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+        IEEE: tl.constexpr):
     """One program: BLOCK_M query rows of one request and one head, over the cached context up to each row's own
     position (fresh prompts, later chunks and prefix-cache hits alike: the step's K/V are in the cache already)."""
     t = tl.program_id(0)
@@ -218,6 +231,12 @@ def _prompt_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(q_ptr.dtype.element_ty), v.to(q_ptr.dtype.element_ty))
         m_i = m_new
+    if HAS_SINKS:       # the head's sink: one more score in every row's softmax, with no value
+        sink = tl.load(sinks_ptr + h)
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.exp(sink - m_new)
+        acc = acc * alpha[:, None]
     o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + (row0 + m)[:, None] * stride_ot + h * stride_oh + dd[None, :],
              o.to(out_ptr.dtype.element_ty), mask=qmask)
@@ -235,10 +254,13 @@ def fits(num_heads: int, num_kv_heads: int, head_dim: int) -> Optional[str]:
 
 
 def _common(q: torch.Tensor, k_cache: torch.Tensor, k_scale: Optional[torch.Tensor], window: Optional[int],
-            softcap: Optional[float]) -> dict:
+            softcap: Optional[float], sinks: Optional[torch.Tensor]) -> dict:
     D = q.shape[-1]
+    if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (q.shape[1],)):
+        raise ValueError(f"sinks must be float32 [{q.shape[1]}], one a query head; got {sinks.dtype} "
+                         f"{list(sinks.shape)}")
     return dict(D=D, BLOCK_D=max(16, triton.next_power_of_2(D)), HAS_SCALE=k_scale is not None,
-                HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None,
+                HAS_SOFTCAP=softcap is not None, HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None,
                 # float32 models get float32 products (no TF32); half models multiply in their dtype, accumulate in float32
                 IEEE=q.dtype == torch.float32 or INTERPRETED)
 
@@ -258,10 +280,11 @@ def decode_splits(batch: int, kv_heads: int, min_programs: int) -> int:
 def _paged_decode_op(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor], qsl: torch.Tensor,
                      seq_lens: torch.Tensor, tables: torch.Tensor, decode_reqs: torch.Tensor, max_splits: int,
-                     block_size: int, scale: float, window: Optional[int], softcap: Optional[float]) -> None:
+                     block_size: int, scale: float, window: Optional[int], softcap: Optional[float],
+                     sinks: Optional[torch.Tensor]) -> None:
     H, KV = q.shape[1], k_cache.shape[1]
     group = H // KV
-    c = _common(q, k_cache, k_scale, window, softcap)
+    c = _common(q, k_cache, k_scale, window, softcap, sinks)
     bd = decode_reqs.shape[0]
     if bd == 0:
         return
@@ -272,34 +295,37 @@ def _paged_decode_op(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, 
     dummy = k_scale if k_scale is not None else qsl
     _decode_split_kernel[(bd, KV, max_splits)](
         q, k_cache, v_cache, dummy, v_scale if v_scale is not None else qsl, out, part_o, part_lse,
-        qsl, seq_lens, tables, decode_reqs, scale, softcap or 1.0, window or 0,
+        qsl, seq_lens, tables, decode_reqs, sinks if sinks is not None else qsl, scale, softcap or 1.0, window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), tables.stride(0), out.stride(0),
         out.stride(1), MAX_SPLITS=max_splits, MIN_SPLIT_LEN=MIN_SPLIT_LEN, GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N, **c)
     if max_splits > 1:
-        _decode_merge_kernel[(bd, H)](out, part_o, part_lse, qsl, seq_lens, decode_reqs, window or 0,
+        _decode_merge_kernel[(bd, H)](out, part_o, part_lse, qsl, seq_lens, decode_reqs,
+                                      sinks if sinks is not None else qsl, window or 0,
                                       out.stride(0), out.stride(1), MAX_SPLITS=max_splits,
                                       MIN_SPLIT_LEN=MIN_SPLIT_LEN, D=c["D"], BLOCK_D=c["BLOCK_D"],
-                                      HAS_WINDOW=c["HAS_WINDOW"])
+                                      HAS_WINDOW=c["HAS_WINDOW"], HAS_SINKS=c["HAS_SINKS"])
 
 
 @_paged_decode_op.register_fake
 def _(out, q, k_cache, v_cache, k_scale, v_scale, qsl, seq_lens, tables, decode_reqs, max_splits, block_size,
-      scale, window, softcap) -> None:
+      scale, window, softcap, sinks) -> None:
     return None
 
 
 def paged_decode(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor], qsl: torch.Tensor,
                  seq_lens: torch.Tensor, tables: torch.Tensor, decode_reqs: torch.Tensor, max_splits: int,
-                 block_size: int, scale: float, window: Optional[int], softcap: Optional[float]) -> None:
+                 block_size: int, scale: float, window: Optional[int], softcap: Optional[float],
+                 sinks: Optional[torch.Tensor] = None) -> None:
     """out[row] for each decoding request (decode_reqs: request indices; its one query row is qsl[req]).
     q, out [T, H, D]; caches [slots, KV, D]; tables [B, W] int32 (block ids, any value past the context).
     max_splits: the grid's most splits of a context (decode_splits), a power of two; the lengths are read on the
-    device only, so the call can be captured in a CUDA graph and replayed with new lengths written in place."""
+    device only, so the call can be captured in a CUDA graph and replayed with new lengths written in place.
+    sinks: [H] float32, each head's sink logit (gpt-oss), or None."""
     assert max_splits & (max_splits - 1) == 0 and 1 <= max_splits <= MAX_SPLITS, max_splits
     torch.ops.tokenmill.paged_decode(out, q, k_cache, v_cache, k_scale, v_scale, qsl, seq_lens, tables,
-                                     decode_reqs, max_splits, block_size, scale, window, softcap)
+                                     decode_reqs, max_splits, block_size, scale, window, softcap, sinks)
 
 
 @torch.library.custom_op("tokenmill::paged_prompt", mutates_args=("out",))
@@ -307,29 +333,31 @@ def _paged_prompt_op(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, 
                      k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor], qsl: torch.Tensor,
                      num_computed: torch.Tensor, tables: torch.Tensor, tile_req: torch.Tensor,
                      tile_m0: torch.Tensor, block_size: int, scale: float, window: Optional[int],
-                     softcap: Optional[float]) -> None:
+                     softcap: Optional[float], sinks: Optional[torch.Tensor]) -> None:
     H, KV = q.shape[1], k_cache.shape[1]
     if tile_req.shape[0] == 0:
         return
-    c = _common(q, k_cache, k_scale, window, softcap)
+    c = _common(q, k_cache, k_scale, window, softcap, sinks)
     _prompt_kernel[(tile_req.shape[0], H)](
         q, k_cache, v_cache, k_scale if k_scale is not None else qsl, v_scale if v_scale is not None else qsl,
-        out, qsl, num_computed, tables, tile_req, tile_m0, scale, softcap or 1.0, window or 0,
+        out, qsl, num_computed, tables, tile_req, tile_m0, sinks if sinks is not None else qsl, scale,
+        softcap or 1.0, window or 0,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), tables.stride(0), out.stride(0),
         out.stride(1), GROUP=H // KV, BLOCK_SIZE=block_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, **c)
 
 
 @_paged_prompt_op.register_fake
 def _(out, q, k_cache, v_cache, k_scale, v_scale, qsl, num_computed, tables, tile_req, tile_m0, block_size, scale,
-      window, softcap) -> None:
+      window, softcap, sinks) -> None:
     return None
 
 
 def paged_prompt(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor], qsl: torch.Tensor,
                  num_computed: torch.Tensor, tables: torch.Tensor, tile_req: torch.Tensor, tile_m0: torch.Tensor,
-                 block_size: int, scale: float, window: Optional[int], softcap: Optional[float]) -> None:
+                 block_size: int, scale: float, window: Optional[int], softcap: Optional[float],
+                 sinks: Optional[torch.Tensor] = None) -> None:
     """out rows of the prompt requests, one program per (tile, head): tile t is BLOCK_M rows of request
-    tile_req[t] from its row tile_m0[t]."""
+    tile_req[t] from its row tile_m0[t]. sinks: as paged_decode's."""
     torch.ops.tokenmill.paged_prompt(out, q, k_cache, v_cache, k_scale, v_scale, qsl, num_computed, tables,
-                                     tile_req, tile_m0, block_size, scale, window, softcap)
+                                     tile_req, tile_m0, block_size, scale, window, softcap, sinks)

@@ -20,7 +20,8 @@
  *   k, v   [slots, KV, D]       slot = tables[b][pos / block_size] * block_size + pos % block_size
  *   starts [B], lens [B]        attend positions start..len-1 (start > 0 under a sliding window)
  * A soft cap (Gemma 2) turns each score s into cap * tanh(s / cap) before the softmax, on every path; a model
- * whose layers have windows of their own calls once per KV group, each with its group's window.
+ * whose layers have windows of their own calls once per KV group, each with its group's window. A head's sink
+ * (gpt-oss) is one more score in each of its rows' softmax, with no value: it joins where a row is normalised.
  */
 #include <float.h>
 #include <math.h>
@@ -385,6 +386,14 @@ static int shapes_ok(int H, int KV, int D, int block_size) {
            && D <= MAX_D && block_size > 0 && (block_size & (block_size - 1)) == 0;
 }
 
+/* What turns a row's unnormalised result (running max m, sum l) into its output: 1 / l, or with a sink logit the
+ * sink's term counted in the sum, both taken to the larger of m and the sink. */
+static inline float out_scale(float m, float l, const float *sink) {
+    if (!sink) return 1.f / l;
+    const float M = m > *sink ? m : *sink, a = expf(m - M);
+    return a / (l * a + expf(*sink - M));
+}
+
 /* Output row `orow` = o * inv, as float32 or bfloat16. */
 static void store_row(void *out, int bf16, size_t orow, const float *o, float inv, int D) {
     for (int d = 0; d < D; d++) {
@@ -395,14 +404,18 @@ static void store_row(void *out, int bf16, size_t orow, const float *o, float in
 
 /* Output row `orow` from partial results of one query over disjoint position ranges (flash-decoding): part p
  * is (mx[p * step], sum[p * step], acc[p * step * D ..]); each is rescaled by exp(mx_p - M) to the common max M. An
- * optional extra part (xm, xl, xacc: the shared prefix of cascade attention) joins them. */
+ * optional extra part (xm, xl, xacc: the shared prefix of cascade attention) joins them, and a sink (a score with
+ * no value) where given. */
 static void combine(void *out, int bf16, size_t orow, int D, int parts, int step, const float *acc,
-                    const float *mx, const float *sum, const float *xm, const float *xl, const float *xacc) {
+                    const float *mx, const float *sum, const float *xm, const float *xl, const float *xacc,
+                    const float *sink) {
     float M = -FLT_MAX, total = 0.f, o[MAX_D];
     memset(o, 0, sizeof(float) * D);
     if (xm && *xl > 0.f) M = *xm;
+    if (sink && *sink > M) M = *sink;
     for (int p = 0; p < parts; p++)
         if (sum[p * step] > 0.f && mx[p * step] > M) M = mx[p * step];
+    if (sink) total += expf(*sink - M);
     if (xm && *xl > 0.f) {
         const float w = expf(*xm - M);
         total += w * *xl;
@@ -445,7 +458,7 @@ static int same_tile(const int32_t *tables, int max_blocks, const int32_t *start
 
 static int paged_decode(const void *q, int q_stride, const tm_kv_cache *kv, void *out, int q_bf16,
                  const int32_t *tables, int max_blocks, const int32_t *starts, const int32_t *lens, int shared_len,
-                 int B, int H, int block_size, float scale, float softcap, int num_threads) {
+                 int B, int H, int block_size, float scale, float softcap, const float *sinks, int num_threads) {
     /* shared_len > 0 (cascade): positions 0 .. shared_len-1 sit in the same blocks for every request (the
      * caller checked the tables and that no request starts later than 0); they are attended once per tile of
      * requests, and each request's items cover only shared_len .. len-1. */
@@ -587,7 +600,8 @@ static int paged_decode(const void *q, int q_stride, const tm_kv_cache *kv, void
                         const size_t orow = (size_t)b * H + (size_t)unit * G * per_head + r;
                         const size_t at = at0[b] + (size_t)unit * parts[t] * rows + r;
                         combine(out, q_bf16, orow, D, parts[t], rows, acc + at * D, mx + at, sum + at,
-                                xm ? xm + orow : NULL, xl ? xl + orow : NULL, xacc ? xacc[orow] : NULL);
+                                xm ? xm + orow : NULL, xl ? xl + orow : NULL, xacc ? xacc[orow] : NULL,
+                                sinks ? sinks + orow % H : NULL);
                     }
             }
             scratch_free(&s);   /* frees what scratch_init got, all or part */
@@ -614,7 +628,7 @@ static int paged_decode(const void *q, int q_stride, const tm_kv_cache *kv, void
 static int paged_prefill(const void *q, int q_stride, const tm_kv_cache *kv, void *out, int q_bf16,
                   const int32_t *tables, int max_blocks, const int32_t *row0, const int32_t *count,
                   const int32_t *computed, int R, int H, int block_size, int window, float scale,
-                  float softcap, int num_threads) {
+                  float softcap, const float *sinks, int num_threads) {
     const int KV = kv->kv_heads, D = kv->head_dim;
     if (!shapes_ok(H, KV, D, block_size)) return -1;
     const int G = H / KV;
@@ -660,7 +674,8 @@ static int paged_prefill(const void *q, int q_stride, const tm_kv_cache *kv, voi
             for (int t = 0; t < nt; t++)
                 for (int g = 0; g < G; g++) {
                     const int r = t * G + g;
-                    store_row(out, q_bf16, (size_t)(row0[i] + t0 + t) * H + h * G + g, s.acc[r], 1.f / s.l[r], D);
+                    store_row(out, q_bf16, (size_t)(row0[i] + t0 + t) * H + h * G + g, s.acc[r],
+                              out_scale(s.m[r], s.l[r], sinks ? sinks + h * G + g : NULL), D);
                 }
         }
         scratch_free(&s);
@@ -766,13 +781,13 @@ static int write_kv(const float *k, const float *v, int src_stride, const tm_kv_
 static int decode_attention(float *qkv, int qkv_stride, float *out, const float *cos, const float *sin,
                             const int64_t *slots, const tm_kv_cache *kv, const int32_t *tables, int max_blocks,
                             const int32_t *starts, const int32_t *lens, int shared_len, int B, int H, int block_size,
-                            float scale, float softcap, int num_threads) {
+                            float scale, float softcap, const float *sinks, int num_threads) {
     const int KV = kv->kv_heads, D = kv->head_dim;
     rotary(qkv, cos, sin, B, H + KV, D, qkv_stride, 1);
     const int rc = write_kv(qkv + (size_t)H * D, qkv + (size_t)(H + KV) * D, qkv_stride, kv, slots, B);
     if (rc != 0) return rc;
     return paged_decode(qkv, qkv_stride, kv, out, 0, tables, max_blocks, starts, lens, shared_len, B, H, block_size,
-                        scale, softcap, num_threads);
+                        scale, softcap, sinks, num_threads);
 }
 
 
@@ -788,14 +803,15 @@ TM_API int tm_paged_decode(const tm_paged_decode_args *a) {
     const tm_decode_step *s = a->step;
     if (!kv_ok(a->kv)) return -1;
     return paged_decode(a->q, a->q_stride, a->kv, a->out, a->q_bf16, s->tables, s->max_blocks, s->starts, s->lens,
-                        s->shared_len, s->batch, a->heads, s->block_size, a->scale, a->softcap, s->num_threads);
+                        s->shared_len, s->batch, a->heads, s->block_size, a->scale, a->softcap, a->sinks,
+                        s->num_threads);
 }
 
 TM_API int tm_paged_prefill(const tm_paged_prefill_args *a) {
     if (!kv_ok(a->kv)) return -1;
     return paged_prefill(a->q, a->q_stride, a->kv, a->out, a->q_bf16, a->tables, a->max_blocks, a->row0, a->count,
                          a->computed, a->reqs, a->heads, a->block_size, a->window, a->scale, a->softcap,
-                         a->num_threads);
+                         a->sinks, a->num_threads);
 }
 
 TM_API int tm_write_kv(const tm_write_kv_args *a) {
@@ -808,5 +824,5 @@ TM_API int tm_decode_attention(const tm_decode_attention_args *a) {
     if (!s->cos || !s->sin || !s->slots || !kv_ok(a->kv)) return -1;
     return decode_attention(a->qkv, a->qkv_stride, a->out, s->cos, s->sin, s->slots, a->kv, s->tables, s->max_blocks,
                             s->starts, s->lens, s->shared_len, s->batch, a->heads, s->block_size, a->scale,
-                            a->softcap, s->num_threads);
+                            a->softcap, a->sinks, s->num_threads);
 }

@@ -59,7 +59,7 @@ TM_API int tm_decode_layer(const tm_decode_layer_args *a) {
     }
     if (rc == 0 && L->q_norm) qk_norms(L, qkv, B, width);
     if (rc == 0) {
-        const tm_decode_attention_args at = {a->step, a->kv, qkv, width, att, L->heads, L->scale, L->softcap};
+        const tm_decode_attention_args at = {a->step, a->kv, qkv, width, att, L->heads, L->scale, L->softcap, NULL};
         rc = tm_decode_attention(&at);
     }
     if (rc == 0) rc = mm(L->o, att, B, o, threads, a->lora_slots);

@@ -223,6 +223,8 @@ typedef struct {
     int heads;
     float scale;
     float softcap;                /* > 0: each score s becomes softcap * tanh(s / softcap) (Gemma 2); 0: none */
+    const float *sinks;           /* [heads]: each head's sink logit, one more score in its softmax with no value
+                                   * (gpt-oss); NULL: none */
 } tm_paged_decode_args;
 TM_API int tm_paged_decode(const tm_paged_decode_args *a);
 
@@ -244,6 +246,7 @@ typedef struct {
     int window;                   /* sliding window, 0 for none */
     float scale;
     float softcap;                /* as tm_paged_decode_args.softcap */
+    const float *sinks;           /* as tm_paged_decode_args.sinks */
     int num_threads;
 } tm_paged_prefill_args;
 TM_API int tm_paged_prefill(const tm_paged_prefill_args *a);
@@ -269,6 +272,7 @@ typedef struct {
     int heads;
     float scale;
     float softcap;                /* as tm_paged_decode_args.softcap */
+    const float *sinks;           /* as tm_paged_decode_args.sinks */
 } tm_decode_attention_args;
 TM_API int tm_decode_attention(const tm_decode_attention_args *a);
 
