@@ -167,6 +167,11 @@ def test_engine_gemma2_soft_cap_and_layer_windows(gemma2):
 
 
 @pytest.mark.slow
+def test_engine_gpt_oss_sinks_and_layer_windows(tmp_path):
+    check_greedy(*build_tiny("gpt_oss", tmp_path), ENGINE, [40, 10])
+
+
+@pytest.mark.slow
 def test_engine_fp8_cache_matches_reference(tiny_llama):
     """An fp8 cache read by the kernels gives the reference backend's tokens over the same cache."""
     prompts = random_prompts([5, 40], seed=12)

@@ -10,9 +10,9 @@ VOCAB = 320
 
 
 def _configs() -> dict:
-    from transformers import (DeepseekV2Config, DeepseekV3Config, Gemma2Config, Gemma3TextConfig, LlamaConfig,
-                              MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
-                              Qwen3MoeConfig)
+    from transformers import (DeepseekV2Config, DeepseekV3Config, Gemma2Config, Gemma3TextConfig, GptOssConfig,
+                              LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig,
+                              Qwen3Config, Qwen3MoeConfig)
     common = dict(vocab_size=VOCAB, max_position_embeddings=512, eos_token_id=None, bos_token_id=None,
                   pad_token_id=None, initializer_range=0.1)
     return {
@@ -79,6 +79,15 @@ def _configs() -> dict:
                                             decoder_sparse_step=2, tie_word_embeddings=False, **common),
         "qwen3": lambda: Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                                      num_key_value_heads=2, head_dim=24, tie_word_embeddings=False, **common),
+        # gpt-oss: sinks (build_tiny makes them and the experts' biases random), every other layer local with a
+        # window shorter than the prompts, top-2 of 4 biased experts whose SwiGLU clamps at 1 (of values about that
+        # size), yarn rope that does not truncate its correction range
+        "gpt_oss": lambda: GptOssConfig(
+            hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=16, swiglu_limit=1.0,
+            rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "truncate": False, "original_max_position_embeddings": 128, "rope_theta": 150000.0},
+            **common),
         # latent attention without a query bottleneck; top-2 of 8 experts within the best 1 of 2 groups (softmax,
         # not renormalised), one shared expert, a dense first layer; layer norms' eps 1e-5 (the latent's stay 1e-6)
         "deepseek_v2": lambda: DeepseekV2Config(
@@ -100,7 +109,7 @@ def _configs() -> dict:
 
 
 ARCHS = ["llama", "llama_mqa_tied", "llama_yarn", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral",
-         "qwen2_moe", "qwen3_moe"]
+         "qwen2_moe", "qwen3_moe", "gpt_oss"]
 
 
 def build_tiny(kind: str, path: Path, seed: int = 0):
@@ -111,6 +120,12 @@ def build_tiny(kind: str, path: Path, seed: int = 0):
     for name, buf in model.named_buffers():
         if name.endswith("e_score_correction_bias"):      # zeros at init: random, so that the choice uses it
             buf.copy_(torch.rand_like(buf) * 0.5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):              # about the scores' size, so each takes a real share
+                p.copy_(torch.rand_like(p) * 3 - 1)
+            elif name.endswith(("gate_up_proj_bias", "down_proj_bias")):   # zeros at init
+                p.copy_(torch.randn_like(p) * 0.2)
     model.save_pretrained(path)
     return str(path), model
 

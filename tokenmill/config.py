@@ -14,11 +14,11 @@ from tokenmill.layout import KVGroups, kv_groups, sliding_layers, sparse_layers
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM",
                            "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM",
-                           "DeepseekV3ForCausalLM")
+                           "DeepseekV3ForCausalLM", "GptOssForCausalLM")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 ROPE_TYPES = ("linear", "llama3", "yarn", "longrope")      # besides the default (layers/rotary.py)
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM")
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 TOPK_METHODS = ("greedy", "group_limited_greedy")        # DeepSeek-V2's routings (V3 always routes by groups)
 
@@ -68,6 +68,7 @@ class ModelConfig:
     # picked among the topk_group best of n_group groups (V2's group_limited_greedy: a group's best score; V3: its
     # best two), the weights times routed_scaling_factor; its shared experts have no gate
     moe_scoring: str = "softmax"
+    router_bias: bool = False         # gpt-oss: the router's logits have a bias
     router_float32: bool = False      # DeepSeek: router logits from float32 activations and weights
     topk_method: str = "greedy"
     n_group: int = 1
@@ -84,6 +85,15 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False
+    # gpt-oss: a learned logit per query head that joins every softmax of its scores and takes its share of the
+    # weight (attention sinks), bias on o_proj and on every expert's matrices, and the experts' clamped SwiGLU
+    # (hidden_act "swigluoai", vLLM's name): gate clamped above and up on both sides at swiglu_limit, then
+    # (up + 1) * gate * sigmoid(swiglu_alpha * gate)
+    attention_sinks: bool = False
+    o_proj_bias: bool = False
+    expert_bias: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     @staticmethod
     def from_hf_dict(cfg: dict[str, Any]) -> "ModelConfig":
@@ -97,7 +107,7 @@ class ModelConfig:
         hidden = cfg["hidden_size"]
         # transformers 5 keeps rope settings in rope_parameters; older configs in rope_theta + rope_scaling
         rope = dict(cfg.get("rope_parameters") or {})
-        gemma = _gemma_fields(arch, cfg, rope)
+        family = _gemma_fields(arch, cfg, rope)
         if "full_attention" in rope:             # transformers 5's per-layer-type rope (Gemma 3): the global one here
             rope = dict(rope["full_attention"])
         theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
@@ -130,6 +140,8 @@ class ModelConfig:
             raise ValueError(f"{arch}: sliding windows on some layers only (layer_types) are implemented for Gemma, "
                              f"not here; set use_sliding_window false or use a config without mixed layer_types")
         moe = _moe_fields(arch, cfg) if arch not in DEEPSEEK_ARCHITECTURES else _deepseek_fields(arch, cfg)
+        if arch == "GptOssForCausalLM":
+            family = _gpt_oss_fields(cfg)
         return ModelConfig(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -154,7 +166,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             **moe,
-            **gemma,
+            **family,
         )
 
     @staticmethod
@@ -254,6 +266,24 @@ def _gemma_fields(arch: str, cfg: dict[str, Any], rope: dict[str, Any]) -> dict[
                 rope_local_theta=float(local) if arch == "Gemma3ForCausalLM" and local else None)
 
 
+def _gpt_oss_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's gpt-oss fields: sinks, biases, the clamped SwiGLU and each layer's window from layer_types."""
+    unknown = sorted(set(cfg.get("layer_types") or ()) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ValueError(f"GptOssForCausalLM: layer type(s) {', '.join(unknown)} are not implemented")
+    if cfg.get("quantization_config"):
+        method = cfg["quantization_config"].get("quant_method")
+        raise ValueError(f"GptOssForCausalLM: {method!r} quantised experts are not implemented yet; load a "
+                         f"dequantised (bfloat16) checkpoint or a GGUF")
+    window = cfg.get("sliding_window")
+    windows = tuple(window if s else None for s in sliding_layers({**cfg, "model_type": "gpt_oss"},
+                                                                   cfg["num_hidden_layers"]))
+    return dict(attention_sinks=True, o_proj_bias=bool(cfg.get("attention_bias", True)), expert_bias=True,
+                hidden_act="swigluoai", swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+                layer_windows=windows if window is not None else ())
+
+
 def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """ModelConfig's Mixture-of-Experts fields from an HF config (none for a dense architecture). Mixtral's every
     layer is sparse and always renormalises; Qwen's layers are sparse every decoder_sparse_step-th layer but for
@@ -268,6 +298,9 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     if arch == "MixtralForCausalLM":
         return dict(moe_layers=tuple(range(layers)), num_experts=experts, num_experts_per_tok=top_k,
                     moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
+    if arch == "GptOssForCausalLM":       # a softmax over the top k logits only (those of the router's bias added)
+        return dict(moe_layers=tuple(range(layers)), num_experts=experts, num_experts_per_tok=top_k,
+                    moe_intermediate_size=cfg["intermediate_size"], moe_scoring="topk_softmax", router_bias=True)
     return dict(moe_layers=sparse_layers(layers, cfg.get("decoder_sparse_step"), cfg.get("mlp_only_layers")),
                 num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=cfg["moe_intermediate_size"],
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),

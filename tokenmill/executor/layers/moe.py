@@ -1,5 +1,5 @@
-"""The Mixture-of-Experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3): a router scores every expert per
-token, the top k run (DeepSeek: among the best groups of experts only), and their outputs are summed by the
+"""The Mixture-of-Experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, gpt-oss): a router scores every expert
+per token, the top k run (DeepSeek: among the best groups of experts only), and their outputs are summed by the
 router's (renormalised, scaled) weights. Each expert is a gated MLP of its own,
 float or quantised like any other; the plan's fused_moe op groups the tokens by expert so that each active expert
 runs once for all its tokens."""
@@ -19,7 +19,7 @@ class SparseMoeBlock(nn.Module):
         """make_mlp(intermediate size) builds one gated MLP (an expert, or the shared expert)."""
         super().__init__()
         self.ops, self.cfg = ops, cfg
-        self.gate = Linear(cfg.hidden_size, cfg.num_experts, False, ops)            # the router
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, cfg.router_bias, ops)            # the router
         # DeepSeek-V3: a per-expert bias added to the scores for choosing experts only (float32, as transformers)
         self.e_score_correction_bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.moe_scoring == "sigmoid" \
             else None
@@ -34,6 +34,9 @@ class SparseMoeBlock(nn.Module):
         """(weights, expert ids) [T, k] of each token, in float32."""
         cfg = self.cfg
         logits = self._float_router(x) if cfg.router_float32 else self.gate(x).float()
+        if cfg.moe_scoring == "topk_softmax":       # gpt-oss: the best k logits, softmaxed among themselves
+            top, ids = logits.topk(cfg.num_experts_per_tok, dim=-1)
+            return top.softmax(dim=-1), ids
         scores = logits.sigmoid() if cfg.moe_scoring == "sigmoid" else logits.softmax(dim=-1)
         choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias.float()
         if cfg.topk_method == "group_limited_greedy":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from functools import partial
 
 from collections import Counter
 from typing import Callable, Iterable, Optional
@@ -40,7 +41,7 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, ops)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, False, ops)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, ops)
         offset = 1.0 if cfg.gemma else 0.0
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops, offset) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops, offset) if cfg.qk_norm else None
@@ -51,6 +52,8 @@ class Attention(nn.Module):
         self.window = cfg.layer_windows[layer_idx] if cfg.layer_windows else None
         self.softcap = cfg.attn_logit_softcapping
         self.local_rope = self.window is not None and cfg.rope_local_theta is not None
+        # gpt-oss: each query head's sink logit (float32 for the kernels, whatever the model's dtype)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False) if cfg.attention_sinks else None
 
     def forward(self, x: torch.Tensor, rope: Rope, backend: AttentionBackend,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -62,7 +65,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])], dim=1)
         o = backend.forward_rotary(self.layer_idx, qk, v, rope, self.ops.rotary, meta, self.scale, self.window,
-                                   self.softcap)                                            # [T, H, D]
+                                   self.softcap, self.sinks)                                # [T, H, D]
         return self.ops.all_reduce(self.o_proj(o.reshape(T, self.q_size)))      # rank's heads' share, summed
 
 
@@ -78,15 +81,19 @@ class VocabParallelEmbedding(Embedding):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: ReferenceOps, inter: Optional[int] = None, reduce: bool = True):
-        """reduce=False: an expert's, whose Mixture-of-Experts block all-reduces once, after the experts."""
+    def __init__(self, cfg: ModelConfig, ops: ReferenceOps, inter: Optional[int] = None, reduce: bool = True,
+                 bias: bool = False):
+        """reduce=False: an expert's, whose Mixture-of-Experts block all-reduces once, after the experts; bias: on
+        both matrices (gpt-oss's experts)."""
         super().__init__()
         self.ops, self.reduce = ops, reduce
         self.inter = inter or cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, False, ops)
-        self.down_proj = Linear(self.inter, cfg.hidden_size, False, ops)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias, ops)
+        self.down_proj = Linear(self.inter, cfg.hidden_size, bias, ops)
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
         self.act = ops.gelu_tanh_mul if self.gelu else ops.silu_mul
+        if cfg.hidden_act == "swigluoai":
+            self.act = partial(ops.swiglu_oai_mul, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.down_proj(self.act(self.gate_up_proj(x)))
@@ -104,7 +111,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = LatentAttention(cfg, layer_idx, ops) if cfg.mla else Attention(cfg, layer_idx, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, offset)
         if layer_idx in cfg.moe_layers:
-            self.mlp = SparseMoeBlock(cfg, ops, lambda inter: MLP(cfg, ops, inter, reduce=False))
+            self.mlp = SparseMoeBlock(cfg, ops, lambda inter: MLP(cfg, ops, inter, reduce=False,
+                                                                                bias=cfg.expert_bias))
         else:
             self.mlp = MLP(cfg, ops)
 
@@ -150,6 +158,31 @@ _NUM_SHARDS = Counter(target for target, _ in _FUSED.values())    # qkv_proj: 3,
 
 # Mixtral's names for its MoE block and its experts' matrices -> the Qwen-MoE names that map onto ours
 _MIXTRAL = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def _unstacked_experts(weights: Iterable[tuple[str, torch.Tensor | QuantWeight]]
+                       ) -> Iterable[tuple[str, torch.Tensor | QuantWeight]]:
+    """gpt-oss's checkpoint names, one expert at a time in Qwen-MoE's: its router as the gate, and each layer's
+    experts stacked in one tensor per matrix ([E, in, out], gate and up columns interleaved) as each expert's
+    gate_proj, up_proj and down_proj ([out, in]) with their biases."""
+    for name, t in weights:
+        head, _, leaf = name.rpartition(".")
+        if leaf in ("weight", "bias") and head.endswith(".mlp.router"):
+            yield f"{head[:-len('router')]}gate.{leaf}", t
+        elif head.endswith(".mlp.experts") and leaf in ("gate_up_proj", "gate_up_proj_bias", "down_proj",
+                                                         "down_proj_bias"):
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{name}: quantised stacked experts are not implemented")
+            kind = "bias" if leaf.endswith("_bias") else "weight"
+            for e in range(t.shape[0]):
+                w = t[e] if kind == "bias" else t[e].t()         # [out, in] or [out]
+                if leaf.startswith("gate_up"):
+                    yield f"{head}.{e}.gate_proj.{kind}", w[0::2]
+                    yield f"{head}.{e}.up_proj.{kind}", w[1::2]
+                else:
+                    yield f"{head}.{e}.down_proj.{kind}", w
+        else:
+            yield name, t
 
 
 def _our_name(name: str, latent: bool = False) -> tuple[str, Optional[int]]:
@@ -258,6 +291,8 @@ class DecoderForCausalLM(nn.Module):
 
         loaded: set[str] = set()
         quant: dict[str, dict[int, QuantWeight]] = {}     # parameter -> its quantised shards
+        if cfg.expert_bias:
+            weights = _unstacked_experts(weights)
         for name, tensor in weights:
             pname, shard = _our_name(name, cfg.mla)
             name = name[len("model."):] if name.startswith("model.") else name
@@ -278,8 +313,8 @@ class DecoderForCausalLM(nn.Module):
             if not isinstance(tensor, torch.Tensor):
                 quant.setdefault(pname, {})[shard or 0] = tensor
                 continue
-            # DeepSeek-V3's routing bias stays float32, as transformers keeps it
-            p = self._allocated(modules, params, pname, torch.float32 if pname.endswith("e_score_correction_bias")
+            # DeepSeek-V3's routing bias stays float32, as transformers keeps it; sinks, as the kernels read them
+            p = self._allocated(modules, params, pname, torch.float32 if pname.endswith(("e_score_correction_bias", ".sinks"))
                                 else dtype, device)
             dst = p.data if rows is None else p.data.narrow(0, sum(rows[:shard]), rows[shard])
             dst.copy_(tensor.to(dst.dtype))

@@ -389,7 +389,7 @@ class CpuKernelOps(ReferenceOps):
                 "decoder_layer": f"{k}, one call a layer, for dense layers whose four matrices are GGUF blocks (no "
                                  f"biases; Llama's shape or Gemma's) under the cpu attention backend; torch otherwise"
                                  if self.dtype in _LAYER_DTYPES else "torch",
-                "fused_moe": "torch, grouped by expert",
+                "fused_moe": "torch, grouped by expert", "swiglu_oai_mul": "torch",
                 "lora": f"{k}, each row its own adapter's slot (float32 and bfloat16 models), torch otherwise",
                 "attention": f"{k}, paged, for head_dim a multiple of {lim['TM_ATTN_HEAD_DIM_MULTIPLE']} up to "
                              f"{lim['TM_ATTN_MAX_HEAD_DIM']} and up to {lim['TM_ATTN_MAX_GROUP']} query heads per "

@@ -156,6 +156,13 @@ class ReferenceOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 
+    def swiglu_oai_mul(self, gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+        """gpt-oss's clamped SwiGLU for gate_up [T, 2 * inter], gate first: gate clamped above at limit, up on
+        both sides, then (up + 1) * gate * sigmoid(alpha * gate), in transformers' order of operations."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         return x.argmax(dim=-1)
 
@@ -211,6 +218,6 @@ class ReferenceOps:
     def describe(self) -> dict[str, str]:
         """op -> what serves it, for `tokenmill info` and the server's start log."""
         ops = ("linear", "embedding", "rms_norm", "rotary", "silu_mul", "argmax", "decoder_layer", "fused_moe",
-               "gelu_tanh_mul")
+               "gelu_tanh_mul", "swiglu_oai_mul")
         return {**{op: "torch" for op in ops}, "attention": "torch (batched SDPA)",
                 "lora": "torch (each adapter's rows gathered, shrink and expand as two batched GEMMs)"}
