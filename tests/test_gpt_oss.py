@@ -1,7 +1,8 @@
 """gpt-oss (GptOssForCausalLM) from an HF folder: attention sinks, every other layer local with a window shorter than
 the prompts, biased experts with the clamped SwiGLU, a router softmaxed over its top k. Greedy tokens equal
 transformers' through every attention backend, under chunked prefill, preemption and prefix hits, and the sinks
-count as transformers counts them. (The mixed batch with logprobs, the kernel plans and n-gram speculation are
+count as transformers counts them. MXFP4 experts, as gpt-oss is published, stay in their 4-bit blocks and give the
+tokens of transformers' own MXFP4 loader. (The mixed batch with logprobs, the kernel plans and n-gram speculation are
 test_models.py's, test_plans.py's and test_spec_decode.py's, as for every family.)"""
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import pytest
 import torch
 
 from tests.family_checks import PRESSURE, check_prefix_hits, check_under_pressure, greedy
-from tests.tiny_models import build_tiny, hf_greedy, hf_logprobs, random_prompts
+from tests.tiny_models import build_tiny, hf_greedy, hf_logprobs, mxfp4_checkpoint, random_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import ModelConfig
+from tokenmill.executor.layers.quant import GGMLWeight, RowParts
 
 ENGINE = dict(dtype="float32", kv_cache_memory_gb=0.02, max_model_len=512)
 
@@ -77,10 +79,57 @@ def test_prefix_hits(gpt_oss):
     check_prefix_hits(*gpt_oss, ENGINE)
 
 
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(gpt_oss, tmp_path_factory):
+    """The tiny model's MXFP4 folder, and transformers' model of it (its loader dequantises on a CPU)."""
+    from transformers import AutoModelForCausalLM
+    path = mxfp4_checkpoint(gpt_oss[0], tmp_path_factory.mktemp("gpt_oss_mxfp4"))
+    return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def test_mxfp4_experts_read_as_transformers_reads_them(gpt_oss_mxfp4):
+    """The folder's blocks, dequantised by our reader, are transformers' expert weights bit for bit."""
+    from tokenmill.executor.loader import open_checkpoint
+    path, hf = gpt_oss_mxfp4
+    ours = dict(open_checkpoint(path).tensors(keep_blocks=False))
+    for i, layer in enumerate(hf.model.layers):
+        for proj in ("gate_up_proj", "down_proj"):
+            assert torch.equal(ours[f"model.layers.{i}.mlp.experts.{proj}"], getattr(layer.mlp.experts, proj))
+
+
+@pytest.mark.parametrize("engine", [{}, {"max_num_batched_tokens": 16}, {"quantized_kernels": False}],
+                         ids=["blocks", "chunked", "dequantised"])
+def test_mxfp4_experts_give_transformers_tokens(gpt_oss_mxfp4, engine):
+    path, hf = gpt_oss_mxfp4
+    prompts = random_prompts([40, 7, 23], seed=5)
+    llm = LLM(path, **ENGINE, **engine)
+    for p, got in zip(prompts, greedy(llm, prompts, 16)):
+        assert got == hf_greedy(hf, p, 16), len(p)
+
+
+def test_mxfp4_experts_have_no_float_copy(gpt_oss_mxfp4):
+    """Every expert matrix is in its MXFP4 blocks (17 bytes a 32 weights) with no float weight beside them; the
+    blocks' bytes are the checkpoint's blocks and scales, to the byte."""
+    from safetensors import safe_open
+    path, _ = gpt_oss_mxfp4
+    model = LLM(path, **ENGINE).llm_engine.model
+    held = 0
+    for layer in model.layers:
+        for expert in layer.mlp.experts:
+            for lin in (expert.gate_up_proj, expert.down_proj):
+                parts = lin.quant.parts if isinstance(lin.quant, RowParts) else (lin.quant,)
+                assert all(isinstance(p, GGMLWeight) and p.type_name == "MXFP4" for p in parts)
+                assert lin.weight is None and getattr(lin, "weight_t", None) is None
+                held += sum(p.nbytes for p in parts)
+    with safe_open(f"{path}/model.safetensors", framework="pt") as f:
+        stored = sum(f.get_tensor(n).numel() for n in f.keys() if n.endswith(("_blocks", "_scales")))
+    assert held == stored
+
+
 def test_unimplemented_options_are_refused(gpt_oss, tmp_path):
-    """A checkpoint of MXFP4 experts, a layer type outside the two: ValueErrors that name them."""
+    """Experts quantised another way than MXFP4, a layer type outside the two: ValueErrors that name them."""
     path, _ = gpt_oss
-    for key, value, named in (("quantization_config", {"quant_method": "mxfp4"}, "mxfp4"),
+    for key, value, named in (("quantization_config", {"quant_method": "gptq", "bits": 4}, "gptq"),
                               ("layer_types", ["sliding_attention", "chunked_attention", "full_attention"],
                                "chunked_attention")):
         folder = tmp_path / key

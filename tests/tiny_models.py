@@ -81,9 +81,9 @@ def _configs() -> dict:
                                      num_key_value_heads=2, head_dim=24, tie_word_embeddings=False, **common),
         # gpt-oss: sinks (build_tiny makes them and the experts' biases random), every other layer local with a
         # window shorter than the prompts, top-2 of 4 biased experts whose SwiGLU clamps at 1 (of values about that
-        # size), yarn rope that does not truncate its correction range
+        # size) and whose sizes are whole MXFP4 groups of 32, yarn rope that does not truncate its correction range
         "gpt_oss": lambda: GptOssConfig(
-            hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=16, swiglu_limit=1.0,
             rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                              "truncate": False, "original_max_position_embeddings": 128, "rope_theta": 150000.0},
@@ -128,6 +128,41 @@ def build_tiny(kind: str, path: Path, seed: int = 0):
                 p.copy_(torch.randn_like(p) * 0.2)
     model.save_pretrained(path)
     return str(path), model
+
+
+def mxfp4_checkpoint(src: str, dst: Path) -> str:
+    """The float gpt-oss folder src with its experts' matrices in MXFP4, as gpt-oss is published: `<name>_blocks`
+    [E, out, in / 32, 16] (two e2m1 codes a byte, the low nibble first) and `<name>_scales` [E, out, in / 32]
+    (E8M0), rounded by gguf-py's MXFP4 quantiser (llama.cpp's)."""
+    import json
+    import shutil
+
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file, save_file
+    dst.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for f in sorted(Path(src).iterdir()):
+        if f.suffix != ".safetensors":
+            shutil.copy(f, dst / f.name)
+            continue
+        for name, t in load_file(f).items():
+            if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                out[name] = t
+                continue
+            w = t.transpose(1, 2).contiguous().numpy()                  # [E, out, in]
+            E, n, k = w.shape
+            raw = np.asarray(gguf.quants.quantize(w.reshape(E * n, k), gguf.GGMLQuantizationType.MXFP4))
+            raw = raw.reshape(E, n, k // 32, 17)                        # ggml: e, then codes j | j + 16 << 4
+            codes = np.stack([raw[..., 1:] & 15, raw[..., 1:] >> 4], axis=-2).reshape(E, n, k // 32, 32)
+            out[name + "_blocks"] = torch.from_numpy(np.ascontiguousarray(codes[..., 0::2] | codes[..., 1::2] << 4))
+            out[name + "_scales"] = torch.from_numpy(np.ascontiguousarray(raw[..., 0]))
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return str(dst)
 
 
 def random_prompts(lengths, seed: int = 0) -> list[list[int]]:

@@ -271,10 +271,10 @@ def _gpt_oss_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(cfg.get("layer_types") or ()) - {"sliding_attention", "full_attention"})
     if unknown:
         raise ValueError(f"GptOssForCausalLM: layer type(s) {', '.join(unknown)} are not implemented")
-    if cfg.get("quantization_config"):
-        method = cfg["quantization_config"].get("quant_method")
-        raise ValueError(f"GptOssForCausalLM: {method!r} quantised experts are not implemented yet; load a "
-                         f"dequantised (bfloat16) checkpoint or a GGUF")
+    method = (cfg.get("quantization_config") or {}).get("quant_method", "mxfp4")
+    if method != "mxfp4":
+        raise ValueError(f"GptOssForCausalLM: {method!r} quantised experts are not implemented; load the published "
+                         f"MXFP4 checkpoint or a dequantised (bfloat16) one")
     window = cfg.get("sliding_window")
     windows = tuple(window if s else None for s in sliding_layers({**cfg, "model_type": "gpt_oss"},
                                                                    cfg["num_hidden_layers"]))

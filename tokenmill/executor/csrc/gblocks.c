@@ -1,5 +1,5 @@
 /* Matmul and dequantisation over a GGUF matrix in its file's own blocks (tokenmill.h: tm_gweight), read where
- * the file is mapped: F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q2_K .. Q6_K.
+ * the file is mapped: F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants Q2_K .. Q6_K and MXFP4.
  *
  * Each type is one function that dequantises one block into floats, with the arithmetic and order of llama.cpp's
  * reference dequantiser (ggml-quants.c, and gguf-py's numpy port, the tests' oracle). The matmul dequantises a
@@ -96,6 +96,19 @@ TM_INLINE void k4_scales(const uint8_t *blk, float *ds, float *ms) {
     }
 }
 
+/* MXFP4 (gpt-oss's experts): an E8M0 exponent e, then 16 bytes of e2m1 codes (code j low, code j + 16 high); a
+ * code's value doubled, an integer, times 2^(e - 128), ggml's e8m0_to_fp32_half (exact, as each product is) */
+static const float MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+static void dq_mxfp4(const uint8_t *b, float *y) {
+    const uint32_t e = b[0];
+    const float d = tm_f32_bits(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+    for (int j = 0; j < 16; j++) {
+        y[j] = MXFP4_VALUES[b[1 + j] & 15] * d;
+        y[j + 16] = MXFP4_VALUES[b[1 + j] >> 4] * d;
+    }
+}
+
 static void dq_q2_k(const uint8_t *b, float *y) {   /* scales[16], qs[64], d, dmin */
     const uint8_t *scales = b, *q = b + 16;
     const float d = fp16(b + 80), dmin = fp16(b + 82);
@@ -180,6 +193,7 @@ static const gtype TYPES[] = {
     {1, 32, 64, dq_f16},     {30, 32, 64, dq_bf16},   {2, 32, 18, dq_q4_0},    {3, 32, 20, dq_q4_1},
     {6, 32, 22, dq_q5_0},    {7, 32, 24, dq_q5_1},    {8, 32, 34, dq_q8_0},    {10, QK_K, 84, dq_q2_k},
     {11, QK_K, 110, dq_q3_k}, {12, QK_K, 144, dq_q4_k}, {13, QK_K, 176, dq_q5_k}, {14, QK_K, 210, dq_q6_k},
+    {39, 32, 17, dq_mxfp4},
 };
 
 static const gtype *find_type(const tm_gweight *w) {
@@ -740,6 +754,7 @@ GMATMUL(q8_0, 32, 34)
 GMATMUL(q2_k, QK_K, 84)
 GMATMUL(q3_k, QK_K, 110)
 GMATMUL(q5_k, QK_K, 176)
+GMATMUL(mxfp4, 32, 17)
 #undef GMATMUL
 
 static int gmatmul_part(const tm_gweight *w, const float *x, int B, float *y, size_t ystride, int num_threads) {
@@ -754,6 +769,7 @@ static int gmatmul_part(const tm_gweight *w, const float *x, int B, float *y, si
         case 10: gmatmul_q2_k(w, x, B, y, ystride, num_threads); break;
         case 11: gmatmul_q3_k(w, x, B, y, ystride, num_threads); break;
         case 13: gmatmul_q5_k(w, x, B, y, ystride, num_threads); break;
+        case 39: gmatmul_mxfp4(w, x, B, y, ystride, num_threads); break;
         default: return -1;
     }
     return 0;

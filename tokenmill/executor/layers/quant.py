@@ -107,7 +107,8 @@ def permute_rows(p: PackedWeight, fn) -> PackedWeight:
 
 
 # the GGUF matrix types kept in their own blocks (csrc/gblocks.c); the one list of what the kernels read
-GGML_TYPES = ("F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+GGML_TYPES = ("F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+              "MXFP4")
 
 
 def ggml_block(type_name: str) -> tuple[int, int]:

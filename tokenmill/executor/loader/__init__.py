@@ -75,7 +75,7 @@ class Checkpoint:
 # quantization= names: at load from a float checkpoint (vLLM's int8/int4/fp8, llama.cpp's block types), or the
 # method of an already quantised folder (vLLM's names; they must agree with its quantization_config)
 QUANTIZATION_METHODS = ("int8", "int4", "fp8", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "gptq", "gptq_marlin", "awq",
-                        "awq_marlin", "compressed-tensors")
+                        "awq_marlin", "compressed-tensors", "mxfp4")
 _HEAD_NAMES = ("embed_tokens", "lm_head")
 # a Mixture-of-Experts router and shared-expert gate stay float: rounding them changes which experts run (llama.cpp
 # and vLLM keep them so too)

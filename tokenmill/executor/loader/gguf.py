@@ -111,7 +111,7 @@ _SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short
 
 _SUPPORTED_TYPES = {
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4",
 }
 
 

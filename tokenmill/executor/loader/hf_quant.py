@@ -1,5 +1,5 @@
 """Hugging Face folders quantised by the tools people use: GPTQ (AutoGPTQ / GPTQModel), AWQ (AutoAWQ's GEMM
-packing) and llm-compressor's compressed-tensors. The folder's `quantization_config` says which; each packed matrix
+packing), llm-compressor's compressed-tensors, and gpt-oss's MXFP4 experts. The folder's `quantization_config` says which; each packed matrix
 comes out as a GroupWeight (integer codes, per-group scales and zero points) or an Fp8Weight, read from the packing
 as it is and never through a float copy. Where the weights then live is the execution plan's choice (ops.adopt)."""
 from __future__ import annotations
@@ -16,10 +16,12 @@ log = logging.getLogger("tokenmill")
 
 # vLLM's `quantization` names for these formats (the Marlin ones are its GPU kernels' names for the same folders)
 METHOD_NAMES = {"gptq": "gptq", "gptq_marlin": "gptq", "awq": "awq", "awq_marlin": "awq",
-                "compressed-tensors": "compressed-tensors", "fp8": "fp8"}
+                "compressed-tensors": "compressed-tensors", "fp8": "fp8", "mxfp4": "mxfp4"}
 SUPPORTED = ("GPTQ: 4 or 8 bits, group_size -1 or a multiple of 32 (32, 64, 128), sym or not, desc_act with g_idx; "
              "AWQ: 4 bits, version gemm, zero_point; compressed-tensors: pack-quantized W4A16/W8A16 (group or "
-             "channel), int-quantized W8A8, float-quantized FP8 (channel or tensor)")
+             "channel), int-quantized W8A8, float-quantized FP8 (channel or tensor); mxfp4: gpt-oss's stacked "
+             "experts")
+MXFP4_GROUP = 32            # values a shared exponent scales
 _FP8 = (torch.float8_e4m3fn,)           # the FP8 codes a float-quantized folder stores
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)      # AutoAWQ's GEMM packing: nibble i of a word holds column _AWQ_ORDER[i]
 
@@ -90,6 +92,8 @@ def parse(config: dict, override: Optional[str] = None) -> Optional[HFQuant]:
         found = HFQuant("awq", WeightScheme("int", 4, group, False, "awq"))
     elif method == "compressed-tensors":
         found = _compressed_tensors(qc)
+    elif method == "mxfp4":
+        found = HFQuant("mxfp4", WeightScheme("mxfp4", 4, MXFP4_GROUP, True, "mxfp4"))
     else:
         raise _bad(f"quant_method {method!r}")
     if override is not None:
@@ -146,6 +150,9 @@ def quantized_tensors(q: HFQuant, tensors: Iterator[tuple[str, torch.Tensor]], d
     """A folder's tensors with each quantised matrix's parts (qweight, scales, ...) gathered into one
     `<module>.weight`; dequantize: as float32 (the plain path the quantised one is tested against)."""
     s = q.scheme
+    if s.packing == "mxfp4":
+        yield from _mxfp4_tensors(tensors, dequantize)
+        return
     parts, required = _PARTS[s.packing], _REQUIRED[s.packing]
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, t in tensors:
@@ -163,6 +170,47 @@ def quantized_tensors(q: HFQuant, tensors: Iterator[tuple[str, torch.Tensor]], d
         w = _weight(s, module, got)
         yield module + ".weight", (w.dequantize() if dequantize else w)
 
+
+
+def _mxfp4_tensors(tensors: Iterator[tuple[str, torch.Tensor]], dequantize: bool
+                   ) -> Iterator[tuple[str, Union[torch.Tensor, tuple[QuantWeight, ...]]]]:
+    """gpt-oss's MXFP4 experts: each stacked matrix's `<name>_blocks` uint8 [E, out, in / 32, 16] (two e2m1 codes
+    a byte, the low nibble first) and `<name>_scales` uint8 [E, out, in / 32] (E8M0 exponents) become `<name>`:
+    a tuple of one GGMLWeight [out, in] an expert, in llama.cpp's MXFP4 blocks (the same values, exactly: the
+    codes regrouped, the exponent as it is); dequantize: the float32 stack [E, in, out] the float checkpoint has."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in tensors:
+        base, _, part = name.rpartition("_")
+        if part not in ("blocks", "scales") or not base.endswith("_proj"):
+            yield name, t
+            continue
+        got = pending.setdefault(base, {})
+        got[part] = t
+        if len(got) == 2:
+            del pending[base]
+            yield base, _mxfp4_experts(base, got["blocks"], got["scales"], dequantize)
+    if pending:
+        base, got = next(iter(pending.items()))
+        raise ValueError(f"{base}: MXFP4 needs {base}_blocks and {base}_scales; the checkpoint has only "
+                         f"{base}_{next(iter(got))}")
+
+
+def _mxfp4_experts(name: str, blocks: torch.Tensor, scales: torch.Tensor, dequantize: bool
+                   ) -> Union[torch.Tensor, tuple[QuantWeight, ...]]:
+    from tokenmill.executor.layers.quant import GGMLWeight
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.dim() != 4 or             blocks.shape[-1] != MXFP4_GROUP // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise ValueError(f"{name}: MXFP4 blocks uint8 [experts, rows, groups, 16] and scales uint8 [experts, rows, "
+                         f"groups] expected; got {blocks.dtype} {tuple(blocks.shape)} and {scales.dtype} "
+                         f"{tuple(scales.shape)}")
+    E, out, groups, _ = blocks.shape
+    # code 2j and 2j + 1 of a group share byte j here; ggml's byte j holds codes j and j + 16
+    codes = torch.stack([blocks & 15, blocks >> 4], dim=-1).reshape(E, out, groups, MXFP4_GROUP)
+    packed = codes[..., :16] | (codes[..., 16:] << 4)
+    ggml = torch.cat([scales.unsqueeze(-1), packed], dim=-1).reshape(E, out, groups * 17)
+    experts = tuple(GGMLWeight("MXFP4", ggml[e].contiguous(), (out, groups * MXFP4_GROUP)) for e in range(E))
+    if dequantize:
+        return torch.stack([w.dequantize().t() for w in experts])
+    return experts
 
 
 def _unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:

@@ -23,7 +23,7 @@ from tokenmill.executor.layers.linear import Embedding, Linear
 from tokenmill.executor.layers.mla import LatentAttention
 from tokenmill.executor.layers.moe import SparseMoeBlock
 from tokenmill.executor.layers.quant import (QuantWeight, RowParts, concat_fp8, concat_groups, concat_rows,
-                                            dequantize_rows)
+                                            dequantize_rows, select_rows)
 from tokenmill.executor.layers.norm import RMSNorm
 from tokenmill.executor.layers.rotary import RotaryEmbedding
 from tokenmill.executor.ops import ReferenceOps
@@ -160,29 +160,35 @@ _NUM_SHARDS = Counter(target for target, _ in _FUSED.values())    # qkv_proj: 3,
 _MIXTRAL = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
-def _unstacked_experts(weights: Iterable[tuple[str, torch.Tensor | QuantWeight]]
+def _unstacked_experts(weights: Iterable[tuple[str, torch.Tensor | QuantWeight | tuple]]
                        ) -> Iterable[tuple[str, torch.Tensor | QuantWeight]]:
     """gpt-oss's checkpoint names, one expert at a time in Qwen-MoE's: its router as the gate, and each layer's
-    experts stacked in one tensor per matrix ([E, in, out], gate and up columns interleaved) as each expert's
-    gate_proj, up_proj and down_proj ([out, in]) with their biases."""
+    experts stacked in one tensor per matrix ([E, in, out], gate and up columns interleaved; MXFP4 experts come as
+    a tuple of one quantised [out, in] each, hf_quant.py) as each expert's gate_proj, up_proj and down_proj
+    ([out, in]) with their biases."""
     for name, t in weights:
         head, _, leaf = name.rpartition(".")
         if leaf in ("weight", "bias") and head.endswith(".mlp.router"):
             yield f"{head[:-len('router')]}gate.{leaf}", t
         elif head.endswith(".mlp.experts") and leaf in ("gate_up_proj", "gate_up_proj_bias", "down_proj",
                                                          "down_proj_bias"):
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"{name}: quantised stacked experts are not implemented")
             kind = "bias" if leaf.endswith("_bias") else "weight"
-            for e in range(t.shape[0]):
-                w = t[e] if kind == "bias" else t[e].t()         # [out, in] or [out]
+            if not isinstance(t, (torch.Tensor, tuple)):
+                raise ValueError(f"{name}: stacked experts quantised as {type(t).__name__} are not implemented")
+            for e in range(len(t)):
+                w = t[e] if kind == "bias" or isinstance(t, tuple) else t[e].t()      # [out, in] or [out]
                 if leaf.startswith("gate_up"):
-                    yield f"{head}.{e}.gate_proj.{kind}", w[0::2]
-                    yield f"{head}.{e}.up_proj.{kind}", w[1::2]
+                    rows = w.shape[0]
+                    yield f"{head}.{e}.gate_proj.{kind}", _rows(w, torch.arange(0, rows, 2))
+                    yield f"{head}.{e}.up_proj.{kind}", _rows(w, torch.arange(1, rows, 2))
                 else:
                     yield f"{head}.{e}.down_proj.{kind}", w
         else:
             yield name, t
+
+
+def _rows(w: torch.Tensor | QuantWeight, ids: torch.Tensor) -> torch.Tensor | QuantWeight:
+    return w[ids] if isinstance(w, torch.Tensor) else select_rows(w, ids)
 
 
 def _our_name(name: str, latent: bool = False) -> tuple[str, Optional[int]]:
