@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from tests.family_checks import PRESSURE, check_prefix_hits, check_under_pressure, greedy
+from tests.family_checks import PRESSURE, check_prefix_hits, check_under_pressure, gguf_put, gguf_shape, greedy
 from tests.tiny_models import build_tiny, hf_greedy, hf_logprobs, mxfp4_checkpoint, random_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import ModelConfig
@@ -97,12 +97,16 @@ def test_mxfp4_experts_read_as_transformers_reads_them(gpt_oss_mxfp4):
             assert torch.equal(ours[f"model.layers.{i}.mlp.experts.{proj}"], getattr(layer.mlp.experts, proj))
 
 
+# the exact route: on the default one a quantised model's float head is made Q8_0 (as llama.cpp's mixes keep it)
+EXACT = dict(ENGINE, int8_activations=False)
+
+
 @pytest.mark.parametrize("engine", [{}, {"max_num_batched_tokens": 16}, {"quantized_kernels": False}],
                          ids=["blocks", "chunked", "dequantised"])
 def test_mxfp4_experts_give_transformers_tokens(gpt_oss_mxfp4, engine):
     path, hf = gpt_oss_mxfp4
     prompts = random_prompts([40, 7, 23], seed=5)
-    llm = LLM(path, **ENGINE, **engine)
+    llm = LLM(path, **EXACT, **engine)
     for p, got in zip(prompts, greedy(llm, prompts, 16)):
         assert got == hf_greedy(hf, p, 16), len(p)
 
@@ -124,6 +128,100 @@ def test_mxfp4_experts_have_no_float_copy(gpt_oss_mxfp4):
     with safe_open(f"{path}/model.safetensors", framework="pt") as f:
         stored = sum(f.get_tensor(n).numel() for n in f.keys() if n.endswith(("_blocks", "_scales")))
     assert held == stored
+
+
+def write_gpt_oss_gguf(hf_path: str, out, experts=None) -> None:
+    """As llama.cpp's converter writes gpt-oss: q/k unpermuted (NeoX rotary), the norm before the MLP as
+    attn_post_norm, sinks as attn_sinks, the router with its bias, and each layer's experts as ffn_gate_exps /
+    ffn_up_exps / ffn_down_exps [experts, rows, columns] with their biases (gate and up rows de-interleaved);
+    yarn and the window in the metadata. Experts in the type experts (else F32), the rest F32."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+    cfg = json.loads(open(f"{hf_path}/config.json").read())
+    sd = load_file(f"{hf_path}/model.safetensors")
+    rope = cfg["rope_parameters"]
+    w = gguf.GGUFWriter(str(out), "gpt-oss")
+    gguf_shape(w, cfg, cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    w.add_sliding_window(cfg["sliding_window"])
+    w.add_expert_feed_forward_length(cfg["intermediate_size"])
+    w.add_expert_count(cfg["num_local_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    put = gguf_put(w)
+    put("token_embd.weight", sd["model.embed_tokens.weight"])
+    put("output_norm.weight", sd["model.norm.weight"])
+    put("output.weight", sd["lm_head.weight"])
+    names = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "attn_post_norm.weight",
+             "self_attn.sinks": "attn_sinks.weight", "mlp.router.weight": "ffn_gate_inp.weight",
+             "mlp.router.bias": "ffn_gate_inp.bias"}
+    for proj, kind in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output")):
+        names.update({f"self_attn.{proj}.weight": f"{kind}.weight", f"self_attn.{proj}.bias": f"{kind}.bias"})
+    for i in range(cfg["num_hidden_layers"]):
+        pre = f"model.layers.{i}."
+        for hf, ours in names.items():
+            put(f"blk.{i}.{ours}", sd[pre + hf])
+        gate_up = sd[pre + "mlp.experts.gate_up_proj"].transpose(0, 2, 1)        # [E, 2I, H]
+        gate_up_bias = sd[pre + "mlp.experts.gate_up_proj_bias"]
+        for kind, rows, bias in (("gate", gate_up[:, 0::2], gate_up_bias[:, 0::2]),
+                                 ("up", gate_up[:, 1::2], gate_up_bias[:, 1::2]),
+                                 ("down", sd[pre + "mlp.experts.down_proj"].transpose(0, 2, 1),
+                                  sd[pre + "mlp.experts.down_proj_bias"])):
+            E, n, k = rows.shape
+            x = np.ascontiguousarray(rows, dtype=np.float32)
+            if experts is None:
+                w.add_tensor(f"blk.{i}.ffn_{kind}_exps.weight", x)
+            else:
+                blocks = gguf.quants.quantize(x.reshape(E * n, k), experts).reshape(E, n, -1)
+                w.add_tensor(f"blk.{i}.ffn_{kind}_exps.weight", blocks, raw_dtype=experts)
+            put(f"blk.{i}.ffn_{kind}_exps.bias", bias)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_released(gpt_oss, tmp_path_factory):
+    """The tiny model with the published SwiGLU limit of 7, which llama.cpp runs every gpt-oss GGUF with (its
+    files have no key for it), and its MXFP4 folder; with transformers' models of both."""
+    from transformers import AutoModelForCausalLM
+    folder = tmp_path_factory.mktemp("gpt_oss_released")
+    shutil.copytree(gpt_oss[0], folder / "float")
+    cfg = json.loads((folder / "float" / "config.json").read_text())
+    (folder / "float" / "config.json").write_text(json.dumps({**cfg, "swiglu_limit": 7.0}))
+    mxfp4 = mxfp4_checkpoint(str(folder / "float"), folder / "mxfp4")
+    return {kind: (p, AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval())
+            for kind, p in (("float", str(folder / "float")), ("mxfp4", mxfp4))}
+
+
+@pytest.mark.parametrize("experts", ["F32", "MXFP4"])
+def test_gguf_gives_transformers_tokens(gpt_oss_released, experts, tmp_path):
+    """llama.cpp's names and metadata; MXFP4 experts (the published checkpoint's codes, regrouped as llama.cpp's
+    converter does) stay in their blocks and give the tokens transformers gives for the MXFP4 folder."""
+    import gguf
+    path, _ = gpt_oss_released["float"]
+    _, hf = gpt_oss_released["float" if experts == "F32" else "mxfp4"]
+    write_gpt_oss_gguf(path, tmp_path / "g.gguf", None if experts == "F32" else gguf.GGMLQuantizationType.MXFP4)
+    llm = LLM(str(tmp_path / "g.gguf"), **EXACT, tokenizer=None)
+    mc, want = llm.llm_engine.model_config, ModelConfig.from_path(path)
+    for field in ("layer_windows", "hidden_act", "attention_sinks", "o_proj_bias", "expert_bias", "router_bias",
+                  "moe_scoring", "swiglu_limit", "swiglu_alpha", "num_experts", "num_experts_per_tok"):
+        assert getattr(mc, field) == getattr(want, field), field
+    # yarn's betas are left at their defaults (32 and 1) where a GGUF has none
+    assert mc.rope_scaling == {k: v for k, v in want.rope_scaling.items() if k not in ("beta_fast", "beta_slow")}
+    if experts == "MXFP4":
+        expert = llm.llm_engine.model.layers[0].mlp.experts[0]
+        gate_up = expert.gate_up_proj.quant
+        assert all(p.type_name == "MXFP4" for p in (gate_up.parts if isinstance(gate_up, RowParts) else (gate_up,)))
+        assert expert.down_proj.quant.type_name == "MXFP4"
+    prompts = random_prompts([40, 9, 25], seed=8)
+    for p, got in zip(prompts, greedy(llm, prompts, 16)):
+        assert got == hf_greedy(hf, p, 16), len(p)
 
 
 def test_unimplemented_options_are_refused(gpt_oss, tmp_path):

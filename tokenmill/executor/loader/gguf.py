@@ -38,6 +38,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "deepseek2": ("deepseek_v2", "DeepseekV2ForCausalLM"),
+    "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
 }
 # a "deepseek2" GGUF whose experts are gated by sigmoid scores (llama.cpp's expert_gating_func 2) is DeepSeek-V3
 _DEEPSEEK3 = ("deepseek_v3", "DeepseekV3ForCausalLM")
@@ -45,7 +46,7 @@ _SIGMOID_GATING = 2
 # a "llama" GGUF with experts is Mixtral
 _MIXTRAL = ("mixtral", "MixtralForCausalLM")
 # whether the router's top-k weights are renormalised, where the file does not say (llama.cpp's choice per arch)
-_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True}
+_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "gpt-oss": True}
 
 # llama.cpp's converter permutes q/k rows per head only for these (its rotary kernel wants
 # the two rotated halves interleaved); Qwen's converter does not.
@@ -92,6 +93,8 @@ _ARCH_NAMES: dict[str, dict[str, str]] = {
     "Phi3ForCausalLM": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
     # latent attention's projections; recent converters split kv_b into k_b ([heads, rank, nope], transposed) and
     # v_b ([heads, v, rank]), which read_gguf joins back; exp_probs_b is V3's routing bias
+    # gpt-oss: the norm before the MLP is llama.cpp's attn_post_norm, and each head's sink a tensor of its own
+    "GptOssForCausalLM": {"attn_post_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"},
     "DeepseekV2ForCausalLM": {"attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm",
                               "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
                               "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
@@ -374,7 +377,23 @@ def _config(f: GGUFFile) -> dict[str, Any]:
         cfg.update(_moe_config(meta, arch, experts, cfg, tensors))
     if arch in ("gemma2", "gemma3"):
         cfg.update(_gemma_config(meta, arch, cfg))
+    if arch == "gpt-oss":
+        cfg.update(_gpt_oss_config(cfg))
     return cfg
+
+
+def _gpt_oss_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss's keys that llama.cpp's converter does not write, as llama.cpp runs the model: every even layer
+    slides (its window pattern of 2), the clamped SwiGLU at 7 with alpha 1.702, and the published config's yarn,
+    whose correction range is not truncated."""
+    layers = cfg["num_hidden_layers"]
+    out: dict[str, Any] = {"layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                           for i in range(layers)],
+                           "swiglu_limit": 7.0, "swiglu_alpha": 1.702, "attention_bias": True}
+    if (cfg.get("rope_scaling") or {}).get("rope_type") == "yarn":
+        out["rope_scaling"] = {**cfg["rope_scaling"], "truncate": False}
+        out["rope_parameters"] = {**cfg["rope_parameters"], "truncate": False}
+    return out
 
 
 def _gemma_config(meta: dict[str, Any], arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -469,7 +488,7 @@ def _moe_config(meta: dict[str, Any], arch: str, experts: int, cfg: dict[str, An
         raise ValueError(f"GGUF metadata is missing {arch}.expert_used_count")
     out: dict[str, Any] = {"num_experts_per_tok": int(used),
                            "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", _NORM_TOPK[arch]))}
-    if arch == "llama":
+    if arch in ("llama", "gpt-oss"):
         return {**out, "num_local_experts": experts}
     out.update(num_experts=experts, decoder_sparse_step=1,
                moe_intermediate_size=int(meta.get(f"{arch}.expert_feed_forward_length", cfg["intermediate_size"])),
@@ -547,6 +566,7 @@ def read_gguf(path: str) -> GGUFCheckpoint:
     config = _config(f)
     names = layer_names(config["architectures"][0])
     gemma = config["architectures"][0] in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+    deepseek = config["architectures"][0] in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
     for info in f.tensors.values():  # fail at load time, not halfway through iterating
         if info.type_name not in _SUPPORTED_TYPES:
             raise ValueError(
@@ -573,11 +593,19 @@ def read_gguf(path: str) -> GGUFCheckpoint:
                 if kv_b is not None:
                     yield kv_b
                 continue
-            if name.endswith("mlp.gate.bias"):              # DeepSeek-V3's routing bias
+            if name.endswith("mlp.gate.bias") and deepseek:      # DeepSeek-V3's routing bias
                 yield name.replace("gate.bias", "gate.e_score_correction_bias"), _dequantize(f, info)
+                continue
+            if name.endswith(".sinks.weight"):
+                yield name[:-len(".weight")], _dequantize(f, info)
                 continue
             if len(info.shape) == 3:          # every expert of a layer: a matrix each
                 yield from _experts(info, keep_blocks, in_float)
+                continue
+            if info.name.endswith("_exps.bias"):      # every expert's bias (gpt-oss): a row each
+                whole = _dequantize(f, info)
+                for e in range(info.shape[0]):
+                    yield hf_name(info.name, names, e), whole[e]
                 continue
             if keep_blocks:
                 kept = _kept(info.type_name, f.raw(info), info.shape, permuted_heads(name))
