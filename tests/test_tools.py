@@ -106,15 +106,35 @@ LLAMA3_CASES = [
 ]
 
 
+# harmony (gpt-oss): calls are messages to functions.NAME (the recipient after the channel, or in the header before
+# it), final bodies and preambles are content, analysis is the reasoning parser's, the rest stays as written
+HARMONY_CALL_A = ('<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+                  '{"city": "Paris"}<|call|>')
+OPENAI_CASES = [
+    ('<|channel|>final<|message|>It is sunny.<|return|>', ["It is sunny."]),
+    ('<|channel|>analysis<|message|>Need weather.<|end|>' + HARMONY_CALL_A, [CALL_A]),
+    (' to=functions.get_time<|channel|>commentary json<|message|>{"zone": "UTC", "x": [1, 2]}', [CALL_B]),
+    ('<|channel|>commentary<|message|>Checking.<|end|>' + HARMONY_CALL_A, ["Checking.", CALL_A]),
+    ('<|channel|>commentary to=functions.get_weather<|message|>{"city": "Par',        # cut short: not a call
+     ['<|channel|>commentary to=functions.get_weather<|message|>{"city": "Par']),
+    ('<|channel|>commentary to=browser.search<|message|>{"q": "x"}<|call|>',           # a built-in tool: content
+     ['<|channel|>commentary to=browser.search<|message|>{"q": "x"}<|call|>']),
+    ('plain words, no harmony', ["plain words, no harmony"]),
+    ('<|channel|>final<|message|>a<|end|>junk<|start|>assistant<|channel|>final<|message|>b', ["ajunkb"]),
+]
+
+
 @pytest.mark.parametrize("name, text, pieces", [("hermes", *c) for c in HERMES_CASES] +
-                         [("llama3_json", *c) for c in LLAMA3_CASES])
+                         [("llama3_json", *c) for c in LLAMA3_CASES] + [("openai", *c) for c in OPENAI_CASES])
 def test_tool_parsers_whole_and_streamed(name: str, text: str, pieces: list) -> None:
     parser = get_tool_parser(name)
     assert parser.parse(text) == pieces
     whole = assert_stream_matches_whole(lambda: ChoiceParser(None, ToolPlan([], parser=parser)), text)
     calls = [p for p in pieces if isinstance(p, ToolCall)]
     # a reply with calls has the text outside them (or null) as content; one without keeps its text as it is
-    assert whole["content"] == ("".join(p for p in pieces if isinstance(p, str)) or None if calls else text)
+    # (harmony's: the bodies of its messages)
+    outside = "".join(p for p in pieces if isinstance(p, str))
+    assert whole["content"] == (outside or None if calls else outside if name == "openai" else text)
     assert len(whole.get("tool_calls", [])) == len(calls)
 
 
@@ -127,6 +147,34 @@ def test_required_parser() -> None:
     assert p.parse("[]") == ["[]"] and p.parse("cut sho") == ["cut sho"]     # not calls: content
     for text in (out, out[:70], "nope"):
         assert_stream_matches_whole(lambda: ChoiceParser(None, ToolPlan([], parser=p)), text)
+
+
+HARMONY_REASONING_CASES = {
+    # text: gpt-oss's (reasoning, content); a call stays in the content, for the tool parser
+    '<|channel|>analysis<|message|>Let me see.<|end|><|start|>assistant<|channel|>final<|message|>It is 4.<|return|>':
+        ("Let me see.", "It is 4."),
+    '<|channel|>final<|message|>It is 4.': (None, "It is 4."),
+    '<|channel|>analysis<|message|>cut short': ("cut short", None),
+    '<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>analysis<|message|>b<|end|>': ("ab", None),
+    '<|channel|>analysis<|message|>Need it.<|end|>' + HARMONY_CALL_A: ("Need it.", HARMONY_CALL_A),
+    'It is 4.': (None, "It is 4."),
+    '<|chan': (None, "<|chan"),
+}
+
+
+def test_harmony_reasoning_then_tool_calls_whole_and_streamed() -> None:
+    parser = get_reasoning_parser("openai_gptoss")
+    for text, want in HARMONY_REASONING_CASES.items():
+        whole = assert_stream_matches_whole(lambda: ChoiceParser(parser, ToolPlan([])), text)
+        assert (whole["reasoning_content"], whole["content"]) == want, text
+    text = ('<|channel|>analysis<|message|>The user wants weather.<|end|><|start|>assistant<|channel|>commentary'
+            '<|message|>One moment.<|end|>' + HARMONY_CALL_A)
+    make = lambda: ChoiceParser(parser, ToolPlan([], parser=get_tool_parser("openai")))  # noqa: E731
+    whole = assert_stream_matches_whole(make, text)
+    assert (whole["reasoning_content"], whole["content"]) == ("The user wants weather.", "One moment.")
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole["tool_calls"]] == \
+        [("get_weather", '{"city": "Paris"}')]
+    assert parser_for_template("{{ '<|start|>assistant<|channel|>final<|message|>' }}") == "openai"
 
 
 REASONING_CASES = {
@@ -473,6 +521,53 @@ def test_reasoning_content_split(reasoning_server: Any) -> None:
     r = client.chat.completions.create(model=MODEL, messages=ASK + [msg, {"role": "user", "content": "ok"}],
                                        max_tokens=2)
     assert r.choices[0].finish_reason in ("length", "stop")
+
+
+@pytest.fixture(scope="module")
+def harmony_server(chat_model_dir: str, server_factory: Any) -> Any:
+    server = server_factory(chat_model_dir, reasoning_parser="openai_gptoss", tool_call_parser="openai")
+    yield server
+    server.stop()
+
+
+def _rx(text: str) -> str:
+    return "".join("\\" + c if c in "|.{}[]()?*+^$\\" else c for c in text)
+
+
+def test_harmony_reasoning_and_calls_through_the_openai_client(harmony_server: Any, caplog: Any) -> None:
+    """gpt-oss's harmony replies (the tiny model forced into them by a regex) come back as reasoning_content and
+    content, or as tool_calls with finish_reason tool_calls, streamed as whole; a reply the parser cannot read is
+    content, as written, and logged."""
+    client = openai.OpenAI(base_url=harmony_server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    answer = _rx("<|channel|>analysis<|message|>Paris is ") + "(sunny|rainy)" + \
+        _rx(".<|end|><|start|>assistant<|channel|>final<|message|>It is ") + "(sunny|rainy)" + _rx(".")
+    kw = dict(model=MODEL, messages=ASK, max_tokens=80, temperature=0,
+              extra_body={"structured_outputs": {"regex": answer}})
+    r = client.chat.completions.create(**kw)
+    msg = r.choices[0].message
+    assert msg.reasoning_content in ("Paris is sunny.", "Paris is rainy.")
+    assert msg.content in ("It is sunny.", "It is rainy.") and r.choices[0].finish_reason == "stop"
+    streamed_msg, finishes = accumulate(client.chat.completions.create(stream=True, **kw))
+    assert (streamed_msg["reasoning_content"], streamed_msg["content"]) == (msg.reasoning_content, msg.content)
+    call = _rx('<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary '
+               'to=functions.get_weather <|constrain|>json<|message|>{"city": "') + '(Paris|Rome)' + _rx('", "days": ') + \
+        '[1-7]' + _rx('}')
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=120, temperature=0,
+              extra_body={"structured_outputs": {"regex": call}})
+    r = client.chat.completions.create(**kw)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content is None
+    assert msg.reasoning_content == "Need the weather."
+    check_calls([(c.function.name, c.function.arguments) for c in msg.tool_calls], {"get_weather"})
+    streamed_msg, finishes = accumulate(client.chat.completions.create(stream=True, **kw))
+    assert finishes == ["tool_calls"] and streamed_msg["reasoning_content"] == "Need the weather."
+    assert [(c["name"], c["arguments"]) for c in streamed_msg["tool_calls"]] == \
+        [(c.function.name, c.function.arguments) for c in msg.tool_calls]
+    with caplog.at_level("WARNING", logger="tokenmill"):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=20, temperature=0,
+                                           extra_body={"structured_outputs": {"regex": "No harmony here\\."}})
+    assert r.choices[0].message.content == "No harmony here." and r.choices[0].message.reasoning_content is None
+    assert "outside its messages" in caplog.text
 
 
 def test_unknown_parser_names_fail_at_start(chat_model_dir: str) -> None:

@@ -24,6 +24,13 @@ class ReasoningParser:
     end_token = "</think>"
     # the chat template may already have opened the thinking in the prompt, so the output starts inside it
     starts_in_reasoning = False
+    # start_token and end_token are one token each, which the engine's structured outputs wait on
+    one_token_tags = True
+
+    @classmethod
+    def tags(cls) -> tuple[str, ...]:
+        """The texts split() looks for: the server keeps them where the tokenizer makes them special tokens."""
+        return cls.start_token, cls.end_token
 
     @classmethod
     def split(cls, text: str, final: bool = True) -> tuple[Optional[str], str]:
@@ -57,8 +64,40 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
     starts_in_reasoning = True
 
 
+class GptOssReasoningParser(ReasoningParser):
+    """gpt-oss's harmony replies (harmony.py): the analysis channel's messages are the reasoning; the final
+    channel's bodies, preambles (commentary to no one) and text outside messages are the content, and a message to a
+    recipient (a tool call) stays in the content as written, for the tool-call parser. Its thinking ends in several
+    tokens, so a structured-output constraint cannot wait for it."""
+    name = "openai_gptoss"
+    one_token_tags = False
+    start_token = "<|channel|>analysis<|message|>"
+    end_token = "<|end|>"
+
+    @classmethod
+    def tags(cls) -> tuple[str, ...]:
+        from tokenmill.harmony import TAGS
+        return TAGS
+
+    @classmethod
+    def split(cls, text: str, final: bool = True) -> tuple[Optional[str], str]:
+        from tokenmill import harmony
+        reasoning, content, thought = [], [], False
+        for it in harmony.parse(text, final):
+            if isinstance(it, harmony.Text):
+                content.append(it.text)
+            elif it.recipient is not None:      # opened by a <|start|>, so the tool parser reads it apart
+                content.append(it.raw if it.raw.startswith(harmony.START) else harmony.START + "assistant" + it.raw)
+            elif it.channel == "analysis":
+                thought = True
+                reasoning.append(it.body)
+            else:
+                content.append(it.body)
+        return ("".join(reasoning) if thought else None), "".join(content)
+
+
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    p.name: p for p in (Qwen3ReasoningParser, DeepSeekR1ReasoningParser)}
+    p.name: p for p in (Qwen3ReasoningParser, DeepSeekR1ReasoningParser, GptOssReasoningParser)}
 
 
 def get_reasoning_parser(name: str) -> type[ReasoningParser]:

@@ -132,6 +132,9 @@ class StructuredOutputManager:
         self._start_message: Optional[bytes] = None
         # reasoning: (start, end) token ids, checked now so that a model that does not think fails at start
         self._think = None if config.reasoning_parser is None else self._reasoning_tokens()
+        if config.reasoning_parser is not None and self._think is None:
+            log.info("reasoning parser %r: a structured-output constraint applies from the reply's first token "
+                     "(its thinking does not end in one token)", config.reasoning_parser)
         # spec key -> its compile; the most recently used last, at most MAX_GRAMMARS
         self._compiled: OrderedDict[tuple, Job] = OrderedDict()
         self.compile_pool = CompilePool(config.max_concurrent_compiles, self._worker_start_message, self._rebuild)
@@ -183,8 +186,10 @@ class StructuredOutputManager:
         self._tokenizer_info()
         self.compile_pool.warm_up()
 
-    def _reasoning_tokens(self) -> tuple[int, int]:
+    def _reasoning_tokens(self) -> Optional[tuple[int, int]]:
         parser = get_reasoning_parser(self.config.reasoning_parser or "")
+        if not parser.one_token_tags:
+            return None
         if self.tokenizer is None:
             raise ValueError("a reasoning parser reads the model's tokenizer, and this model folder has none")
         ids = []

@@ -10,6 +10,7 @@ from starlette.responses import JSONResponse, Response
 
 from tokenmill.engine.async_engine import RequestStream
 from tokenmill.outputs import Logprob
+from tokenmill import harmony
 from tokenmill.reasoning import ReasoningParser, get_reasoning_parser
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.common import (DONE, ServerContext, SSEResponse, checked, clamp, final_outputs, new_id, now,
@@ -73,6 +74,9 @@ class ChoiceParser:
         self.pieces_sent, self.chars_sent = 0, 0       # whole pieces sent; chars of the next (content) piece sent
         self.calls_sent = 0
         self.named_header_sent = False
+        # a harmony reply's text outside its messages is logged once, when the reply is whole
+        self.harmony = (reasoning is not None and reasoning.name == "openai_gptoss") or \
+            (plan.parser is not None and plan.parser.name == "openai")
 
     def _split(self, text: str, final: bool) -> tuple[Optional[str], str]:
         return (None, text) if self.reasoning is None else self.reasoning.split(text, final)
@@ -81,7 +85,12 @@ class ChoiceParser:
     def called(self) -> bool:
         return self.calls_sent > 0
 
+    def _finished(self, text: str) -> None:
+        if self.harmony:
+            harmony.log_unread(text)
+
     def message(self, text: str) -> dict[str, Any]:
+        self._finished(text)
         reasoning, content = self._split(text, True)
         calls: list[ToolCall] = []
         if self.plan.named is not None:
@@ -100,6 +109,8 @@ class ChoiceParser:
 
     def deltas(self, text: str, final: bool) -> list[dict[str, Any]]:
         """The deltas that text (the choice's text so far) adds to what was sent."""
+        if final:
+            self._finished(text)
         reasoning, content = self._split(text, final)
         out: list[dict[str, Any]] = []
         if reasoning and len(reasoning) > self.reasoning_sent:
@@ -153,9 +164,9 @@ def finish_reason(reason: Optional[str], parser: ChoiceParser) -> Optional[str]:
 def _keep_tags(ctx: ServerContext, params: SamplingParams, plan: ToolPlan,
                reasoning: Optional[type[ReasoningParser]]) -> None:
     """Decode special tokens where this tokenizer makes a parser's tags special (they would vanish otherwise)."""
-    tags = ["<tool_call>", "</tool_call>"] if plan.parser is not None and plan.parser.name == "hermes" else []
+    tags = list(plan.parser.tags) if plan.parser is not None else []
     if reasoning is not None:
-        tags += [reasoning.start_token, reasoning.end_token]
+        tags += reasoning.tags()
     tok = ctx.tokenizer
     if any(tok.decode(tok.encode(t, add_special_tokens=False), skip_special_tokens=True) != t for t in tags):
         params.skip_special_tokens = False

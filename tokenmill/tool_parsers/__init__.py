@@ -22,6 +22,7 @@ Piece = Union[str, ToolCall]
 
 class ToolParser:
     name = "base"
+    tags: tuple[str, ...] = ()      # texts parse() looks for: kept where the tokenizer makes them special tokens
 
     def parse(self, text: str, final: bool = True) -> list[Piece]:
         raise NotImplementedError
@@ -66,8 +67,11 @@ def get_tool_parser(name: str) -> ToolParser:
 
 def parser_for_template(template: Any) -> str:
     """The parser a chat template's tool syntax asks for: <tool_call> is Hermes (Qwen and many more), Llama 3's
-    <|python_tag|> / ipython role is llama3_json; hermes otherwise (the default tool prompt asks for it)."""
+    <|python_tag|> / ipython role is llama3_json, harmony's <|channel|> is openai (gpt-oss); hermes otherwise (the
+    default tool prompt asks for it)."""
     text = json.dumps(template) if isinstance(template, dict) else str(template or "")
+    if "<|channel|>" in text:
+        return "openai"
     if "<tool_call>" in text:
         return "hermes"
     if "<|python_tag|>" in text or "ipython" in text:
@@ -78,6 +82,8 @@ def parser_for_template(template: Any) -> str:
 # the parsers import this module's names above, so they come last
 from tokenmill.tool_parsers.hermes import HermesToolParser  # noqa: E402
 from tokenmill.tool_parsers.llama3_json import Llama3JsonToolParser  # noqa: E402
+from tokenmill.tool_parsers.openai import OpenAIToolParser  # noqa: E402
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser)}
+TOOL_PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser,
+                                                                   OpenAIToolParser)}
 TOOL_PARSER_NAMES = tuple(sorted(TOOL_PARSERS))

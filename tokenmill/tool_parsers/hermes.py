@@ -19,6 +19,7 @@ def _call(body: str) -> ToolCall | None:
 
 class HermesToolParser(ToolParser):
     name = "hermes"
+    tags = (START, END)
 
     def parse(self, text: str, final: bool = True) -> list[Piece]:
         pieces: list[Piece] = []
