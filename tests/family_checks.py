@@ -21,6 +21,16 @@ def check_greedy(path: str, hf, engine: dict, lengths: list[int], n: int = 12, s
     assert greedy(LLM(path, **engine), prompts, n) == [hf_greedy(hf, p, n) for p in prompts]
 
 
+def check_past_the_window(path: str, hf, engine: dict, backend: str) -> None:
+    """Prompts of up to 4x a window of 16, and 30 tokens each, in one batch, through the attention backend named
+    ('auto' is the CPU kernels')."""
+    llm = LLM(path, **engine, attention_backend=backend)
+    assert llm.llm_engine.runner.backend.name == ("cpu" if backend == "auto" else backend)
+    prompts = random_prompts([60, 10, 45, 17, 33], seed=2)
+    for p, got in zip(prompts, greedy(llm, prompts, 30)):
+        assert got == hf_greedy(hf, p, 30), len(p)
+
+
 def check_under_pressure(path: str, hf, engine: dict, pressure: str) -> None:
     kw = {**engine, **PRESSURE[pressure]}
     if kw.pop("kv_blocks", None):        # room for about two of the requests below at their longest

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.family_checks import (PRESSURE, check_blocks_equal_dequantised, check_one_call_layer, check_prefix_hits,
-                                 check_under_pressure, greedy)
+from tests.family_checks import (PRESSURE, check_blocks_equal_dequantised, check_one_call_layer,
+                                 check_past_the_window, check_prefix_hits, check_under_pressure, greedy)
 from tests.tiny_models import build_tiny, hf_greedy, random_prompts
 from tokenmill import LLM
 from tokenmill.config import ModelConfig
@@ -32,13 +32,7 @@ def test_config_reads_the_layer_pattern(gemma):
 
 @pytest.mark.parametrize("backend", ["auto", "batched", "torch"])
 def test_long_prompts_past_the_window(gemma, backend):
-    """Prompts of up to 4x the window of 16, and 30 tokens each, in one batch."""
-    path, hf = gemma
-    llm = LLM(path, **ENGINE, attention_backend=backend)
-    assert llm.llm_engine.runner.backend.name == ("cpu" if backend == "auto" else backend)
-    prompts = random_prompts([60, 10, 45, 17, 33], seed=2)
-    for p, got in zip(prompts, greedy(llm, prompts, 30)):
-        assert got == hf_greedy(hf, p, 30), len(p)
+    check_past_the_window(*gemma, ENGINE, backend)
 
 
 @pytest.mark.parametrize("pressure", PRESSURE)

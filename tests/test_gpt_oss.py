@@ -12,7 +12,8 @@ import shutil
 import pytest
 import torch
 
-from tests.family_checks import PRESSURE, check_prefix_hits, check_under_pressure, gguf_put, gguf_shape, greedy
+from tests.family_checks import (PRESSURE, check_past_the_window, check_prefix_hits, check_under_pressure, gguf_put,
+                                 gguf_shape, greedy)
 from tests.tiny_models import build_tiny, hf_greedy, hf_logprobs, mxfp4_checkpoint, random_prompts
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import ModelConfig
@@ -38,13 +39,7 @@ def test_config_reads_windows_sinks_and_experts(gpt_oss):
 
 @pytest.mark.parametrize("backend", ["auto", "batched", "torch"])
 def test_long_prompts_past_the_window(gpt_oss, backend):
-    """Prompts of up to 4x the window of 16, and 30 tokens each, in one batch."""
-    path, hf = gpt_oss
-    llm = LLM(path, **ENGINE, attention_backend=backend)
-    assert llm.llm_engine.runner.backend.name == ("cpu" if backend == "auto" else backend)
-    prompts = random_prompts([60, 10, 45, 17, 33], seed=2)
-    for p, got in zip(prompts, greedy(llm, prompts, 30)):
-        assert got == hf_greedy(hf, p, 30), len(p)
+    check_past_the_window(*gpt_oss, ENGINE, backend)
 
 
 def test_sinks_count_as_transformers_counts_them(gpt_oss, tmp_path):

@@ -503,16 +503,23 @@ def reasoning_server(chat_model_dir: str, server_factory: Any) -> Any:
     server.stop()
 
 
-def test_reasoning_content_split(reasoning_server: Any) -> None:
-    client = openai.OpenAI(base_url=reasoning_server.url + "/v1", api_key="none", max_retries=0, timeout=60)
-    kw = dict(model=MODEL, messages=ASK, max_tokens=60, temperature=0,
-              extra_body={"structured_outputs": {"regex": r"Paris is (sunny|rainy)\.</think>It is (sunny|rainy)\."}})
+def check_thinking_split(server: Any, regex: str) -> Any:
+    """A reply forced by regex into thinking 'Paris is sunny.' (or rainy) and answering 'It is sunny.' comes back
+    split so, streamed as whole; returns the client and the message."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    kw = dict(model=MODEL, messages=ASK, max_tokens=80, temperature=0,
+              extra_body={"structured_outputs": {"regex": regex}})
     r = client.chat.completions.create(**kw)
     msg = r.choices[0].message
     assert msg.reasoning_content in ("Paris is sunny.", "Paris is rainy.")
     assert msg.content in ("It is sunny.", "It is rainy.") and r.choices[0].finish_reason == "stop"
-    streamed_msg, finishes = accumulate(client.chat.completions.create(stream=True, **kw))
+    streamed_msg, _ = accumulate(client.chat.completions.create(stream=True, **kw))
     assert (streamed_msg["reasoning_content"], streamed_msg["content"]) == (msg.reasoning_content, msg.content)
+    return client, msg
+
+
+def test_reasoning_content_split(reasoning_server: Any) -> None:
+    client, msg = check_thinking_split(reasoning_server, r"Paris is (sunny|rainy)\.</think>It is (sunny|rainy)\.")
     # R1's template opened the thinking in the prompt: without </think> all of the reply is thinking
     r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5, temperature=0,
                                        extra_body={"ignore_eos": True})
@@ -538,20 +545,12 @@ def test_harmony_reasoning_and_calls_through_the_openai_client(harmony_server: A
     """gpt-oss's harmony replies (the tiny model forced into them by a regex) come back as reasoning_content and
     content, or as tool_calls with finish_reason tool_calls, streamed as whole; a reply the parser cannot read is
     content, as written, and logged."""
-    client = openai.OpenAI(base_url=harmony_server.url + "/v1", api_key="none", max_retries=0, timeout=60)
-    answer = _rx("<|channel|>analysis<|message|>Paris is ") + "(sunny|rainy)" + \
-        _rx(".<|end|><|start|>assistant<|channel|>final<|message|>It is ") + "(sunny|rainy)" + _rx(".")
-    kw = dict(model=MODEL, messages=ASK, max_tokens=80, temperature=0,
-              extra_body={"structured_outputs": {"regex": answer}})
-    r = client.chat.completions.create(**kw)
-    msg = r.choices[0].message
-    assert msg.reasoning_content in ("Paris is sunny.", "Paris is rainy.")
-    assert msg.content in ("It is sunny.", "It is rainy.") and r.choices[0].finish_reason == "stop"
-    streamed_msg, finishes = accumulate(client.chat.completions.create(stream=True, **kw))
-    assert (streamed_msg["reasoning_content"], streamed_msg["content"]) == (msg.reasoning_content, msg.content)
+    client, _ = check_thinking_split(harmony_server, _rx("<|channel|>analysis<|message|>Paris is ") + "(sunny|rainy)" +
+                                     _rx(".<|end|><|start|>assistant<|channel|>final<|message|>It is ") +
+                                     "(sunny|rainy)" + _rx("."))
     call = _rx('<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary '
-               'to=functions.get_weather <|constrain|>json<|message|>{"city": "') + '(Paris|Rome)' + _rx('", "days": ') + \
-        '[1-7]' + _rx('}')
+               'to=functions.get_weather <|constrain|>json<|message|>{"city": "') + '(Paris|Rome)' + \
+        _rx('", "days": ') + '[1-7]' + _rx('}')
     kw = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=120, temperature=0,
               extra_body={"structured_outputs": {"regex": call}})
     r = client.chat.completions.create(**kw)

@@ -152,6 +152,8 @@ class CpuKernelOps(ReferenceOps):
         attn, mlp = layer.self_attn, layer.mlp
         if not hasattr(mlp, "gate_up_proj") or not hasattr(attn, "qkv_proj"):  # MoE, latent attention
             return None
+        if attn.sinks is not None or mlp.act not in (self.silu_mul, self.gelu_tanh_mul):   # gpt-oss's
+            return None
         if self.tp is not None:          # the one-call layer has no all-reduce after o_proj and down_proj
             return None
         # an adapted projection (executor/lora.py): its base's blocks, and its adapters' stacks after each product
