@@ -754,8 +754,57 @@ GMATMUL(q8_0, 32, 34)
 GMATMUL(q2_k, QK_K, 84)
 GMATMUL(q3_k, QK_K, 110)
 GMATMUL(q5_k, QK_K, 176)
-GMATMUL(mxfp4, 32, 17)
 #undef GMATMUL
+
+/* MXFP4 on x86: a block's 32 codes looked up as int8 values by one byte shuffle each half, widened to floats and
+ * multiplied into each input; the block's sum is then taken times its power-of-two scale, which is exact, so this
+ * is the dequantised product to summation order. Elsewhere the block dequantiser and row_dot. */
+#if defined(__AVX512F__) || (VL == 8 && defined(__AVX2__))
+static void mxfp4_row(const uint8_t *row, int nb, const float *x, int K, int B, float *y, size_t ystride) {
+    const __m128i table = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m128i low = _mm_set1_epi8(15);
+    vf acc[TM_GMATMUL_MAX_ROWS];
+    for (int b = 0; b < B; b++) acc[b] = (vf){0};
+    for (int i = 0; i < nb; i++) {
+        const uint8_t *blk = row + (size_t)i * 17;
+        const uint32_t e = blk[0];
+        const vf d = vset1(tm_f32_bits(e < 2 ? 0x00200000u << e : (e - 1) << 23));
+        const __m128i qs = _mm_loadu_si128((const __m128i *)(blk + 1));
+        const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(qs, low));
+        const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(qs, 4), low));
+#if defined(__AVX512F__)
+        const vf w[2] = {(vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)),
+                         (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi))};
+#else
+        const vf w[4] = {(vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)),
+                         (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))),
+                         (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)),
+                         (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)))};
+#endif
+        for (int b = 0; b < B; b++) {
+            const float *xb = x + (size_t)b * K + (size_t)i * 32;
+            vf s = w[0] * vload(xb);
+            for (int v = 1; v < 32 / VL; v++) s = vfma(w[v], vload(xb + v * VL), s);
+            acc[b] = vfma(s, d, acc[b]);
+        }
+    }
+    for (int b = 0; b < B; b++) y[(size_t)b * ystride] = vhsum(acc[b]);
+}
+#endif
+
+static void gmatmul_mxfp4(const tm_gweight *w, const float *x, int B, float *y, size_t ystride, int num_threads) {
+    const int nb = w->k / 32;
+#pragma omp parallel for schedule(static, 8) num_threads(num_threads)
+    for (int n = 0; n < w->n; n++) {
+        const uint8_t *row = w->data + (size_t)n * w->row_bytes;
+        __builtin_prefetch(row + 8 * w->row_bytes, 0, 3);
+#if defined(__AVX512F__) || (VL == 8 && defined(__AVX2__))
+        mxfp4_row(row, nb, x, w->k, B, y + n, ystride);
+#else
+        row_dot(dq_mxfp4, 32, 17, row, nb, x, w->k, B, y + n, ystride);
+#endif
+    }
+}
 
 static int gmatmul_part(const tm_gweight *w, const float *x, int B, float *y, size_t ystride, int num_threads) {
     switch (w->type) {
