@@ -154,10 +154,11 @@ def test_cpu_kernels_soft_cap_scores(backend, dtype, shape, case):
 
 # gpt-oss's attention sinks (a logit per query head that takes a share of each softmax) on every path of the C
 # kernels: decode_fast and attend_rows (D = 40), ranges split past 1024 positions and merged, the cascade's shared
-# part, prompt tiles with a window; sinks from -1 to 3 against scores of about 1, so dropping them fails
-@pytest.mark.parametrize("case", ["mixed", "decode6", "cascade_mixed", "context", "long", "long_prompt"])
-@pytest.mark.parametrize("shape", [(6, 2, 32), (8, 1, 64), (4, 4, 40)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# part, prompt tiles with a window, a bfloat16 model; sinks from -1 to 3 against scores of about 1, so dropping them
+# fails
+@pytest.mark.parametrize("case", ["mixed", "cascade_mixed", "context", "long"])
+@pytest.mark.parametrize("dtype, shape", [(torch.float32, (6, 2, 32)), (torch.float32, (4, 4, 40)),
+                                          (torch.bfloat16, (8, 1, 64))])
 @pytest.mark.parametrize("backend", CPU)
 def test_attention_sinks(backend, dtype, shape, case):
     sinks = torch.linspace(-1.0, 3.0, shape[0])

@@ -36,6 +36,7 @@ def test_mixed_batch_tokens_and_logprobs(deepseek):
         torch.testing.assert_close(ours, hf_logprobs(hf, p, got), atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pressure", list(PRESSURE))
 def test_under_pressure(deepseek, pressure):
     check_under_pressure(*deepseek, ENGINE, pressure)

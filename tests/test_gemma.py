@@ -35,6 +35,7 @@ def test_long_prompts_past_the_window(gemma, backend):
     check_past_the_window(*gemma, ENGINE, backend)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pressure", PRESSURE)
 def test_under_pressure(gemma, pressure):
     check_under_pressure(*gemma, ENGINE, pressure)

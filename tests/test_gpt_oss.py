@@ -65,11 +65,13 @@ def test_sinks_count_as_transformers_counts_them(gpt_oss, tmp_path):
     assert (without - want).abs().max() > 1e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pressure", list(PRESSURE))
 def test_greedy_under_pressure(gpt_oss, pressure):
     check_under_pressure(*gpt_oss, ENGINE, pressure)
 
 
+@pytest.mark.slow
 def test_prefix_hits(gpt_oss):
     check_prefix_hits(*gpt_oss, ENGINE)
 
@@ -96,7 +98,8 @@ def test_mxfp4_experts_read_as_transformers_reads_them(gpt_oss_mxfp4):
 EXACT = dict(ENGINE, int8_activations=False)
 
 
-@pytest.mark.parametrize("engine", [{}, {"max_num_batched_tokens": 16}, {"quantized_kernels": False}],
+@pytest.mark.parametrize("engine", [{}, pytest.param({"max_num_batched_tokens": 16}, marks=pytest.mark.slow),
+                                    pytest.param({"quantized_kernels": False}, marks=pytest.mark.slow)],
                          ids=["blocks", "chunked", "dequantised"])
 def test_mxfp4_experts_give_transformers_tokens(gpt_oss_mxfp4, engine):
     path, hf = gpt_oss_mxfp4
@@ -194,6 +197,7 @@ def gpt_oss_released(gpt_oss, tmp_path_factory):
             for kind, p in (("float", str(folder / "float")), ("mxfp4", mxfp4))}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("experts", ["F32", "MXFP4"])
 def test_gguf_gives_transformers_tokens(gpt_oss_released, experts, tmp_path):
     """llama.cpp's names and metadata; MXFP4 experts (the published checkpoint's codes, regrouped as llama.cpp's

@@ -151,6 +151,7 @@ def test_more_rows_than_the_largest_capture_run_eagerly(llama):
     assert llm.get_stats()["num_eager_decode_steps"] > 0
 
 
+@pytest.mark.slow
 def test_warm_up_steps_write_only_the_sink(llama):
     """The steps a GPU runs before the first request (compiling kernels, profiling memory: one row, a prompt tile
     and more, many decodes, the most rows a step holds) write only the sink block: requests after them get the
@@ -274,6 +275,7 @@ def test_async_scheduling_gives_the_sync_tokens(llama):
     llm.llm_engine.kv.check_integrity()
 
 
+@pytest.mark.slow
 def test_async_scheduling_waits_for_requests_that_read_their_past(llama):
     """A request with penalties or min_tokens samples from its past tokens on the host: while one is in the engine,
     steps wait for the last one's tokens (one arrives mid-run, another finishes); the same tokens as without."""
@@ -366,6 +368,7 @@ def test_async_scheduling_pools_chunked_prompts_whole(llama):
             torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(want), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_async_scheduling_keeps_a_reused_id_apart(llama):
     """A request aborted while its step is on the device, and a new one of the same id added at once: the new one
     gets its own tokens, not the old one's last."""

@@ -92,6 +92,7 @@ def _hf_float32(source, weights: dict[str, torch.Tensor]):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_llm_compressor_folders_equal_transformers(scheme: str, ct_folders: dict[str, Path], source) -> None:
     from tokenmill.executor.loader import open_checkpoint

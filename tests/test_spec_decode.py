@@ -246,6 +246,7 @@ def _tiny_v16(path, seed: int) -> Any:
     return hf
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ngram", "draft"])
 def test_sampled_tokens_follow_the_target(tmp_path, method):
     """Temperature 1, 6000 seeds, three tokens each: the second and third are sampled in one step that verifies
@@ -340,6 +341,7 @@ def llama_block_bytes(llama) -> dict[str, int]:
             for m, c in (("ngram", ngram(2)), ("draft", draft(llama, 2)))}
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None)
 @given(st.lists(st.tuples(st.integers(4, 50), st.integers(1, 40), st.integers(0, 5)), min_size=1, max_size=6),
        st.integers(1, 5), st.integers(8, 64), st.sampled_from(["ngram", "draft"]))

@@ -44,6 +44,7 @@ def test_collectives_per_step_are_the_formula(tiny_llama):
         assert after == collectives_per_step(c.num_hidden_layers, c.hidden_size, c.vocab_size, 2, tokens, 1)
 
 
+@pytest.mark.slow
 def test_preempted(tiny_llama):
     check_under_pressure(*tiny_llama, ENGINE, "preempted")
 

@@ -21,9 +21,11 @@ from tokenmill import LLM  # noqa: E402
 from tokenmill.executor.kv_cache import LayerKV  # noqa: E402
 
 ENGINE = dict(dtype="float32", kv_cache_memory_gb=0.02, max_model_len=512, attention_backend="triton")
+# a prompt chunk over more than 1024 positions: the interpreter's slowest case, left to make test
+LONG_PROMPT = pytest.param("long_prompt", marks=pytest.mark.slow)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [c if c != "long_prompt" else LONG_PROMPT for c in CASES])
 @pytest.mark.parametrize("window", [None, 20])
 def test_kernels_match_reference(window, case):
     """Decodes (one and several, split or not), fresh prompts, prompts over a cached context (later chunks of a
@@ -31,7 +33,7 @@ def test_kernels_match_reference(window, case):
     _compare_with_reference("triton", window, torch.float32, case, 6, 2, 32)
 
 
-@pytest.mark.parametrize("case", ["mixed", "decode6", "long", "long_prompt"])
+@pytest.mark.parametrize("case", ["mixed", "decode6", "long", LONG_PROMPT])
 def test_bfloat16_model(case):
     _compare_with_reference("triton", None, torch.bfloat16, case, 6, 2, 32)
 
@@ -69,7 +71,7 @@ def test_layer_window_and_soft_cap(case):
         torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("case", ["mixed", "long", "long_prompt"])
+@pytest.mark.parametrize("case", ["mixed", "long", LONG_PROMPT])
 @pytest.mark.parametrize("window", [None, 20])
 def test_attention_sinks(window, case):
     """gpt-oss's sinks in the decode kernel (folded in at the end of one split, or once by the merge of several)
