@@ -493,6 +493,22 @@ def test_kv_calc_counts_linear_attention_as_a_fixed_state(model_type):
     assert kvcalc.param_count(small.to_dict()).total == want
 
 
+def test_kv_calc_gpt_oss():
+    """gpt-oss-20b's shape (transformers' config, 24 layers of 32 experts): every other layer keeps a window of 128
+    tokens; the parameter count (sinks, router and expert biases among them) equals transformers' model's."""
+    import torch
+    from transformers import AutoModelForCausalLM, GptOssConfig
+    cfg = GptOssConfig(num_hidden_layers=24, num_local_experts=32)
+    r = kvcalc.kv_calc(cfg.to_dict(), 131072, "bf16")
+    per_layer = 2 * cfg.num_key_value_heads * cfg.head_dim * 2
+    assert r["bytes_per_seq"] == 12 * per_layer * 131072 + 12 * per_layer * 128
+    small = GptOssConfig(num_hidden_layers=2, num_local_experts=4, vocab_size=1000, hidden_size=64,
+                         intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    with torch.device("meta"):
+        want = sum(p.numel() for p in AutoModelForCausalLM.from_config(small).parameters())
+    assert kvcalc.param_count(small.to_dict()).total == want
+
+
 def test_kv_calc_deepseek_v32_and_v4_from_transformers_configs():
     """V3.2 keeps MLA's latent and an indexer key per token per layer: at 1M tokens 83.9 GiB, the explainers' figure
     for V4's predecessor. V4 keeps a window of raw keys and one pooled entry per 4 (with an indexer key) or per 128

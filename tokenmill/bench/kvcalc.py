@@ -417,7 +417,7 @@ def _mlp_params(cfg: Any, hidden: int, ffn: int, layers: int) -> int:
     experts = _get(cfg, "num_experts", "num_local_experts", default=0) or 0
     if not experts:
         return layers * 3 * hidden * ffn
-    if _get(cfg, "model_type", default="") == "mixtral":
+    if _get(cfg, "model_type", default="") in ("mixtral", "gpt_oss"):     # every layer sparse, experts of ffn
         sparse, inter, shared = layers, ffn, 0
     else:
         sparse = len(sparse_layers(layers, _get(cfg, "decoder_sparse_step"), _get(cfg, "mlp_only_layers")))
@@ -428,7 +428,8 @@ def _mlp_params(cfg: Any, hidden: int, ffn: int, layers: int) -> int:
 
 
 def _layer_extras(cfg: Any, s: KVShape, hidden: int, ffn: int) -> int:
-    """Per layer vectors beyond the two RMSNorms: attention/MLP biases and Qwen3's per-head q/k norms."""
+    """Per layer vectors beyond the two RMSNorms: attention/MLP biases, Qwen3's per-head q/k norms, gpt-oss's sinks
+    and expert biases."""
     q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
     kind = _get(cfg, "model_type", default="")
     qwen2 = kind in ("qwen2", "qwen2_moe")
@@ -441,6 +442,9 @@ def _layer_extras(cfg: Any, s: KVShape, hidden: int, ffn: int) -> int:
         n += 2 * s.head_dim
     if kind in ("gemma2", "gemma3_text"):         # the norms before and after the MLP
         n += 2 * hidden
+    if kind == "gpt_oss":                         # each head's sink, the router's bias, every expert's biases
+        experts = _get(cfg, "num_local_experts", "num_experts", default=0) or 0
+        n += s.num_heads + experts * (1 + 2 * ffn + hidden)
     return n
 
 
