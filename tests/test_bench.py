@@ -502,6 +502,13 @@ def test_kv_calc_gpt_oss():
     r = kvcalc.kv_calc(cfg.to_dict(), 131072, "bf16")
     per_layer = 2 * cfg.num_key_value_heads * cfg.head_dim * 2
     assert r["bytes_per_seq"] == 12 * per_layer * 131072 + 12 * per_layer * 128
+    # the published MXFP4 folder: its experts 17 bytes a 32 weights, the other matrices bf16 (13.77 GB, as released)
+    plan = kvcalc.memory_plan({**cfg.to_dict(), "quantization_config": {"quant_method": "mxfp4"}}, 131072)
+    p = plan.params
+    row = plan.weight("mxfp4")
+    assert plan.highlight == "mxfp4"
+    assert row.bytes == -(-p.mlp * 17 // 32) + 2 * (p.matrices - p.mlp) + 4 * p.vectors
+    assert 13.7e9 < row.bytes < 13.9e9
     small = GptOssConfig(num_hidden_layers=2, num_local_experts=4, vocab_size=1000, hidden_size=64,
                          intermediate_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
     with torch.device("meta"):

@@ -308,6 +308,8 @@ GROUP_SIZES = {"w4a16-g32": (64, 37), "w4a16-g64": (128, 69), "w4a16-g128": (256
                "w8a16-g128": (128, 131), "fp8": (1, 1)}
 WEIGHT_TABLE = tuple(p for p in WEIGHT_TYPES if p != "fp16") + tuple(GROUP_SIZES)  # fp16 costs what bf16 does
 GGUF_WEIGHTS = "gguf"  # the precision name of a GGUF file's own bytes
+# gpt-oss as published: its experts' matrices in MXFP4 blocks (17 bytes a 32 weights), the other matrices bf16
+MXFP4_EXPERTS = "mxfp4"
 _WEIGHT_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16", "f32": "fp32",
                    "f16": "fp16"}
 
@@ -317,11 +319,13 @@ def weight_precision(name: str, gguf_ok: bool = False) -> str:
     lower = name.lower()
     if lower == GGUF_WEIGHTS and gguf_ok:
         return GGUF_WEIGHTS
+    if lower == MXFP4_EXPERTS:
+        return MXFP4_EXPERTS
     lower = _WEIGHT_ALIASES.get(lower, lower)
     for p in (*WEIGHT_TYPES, *GROUP_SIZES):
         if p.lower() == lower:
             return p
-    choices = list(WEIGHT_TYPES) + list(GROUP_SIZES) + ([GGUF_WEIGHTS] if gguf_ok else [])
+    choices = list(WEIGHT_TYPES) + list(GROUP_SIZES) + [MXFP4_EXPERTS] + ([GGUF_WEIGHTS] if gguf_ok else [])
     why = " (only for a .gguf model)" if lower == GGUF_WEIGHTS else ""
     raise ValueError(f"unknown weight precision {name!r}{why}; choose one of {', '.join(choices)}")
 
@@ -455,6 +459,8 @@ def config_precision(cfg: Any) -> Optional[str]:
         return None
     if not isinstance(qc, dict):
         qc = qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
+    if qc.get("quant_method") == "mxfp4":
+        return MXFP4_EXPERTS
     groups = qc.get("config_groups") or {}
     w = next(iter(groups.values()), {}).get("weights") or {} if groups else qc
     if w.get("type") == "float":
@@ -467,6 +473,9 @@ def config_precision(cfg: Any) -> Optional[str]:
 
 def weight_bytes(params: ParamCount, precision: str) -> int:
     """Matrices at `precision` (whole blocks, rounded up) plus the float32 vectors."""
+    if precision == MXFP4_EXPERTS:
+        experts = -(-params.mlp * 17 // 32)
+        return experts + (params.matrices - params.mlp) * 2 + params.vectors * VECTOR_BYTES
     block, size = quant_size(precision)
     return -(-params.matrices * size // block) + params.vectors * VECTOR_BYTES
 
@@ -593,8 +602,13 @@ def _weight_rows(params: Optional[ParamCount], gguf: Optional[GGUFWeights],
     """The GGUF file's own bytes first (when there is one), then every precision the config can size."""
     rows = [WeightOption(GGUF_WEIGHTS, gguf.bits_per_weight, gguf.n_bytes)] if gguf else []
     if params is not None:
-        rows += [WeightOption(p, bits_per_weight(p), weight_bytes(params, p))
-                 for p in dict.fromkeys((*WEIGHT_TABLE, highlight)) if p != GGUF_WEIGHTS]
+        for p in dict.fromkeys((*WEIGHT_TABLE, highlight)):
+            if p == GGUF_WEIGHTS:
+                continue
+            b = weight_bytes(params, p)
+            bits = 8 * (b - params.vectors * VECTOR_BYTES) / params.matrices if p == MXFP4_EXPERTS else \
+                bits_per_weight(p)
+            rows.append(WeightOption(p, bits, b))
     return tuple(rows)
 
 
