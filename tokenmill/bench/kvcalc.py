@@ -474,7 +474,9 @@ def config_precision(cfg: Any) -> Optional[str]:
 def weight_bytes(params: ParamCount, precision: str) -> int:
     """Matrices at `precision` (whole blocks, rounded up) plus the float32 vectors."""
     if precision == MXFP4_EXPERTS:
-        experts = -(-params.mlp * 17 // 32)
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType.MXFP4]
+        experts = -(-params.mlp * size // block)
         return experts + (params.matrices - params.mlp) * 2 + params.vectors * VECTOR_BYTES
     block, size = quant_size(precision)
     return -(-params.matrices * size // block) + params.vectors * VECTOR_BYTES

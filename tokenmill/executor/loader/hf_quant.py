@@ -10,7 +10,7 @@ from typing import Any, Iterator, Optional, Union
 
 import torch
 
-from tokenmill.executor.layers.quant import Fp8Weight, GroupWeight, QuantWeight, pack_codes
+from tokenmill.executor.layers.quant import Fp8Weight, GGMLWeight, GroupWeight, QuantWeight, ggml_block, pack_codes
 
 log = logging.getLogger("tokenmill")
 
@@ -197,7 +197,6 @@ def _mxfp4_tensors(tensors: Iterator[tuple[str, torch.Tensor]], dequantize: bool
 
 def _mxfp4_experts(name: str, blocks: torch.Tensor, scales: torch.Tensor, dequantize: bool
                    ) -> Union[torch.Tensor, tuple[QuantWeight, ...]]:
-    from tokenmill.executor.layers.quant import GGMLWeight
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.dim() != 4 or             blocks.shape[-1] != MXFP4_GROUP // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
         raise ValueError(f"{name}: MXFP4 blocks uint8 [experts, rows, groups, 16] and scales uint8 [experts, rows, "
                          f"groups] expected; got {blocks.dtype} {tuple(blocks.shape)} and {scales.dtype} "
@@ -206,7 +205,7 @@ def _mxfp4_experts(name: str, blocks: torch.Tensor, scales: torch.Tensor, dequan
     # code 2j and 2j + 1 of a group share byte j here; ggml's byte j holds codes j and j + 16
     codes = torch.stack([blocks & 15, blocks >> 4], dim=-1).reshape(E, out, groups, MXFP4_GROUP)
     packed = codes[..., :16] | (codes[..., 16:] << 4)
-    ggml = torch.cat([scales.unsqueeze(-1), packed], dim=-1).reshape(E, out, groups * 17)
+    ggml = torch.cat([scales.unsqueeze(-1), packed], dim=-1).reshape(E, out, groups * ggml_block("MXFP4")[1])
     experts = tuple(GGMLWeight("MXFP4", ggml[e].contiguous(), (out, groups * MXFP4_GROUP)) for e in range(E))
     if dequantize:
         return torch.stack([w.dequantize().t() for w in experts])

@@ -297,7 +297,7 @@ class DecoderForCausalLM(nn.Module):
 
         loaded: set[str] = set()
         quant: dict[str, dict[int, QuantWeight]] = {}     # parameter -> its quantised shards
-        if cfg.expert_bias:
+        if cfg.architecture == "GptOssForCausalLM":     # its checkpoint stacks each layer's experts
             weights = _unstacked_experts(weights)
         for name, tensor in weights:
             pname, shard = _our_name(name, cfg.mla)
