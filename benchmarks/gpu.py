@@ -193,6 +193,27 @@ def run_one(eng: Any, prompt: list[int], out: int) -> tuple[float, list[float]]:
     return stamps[1] - stamps[0], [b - a for a, b in zip(stamps[1:], stamps[2:])]
 
 
+def host_profile(eng: Any, prompt: list[int], steps: int, top: int = 30) -> list[str]:
+    """Where a single stream's decode steps spend host time: cProfile's functions by own time, the heaviest first
+    (what to cut when the busy fraction is low)."""
+    import cProfile
+    import io
+    import pstats
+    from tokenmill import SamplingParams
+    eng.add_request("host", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=steps + 4,
+                                                                         ignore_eos=True))
+    for _ in range(4):
+        eng.step()
+    prof = cProfile.Profile()
+    prof.enable()
+    while eng.has_unfinished_requests():
+        eng.step()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return [line for line in buf.getvalue().splitlines() if line.strip()]
+
+
 def busy_fraction(eng: Any, dev: torch.device, prompt: list[int], steps: int) -> Optional[float]:
     """The device's kernel time over the wall time of a single stream's decode steps (torch's profiler)."""
     if dev.type != "cuda":
@@ -225,6 +246,7 @@ def single_stream(eng: Any, dev: torch.device, prompt: int, out: int) -> dict[st
     gaps.sort()
     res.update(ttft_s=ttft, itl_s=gaps[len(gaps) // 2], graph_steps=eng.stats.num_graph_steps)
     res["busy"] = busy_fraction(eng, dev, list(range(300, 300 + prompt)), 32)
+    res["host_profile"] = host_profile(eng, list(range(350, 350 + prompt)), 32)
     if getattr(eng.runner, "supports_async", False):       # the same engine, each step launched ahead
         with async_scheduling(eng):
             _, gaps = run_one(eng, list(range(400, 400 + prompt)), out)

@@ -108,6 +108,8 @@ def main() -> int:
           f"HBM limit ({b8.get('hbm_limit_ms', float('nan')):.2f} ms); busy {b8.get('busy')}")
     if b8.get("async_itl_s"):
         print(f"  with async scheduling: ITL {1e3 * b8['async_itl_s']:.2f} ms, busy {b8.get('async_busy')}")
+    for line in b8.get("host_profile", [])[:24]:
+        print("    " + line[:150])
     print(f"  8B TTFT 2048: warm {b8.get('ttft_ms', float('nan')):.1f} ms ({100 * b8.get('ttft_of_limit', 0):.0f}% "
           f"of the compute limit), first after start {b8.get('first_ttft_ms', float('nan')):.1f} ms")
     print(f"  start {b8.get('start_s')} s, capture {b8.get('capture_s')} s, graphs {b8.get('graph_memory_gib')} GiB")
