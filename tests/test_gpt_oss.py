@@ -33,7 +33,7 @@ def test_config_reads_windows_sinks_and_experts(gpt_oss):
     assert [w is not None for w in mc.layer_windows] == [t == "sliding_attention" for t in hf.config.layer_types]
     assert set(mc.layer_windows) == {16, None} and mc.kv_groups.hybrid
     assert mc.attention_sinks and mc.o_proj_bias and mc.expert_bias and mc.router_bias
-    assert (mc.hidden_act, mc.swiglu_limit, mc.swiglu_alpha) == ("swigluoai", 1.0, 1.702)
+    assert (mc.hidden_act, mc.swiglu_limit, mc.swiglu_alpha) == ("swigluoai", hf.config.swiglu_limit, 1.702)
     assert mc.moe_layers == (0, 1, 2) and mc.moe_scoring == "topk_softmax"
 
 

@@ -25,6 +25,8 @@ def model(request, tmp_path_factory):
 def _hf(hf, prompt: list[int], n: int, dtype: torch.dtype) -> tuple[list[int], list[dict[int, float]]]:
     """transformers' greedy tokens on the GPU and the top logprobs at each."""
     hf = copy.deepcopy(hf).to("cuda", dtype)
+    # the plain attention: transformers before 5.2x ran Gemma 2 on SDPA by default, which drops its soft cap
+    hf.set_attn_implementation("eager")
     out = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=n, do_sample=False, eos_token_id=None,
                       pad_token_id=0, output_scores=True, return_dict_in_generate=True,
                       attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device="cuda"))

@@ -84,7 +84,9 @@ def _configs() -> dict:
         # size) and whose sizes are whole MXFP4 groups of 32, yarn rope that does not truncate its correction range
         "gpt_oss": lambda: GptOssConfig(
             hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=16, swiglu_limit=1.0,
+            head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+            # transformers before 5.2x (the GPU image's 5.17) clamps at 7 whatever the config says
+            swiglu_limit=1.0 if hasattr(GptOssConfig, "swiglu_limit") else 7.0,
             rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                              "truncate": False, "original_max_position_embeddings": 128, "rope_theta": 150000.0},
             **common),
