@@ -193,25 +193,58 @@ def run_one(eng: Any, prompt: list[int], out: int) -> tuple[float, list[float]]:
     return stamps[1] - stamps[0], [b - a for a, b in zip(stamps[1:], stamps[2:])]
 
 
-def host_profile(eng: Any, prompt: list[int], steps: int, top: int = 30) -> list[str]:
-    """Where a single stream's decode steps spend host time: cProfile's functions by own time, the heaviest first
-    (what to cut when the busy fraction is low)."""
+def host_profile(fn: Callable[[], Any], top: int = 30, sort: str = "tottime") -> list[str]:
+    """Where fn spends host time: cProfile's functions, the heaviest first (what to cut when the busy fraction is
+    low)."""
     import cProfile
     import io
     import pstats
-    from tokenmill import SamplingParams
-    eng.add_request("host", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=steps + 4,
-                                                                         ignore_eos=True))
-    for _ in range(4):
-        eng.step()
     prof = cProfile.Profile()
     prof.enable()
-    while eng.has_unfinished_requests():
-        eng.step()
+    fn()
     prof.disable()
     buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    pstats.Stats(prof, stream=buf).sort_stats(sort).print_stats(top)
     return [line for line in buf.getvalue().splitlines() if line.strip()]
+
+
+def kernel_table(eng: Any, steps: int, top: int = 15) -> dict[str, Any]:
+    """steps engine steps under torch's profiler: the device's busy share of their wall time, and the kernels that
+    took the most device time (name, launches, milliseconds in all)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    by_name: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            acc = by_name.setdefault(e.name[:90], [0, 0.0])
+            acc[0] += 1
+            acc[1] += e.device_time / 1e3
+    busy = sum(ms for _, ms in by_name.values()) / 1e3 / wall
+    rows = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"steps": steps, "wall_ms": 1e3 * wall, "busy": busy,
+            "kernels": [{"name": k, "launches": n, "ms": round(ms, 3)} for k, (n, ms) in rows]}
+
+
+def batch_profile(eng: Any, dev: torch.device, n: int, prompt: int, vocab: int) -> dict[str, Any]:
+    """n requests decoding together: where a step's time goes on the device (kernel table) and on the host."""
+    from tokenmill import SamplingParams
+    r = random.Random(7)
+    for i in range(n):
+        eng.add_request(f"prof{i}", {"prompt_token_ids": [r.randrange(100, vocab) for _ in range(prompt)]},
+                        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    before = eng.stats.decode_tokens
+    while eng.stats.decode_tokens - before < 2 * n:        # every prompt in, two decode steps made
+        eng.step()
+    res = kernel_table(eng, 8) if dev.type == "cuda" else {}
+    res["host_profile"] = host_profile(lambda: [eng.step() for _ in range(8)])
+    while eng.has_unfinished_requests():
+        eng.step()
+    return res
 
 
 def busy_fraction(eng: Any, dev: torch.device, prompt: list[int], steps: int) -> Optional[float]:
@@ -243,10 +276,16 @@ def single_stream(eng: Any, dev: torch.device, prompt: int, out: int) -> dict[st
     res: dict[str, Any] = {}
     res["first_ttft_s"], _ = run_one(eng, list(range(100, 100 + prompt)), 2)
     ttft, gaps = run_one(eng, list(range(200, 200 + prompt)), out)
+    # the first prompt of another length (not a multiple of 16), under cProfile: whether a new length costs a
+    # first-use price again, and where it goes
+    odd: list = []
+    res["odd_profile"] = host_profile(lambda: odd.append(run_one(eng, list(range(600, 600 + prompt - 37)), 2)), 25,
+                                      "cumtime")
+    res["odd_ttft_s"] = odd[0][0]
     gaps.sort()
     res.update(ttft_s=ttft, itl_s=gaps[len(gaps) // 2], graph_steps=eng.stats.num_graph_steps)
     res["busy"] = busy_fraction(eng, dev, list(range(300, 300 + prompt)), 32)
-    res["host_profile"] = host_profile(eng, list(range(350, 350 + prompt)), 32)
+    res["host_profile"] = host_profile(lambda: run_one(eng, list(range(350, 350 + prompt)), 32))
     if getattr(eng.runner, "supports_async", False):       # the same engine, each step launched ahead
         with async_scheduling(eng):
             _, gaps = run_one(eng, list(range(400, 400 + prompt)), out)
@@ -428,6 +467,13 @@ def main() -> None:
             step_limit = (weights + n * d["mean_context"] * kv_bytes_per_token(shape)) / bw
             res["decode_256"] = {**d, "step_ms": 1e3 * step, "hbm_limit_ms": 1e3 * step_limit,
                                  "of_limit": step_limit / step}
+            save()
+            if getattr(eng.runner, "supports_async", False):
+                with async_scheduling(eng):
+                    da = decode_batch(eng, n, p_len, n_out, shape["vocab_size"])
+                res["decode_256"]["async_decode_tok_s"] = da["decode_tok_s"]
+                res["decode_256"]["async_of_limit"] = step_limit / (n / da["decode_tok_s"])
+            res["decode_256"]["profile"] = batch_profile(eng, dev, n, p_len, shape["vocab_size"])
             print(f"decode {n}: {res['decode_256']}", flush=True)
             save()
             del eng

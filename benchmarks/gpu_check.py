@@ -119,7 +119,17 @@ def main() -> int:
           f"of the compute limit), first after start {b8.get('first_ttft_ms', float('nan')):.1f} ms")
     print(f"  start {b8.get('start_s')} s, capture {b8.get('capture_s')} s, graphs {b8.get('graph_memory_gib')} GiB")
     print(f"  decode at 256: {dec.get('decode_tok_s', float('nan')):,.0f} tok/s, "
-          f"{100 * dec.get('of_limit', float('nan')):.0f}% of its steps' HBM limit")
+          f"{100 * dec.get('of_limit', float('nan')):.0f}% of its steps' HBM limit; async "
+          f"{dec.get('async_decode_tok_s', float('nan')):,.0f} tok/s")
+    prof = dec.get("profile", {})
+    print(f"    8 steps at 256 under the profiler: {prof.get('wall_ms', float('nan')):.1f} ms, busy {prof.get('busy')}")
+    for k in prof.get("kernels", [])[:10]:
+        print(f"    {k['ms']:8.2f} ms {k['launches']:6d}x {k['name'][:100]}")
+    for line in prof.get("host_profile", [])[:16]:
+        print("    " + line[:150])
+    print(f"  a first prompt of another length: TTFT {1e3 * b8.get('odd_ttft_s', float('nan')):.1f} ms")
+    for line in b8.get("odd_profile", [])[:14]:
+        print("    " + line[:150])
     print(f"  offline 1B: {off.get('tokenmill_tok_s', float('nan')):,.0f} tok/s, transformers "
           f"{off.get('transformers_tok_s', float('nan')):,.0f}: {off.get('ratio', float('nan')):.2f}x")
     kvo = f.get("offload", {})
