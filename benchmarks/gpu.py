@@ -51,7 +51,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-PARTS = ("offload", "8b", "offline-1b", "smollm2", "quant", "moe")      # the ceilings are always measured
+PARTS = ("offload", "kernels", "8b", "offline-1b", "smollm2", "quant", "moe")      # the ceilings are always measured
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192)
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -117,6 +117,65 @@ def compute(dev: torch.device, tiny: bool) -> float:
     n = 512 if tiny else 8192
     a, b = (torch.randn(n, n, dtype=torch.bfloat16, device=dev) for _ in range(2))
     return 2 * n ** 3 / timed(lambda: a @ b, dev, 3 if tiny else 20)
+
+
+def _cloned(q: Any) -> Any:
+    """A quantised weight (a frozen dataclass) with its own copy of every tensor."""
+    return dataclasses.replace(q, **{f.name: getattr(q, f.name).clone() for f in dataclasses.fields(q)
+                                     if isinstance(getattr(q, f.name), torch.Tensor)})
+
+
+def _nbytes(q: Any) -> int:
+    return sum(getattr(q, f.name).nbytes for f in dataclasses.fields(q) if isinstance(getattr(q, f.name), torch.Tensor))
+
+
+def matmul_kernels(dev: torch.device, tiny: bool) -> list[dict[str, Any]]:
+    """Each weight form's matmul alone at the 8B shape's matrices, 1 and 16 rows of x: seconds a call and the
+    weight bytes a second, against bf16's. Each call cycles through copies of the weight that together pass the L2
+    (else it reads the cache), and runs inside a captured graph (as a decode step does), so launches are not
+    counted."""
+    from tokenmill.executor.loader.quantize import quantize_fp8, quantize_groups
+    from tokenmill.executor.ops import triton_quant
+    from tokenmill.executor.ops.fp8 import fp8_linear
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+    if tiny:
+        shapes = {"o": (256, 256)}
+    rows = []
+    for name, (n, k) in shapes.items():
+        w = torch.randn(n, k, dtype=torch.bfloat16, device=dev) * 0.02
+        copies = max(2, -(-512 * 2 ** 20 // w.nbytes)) if not tiny else 2
+        g4, g8, f8 = quantize_groups(w, 4, 128, symmetric=False), quantize_groups(w, 8, 128, symmetric=False), \
+            quantize_fp8(w)
+        # distinct copies: each call reads memory, not the L2
+        forms = {"bf16": ([w.clone() for _ in range(copies)], lambda x, v: x @ v.t(), w.nbytes),
+                 "int4_g128": ([_cloned(g4) for _ in range(copies)], triton_quant.group_matmul, _nbytes(g4)),
+                 "int8_g128": ([_cloned(g8) for _ in range(copies)], triton_quant.group_matmul, _nbytes(g8)),
+                 "fp8": ([_cloned(f8) for _ in range(copies)], fp8_linear, _nbytes(f8))}
+        for m in (1, 16):
+            x = torch.randn(m, k, dtype=torch.bfloat16, device=dev)
+            base = None
+            for form, (ws, fn, b) in forms.items():
+                try:
+                    run = lambda: [fn(x, v) for v in ws]
+                    if dev.type == "cuda":
+                        run()
+                        torch.cuda.synchronize()
+                        g = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(g):
+                            run()
+                        sec = timed(g.replay, dev, 20) / len(ws)
+                    else:
+                        sec = timed(run, dev, 3) / len(ws)
+                except Exception as e:          # a form this device cannot run: said, not fatal
+                    rows.append({"matrix": name, "rows": m, "form": form, "error": f"{type(e).__name__}: {e}"[:300]})
+                    continue
+                base = sec if form == "bf16" else base
+                rows.append({"matrix": name, "n": n, "k": k, "rows": m, "form": form, "us": 1e6 * sec,
+                             "weight_gbs": b / sec / 1e9, "over_bf16": sec / base if base else None})
+        del forms, w
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
 
 
 def random_checkpoint(shape: dict, folder: Path, dev: torch.device, family: str = "llama") -> tuple[str, int]:
@@ -429,6 +488,11 @@ def main() -> None:
         if a.out:
             Path(a.out).parent.mkdir(parents=True, exist_ok=True)
             Path(a.out).write_text(json.dumps(res, indent=1))
+    if "kernels" not in a.skip:
+        res["matmul_kernels"] = matmul_kernels(dev, a.tiny)
+        for r in res["matmul_kernels"]:
+            print(f"kernel: {r}", flush=True)
+        save()
     if "offload" not in a.skip:
         res["offload"] = offload_moves(dev, a.tiny)
         print(f"offload: {res['offload']}", flush=True)
