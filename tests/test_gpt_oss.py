@@ -236,3 +236,16 @@ def test_unimplemented_options_are_refused(gpt_oss, tmp_path):
         (folder / "config.json").write_text(json.dumps(cfg))
         with pytest.raises(ValueError, match=named):
             LLM(str(folder), **ENGINE)
+
+
+@pytest.mark.slow
+def test_two_ranks_from_gguf_and_the_mxfp4_folder_refused(gpt_oss_released, tmp_path):
+    """Tensor parallelism from llama.cpp's file (its experts one tensor each, split as Qwen-MoE's; the sinks with
+    their heads) gives transformers' tokens; the MXFP4 folder's packed experts are refused with what to do."""
+    path, hf = gpt_oss_released["float"]
+    write_gpt_oss_gguf(path, tmp_path / "g.gguf")
+    llm = LLM(str(tmp_path / "g.gguf"), **EXACT, tokenizer=None, tensor_parallel_size=2)
+    prompts = random_prompts([30, 7], seed=9)
+    assert greedy(llm, prompts, 12) == [hf_greedy(hf, p, 12) for p in prompts]
+    with pytest.raises(ValueError, match="does not split a mxfp4 checkpoint's packed weights"):
+        LLM(gpt_oss_released["mxfp4"][0], **ENGINE, tensor_parallel_size=2)

@@ -58,7 +58,7 @@ def test_one_kv_head_over_two_ranks_and_a_tied_head(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3", "mistral_sw", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe",
-                                  "deepseek_v3"])
+                                  "deepseek_v3", "gpt_oss"])
 def test_the_other_families(kind, tmp_path):
     """Two ranks give transformers' tokens, with one all-reduce for the embeddings and two a layer in a step.
     Qwen2: q/k/v biases split with their rows; Qwen3: per-head q/k norms whole; Mistral: its window; Gemma 2/3:
@@ -66,7 +66,8 @@ def test_the_other_families(kind, tmp_path):
     fused qkv_proj and gate_up_proj split part by part; Mixture-of-Experts: each expert's intermediate split, the
     router whole, one all-reduce after the experts and Qwen2-MoE's gated shared expert (Qwen3-MoE's layers are
     these without it); DeepSeek-V3: q_b_proj and kv_b_proj by heads, the latent whole on each rank, sigmoid routing
-    with its bias."""
+    with its bias; gpt-oss: each rank's heads' sinks, its share of every stacked expert (gate and up interleaved),
+    down's biases added once."""
     path, hf = build_tiny(kind, tmp_path)
     llm = LLM(path, **ENGINE)
     prompts = random_prompts([7, 40], seed=5)

@@ -44,7 +44,7 @@ from tokenmill.executor.runner import CpuRunner
 # DeepSeek's (its heads split, its latent whole); a family added later splits once it is listed here
 TP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
                     "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
-                    "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+                    "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM")
 TIMEOUT_S = 120       # the ranks must all have joined within this
 # a collective waits this long: a worker idles in one between requests (a rank that dies closes its connections,
 # which ends every collective at once)
@@ -55,6 +55,7 @@ COLLECTIVE_TIMEOUT = timedelta(days=365)
 _ROWS = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w3", "embed_tokens", "lm_head", "qkv_proj",
          "gate_up_proj", "q_b_proj", "kv_b_proj"}
 _COLUMNS = {"o_proj", "down_proj", "w2"}
+_STACKED_EXPERTS = {"gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"}      # gpt-oss's names
 
 
 def check_tensor_parallel(mc: ModelConfig, size: int, device: torch.device, path: str, keep_blocks: bool) -> None:
@@ -161,6 +162,12 @@ def shard_tensor(name: str, t: Any, mc: ModelConfig, rank: int, size: int) -> An
     """This rank's slice of an HF tensor of the whole model: float, or quantised blocks (layers/quant.py) sliced as
     they are, so that every rank runs the kernels one rank would. A column split must fall on a block boundary."""
     from tokenmill.executor.layers.quant import block_weights, take_columns, take_rows
+    part, leaf = name.split(".")[-2:] if name.count(".") else ("", name)
+    if leaf == "sinks":                 # gpt-oss: a sink a query head, split with the heads
+        heads = mc.num_attention_heads // size
+        return t[rank * heads:(rank + 1) * heads]
+    if part == "experts" and leaf in _STACKED_EXPERTS:
+        return _stacked_experts_share(leaf, t, mc, rank, size)
     how = _split(name)
     if how == "rows":
         ranges = _row_ranges(name.split(".")[-2], t.shape[0], mc, rank, size)
@@ -177,6 +184,18 @@ def shard_tensor(name: str, t: Any, mc: ModelConfig, rank: int, size: int) -> An
             return take_columns(t, c0, c1)
         return t[:, c0:c1]
     return t
+
+
+def _stacked_experts_share(leaf: str, t: torch.Tensor, mc: ModelConfig, rank: int, size: int) -> torch.Tensor:
+    """gpt-oss's experts, stacked in one tensor a matrix: every expert's intermediate columns split as an MLP's.
+    gate_up_proj [E, hidden, 2I] interleaves gate and up along its last dim, so a rank's share of both is one run
+    of it; down_proj [E, I, hidden] splits by its middle dim; down's bias is added once, after the all-reduce."""
+    inter = mc.moe_intermediate_size // size
+    if leaf.startswith("gate_up"):
+        return t[..., 2 * rank * inter:2 * (rank + 1) * inter]
+    if leaf == "down_proj":
+        return t[:, rank * inter:(rank + 1) * inter]
+    return t if rank == 0 else torch.zeros_like(t)
 
 
 def sharded(tensors: Iterator[tuple[str, Any]], mc: ModelConfig, rank: int, size: int) -> Iterator[tuple[str, Any]]:
