@@ -103,9 +103,9 @@ def test_unimplemented_options_are_named():
         ModelConfig.from_hf_dict(_moe_config(num_experts_per_tok=5))
     with pytest.raises(ValueError, match="hidden activation 'gelu' is not implemented; tokenmill's are silu"):
         ModelConfig.from_hf_dict(_moe_config(hidden_act="gelu"))
-    with pytest.raises(ValueError, match="unsupported architecture 'Qwen3NextForCausalLM'; tokenmill supports .*"
+    with pytest.raises(ValueError, match="unsupported architecture 'Gemma4ForCausalLM'; tokenmill supports .*"
                                          "MixtralForCausalLM"):
-        ModelConfig.from_hf_dict(_moe_config(architectures=["Qwen3NextForCausalLM"]))
+        ModelConfig.from_hf_dict(_moe_config(architectures=["Gemma4ForCausalLM"]))
     # a window on some layers only (Qwen's max_window_layers) would be served wrong on all: refused
     with pytest.raises(ValueError, match="sliding windows on some layers only"):
         ModelConfig.from_hf_dict(_moe_config(use_sliding_window=True, sliding_window=64,

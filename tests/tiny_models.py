@@ -13,6 +13,9 @@ def _configs() -> dict:
     from transformers import (DeepseekV2Config, DeepseekV3Config, Gemma2Config, Gemma3TextConfig, GptOssConfig,
                               LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig,
                               Qwen3Config, Qwen3MoeConfig)
+    from transformers.models.qwen3_5 import Qwen3_5TextConfig
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_next import Qwen3NextConfig
     common = dict(vocab_size=VOCAB, max_position_embeddings=512, eos_token_id=None, bos_token_id=None,
                   pad_token_id=None, initializer_range=0.1)
     return {
@@ -90,6 +93,28 @@ def _configs() -> dict:
             rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                              "truncate": False, "original_max_position_embeddings": 128, "rope_theta": 150000.0},
             **common),
+        # Qwen3.5: linear-attention (Gated DeltaNet) layers around one gated full-attention layer, 2 q/k heads serving
+        # 4 value heads, a quarter of each attending head rotated
+        "qwen3_5": lambda: Qwen3_5TextConfig(
+            hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+            linear_value_head_dim=8, linear_conv_kernel_dim=4,
+            layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"], **common),
+        # Qwen3-Next: Qwen3.5's layers with q/k/v/z and b/a projected grouped by key head, and top-2 of 4 experts
+        # beside a gated shared expert (the first layer's MLP dense)
+        "qwen3_next": lambda: Qwen3NextConfig(
+            hidden_size=64, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+            num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0], num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+            layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"], **common),
+        # Qwen3.5-MoE: Qwen3.5's layers, every MLP top-2 of 4 experts (always renormalised) and a gated shared one
+        "qwen3_5_moe": lambda: Qwen3_5MoeTextConfig(
+            hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,
+            num_experts_per_tok=2, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"], **common),
         # latent attention without a query bottleneck; top-2 of 8 experts within the best 1 of 2 groups (softmax,
         # not renormalised), one shared expert, a dense first layer; layer norms' eps 1e-5 (the latent's stay 1e-6)
         "deepseek_v2": lambda: DeepseekV2Config(
@@ -128,6 +153,8 @@ def build_tiny(kind: str, path: Path, seed: int = 0):
                 p.copy_(torch.rand_like(p) * 3 - 1)
             elif name.endswith(("gate_up_proj_bias", "down_proj_bias")):   # zeros at init
                 p.copy_(torch.randn_like(p) * 0.2)
+            elif kind in ("qwen3_5", "qwen3_next", "qwen3_5_moe") and name.endswith("norm.weight"):
+                p.copy_(torch.randn_like(p) * 0.2)      # zero-centred norms: 0 is the identity
     model.save_pretrained(path)
     return str(path), model
 

@@ -14,11 +14,16 @@ from tokenmill.layout import KVGroups, kv_groups, sliding_layers, sparse_layers
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "MixtralForCausalLM",
                            "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM",
-                           "DeepseekV3ForCausalLM", "GptOssForCausalLM")
+                           "DeepseekV3ForCausalLM", "GptOssForCausalLM", "Qwen3_5ForCausalLM",
+                           "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 ROPE_TYPES = ("linear", "llama3", "yarn", "longrope")      # besides the default (layers/rotary.py)
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM",
+                     "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM")
+LINEAR_ATTENTION_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM")
+# experts beside a shared expert behind a sigmoid gate
+SHARED_EXPERT_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM")
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 TOPK_METHODS = ("greedy", "group_limited_greedy")        # DeepSeek-V2's routings (V3 always routes by groups)
 
@@ -94,6 +99,19 @@ class ModelConfig:
     expert_bias: bool = False
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # Qwen3.5: hybrid linear attention. linear_layers are Gated DeltaNet layers (a fixed state a request, no KV
+    # cache: a causal depthwise conv of linear_conv_kernel_dim over q/k/v, then the gated delta rule over
+    # linear_num_key_heads q/k heads of linear_key_head_dim and linear_num_value_heads value heads of
+    # linear_value_head_dim); the other layers attend, their output gated by a sigmoid of a second half of q_proj
+    # (attn_output_gate); every RMSNorm but the gated one scales by (1 + w) (zero_centered_norms)
+    linear_layers: tuple[int, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    attn_output_gate: bool = False
+    zero_centered_norms: bool = False
 
     @staticmethod
     def from_hf_dict(cfg: dict[str, Any]) -> "ModelConfig":
@@ -142,11 +160,14 @@ class ModelConfig:
         moe = _moe_fields(arch, cfg) if arch not in DEEPSEEK_ARCHITECTURES else _deepseek_fields(arch, cfg)
         if arch == "GptOssForCausalLM":
             family = _gpt_oss_fields(cfg)
+        if arch in LINEAR_ATTENTION_ARCHITECTURES:
+            family = _linear_attention_fields(arch, cfg)
         return ModelConfig(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=hidden,
-            intermediate_size=cfg["intermediate_size"],
+            # Qwen3.5-MoE: every layer's MLP is experts, and its config has no dense size
+            intermediate_size=cfg.get("intermediate_size") or cfg["moe_intermediate_size"],
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
@@ -161,7 +182,8 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch in GEMMA_ARCHITECTURES)),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("qkv_bias", True) if arch == "Qwen2MoeForCausalLM"
                                                               else cfg.get("attention_bias", False)),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM",
+                             *LINEAR_ATTENTION_ARCHITECTURES),
             sliding_window=sliding,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -181,8 +203,20 @@ class ModelConfig:
 
     @property
     def kv_groups(self) -> KVGroups:
-        """How the layers share the KV cache's blocks (layout.py): one group, or Gemma's global and local ones."""
-        return kv_groups(self.layer_windows, self.num_hidden_layers, self.sliding_window)
+        """How the attending layers share the KV cache's blocks (layout.py): one group, or Gemma's global and local
+        ones. Indexed by attention layer (attention_index): a linear-attention layer keeps no KV."""
+        return kv_groups(self.layer_windows, self.num_hidden_layers - len(self.linear_layers), self.sliding_window)
+
+    def attention_index(self, layer: int) -> Optional[int]:
+        """Layer's place among the layers that keep KV (its cache tensor and group), None for a linear one."""
+        if layer in self.linear_layers:
+            return None
+        return layer - sum(1 for i in self.linear_layers if i < layer)
+
+    @property
+    def norm_offset(self) -> float:
+        """What an RMSNorm adds to its weight: 1 where the norms are zero-centred (Gemma, Qwen3.5), else 0."""
+        return 1.0 if self.gemma or self.zero_centered_norms else 0.0
 
     @property
     def mla(self) -> bool:
@@ -284,6 +318,28 @@ def _gpt_oss_fields(cfg: dict[str, Any]) -> dict[str, Any]:
                 layer_windows=windows if window is not None else ())
 
 
+def _linear_attention_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's Qwen3.5 / Qwen3-Next fields: which layers are linear (layer_types, else every
+    full_attention_interval-th layer attends, transformers' default) and the linear layers' sizes."""
+    layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types") or ["full_attention" if (i + 1) % cfg.get("full_attention_interval", 4) == 0
+                                       else "linear_attention" for i in range(layers)]
+    unknown = sorted(set(types) - {"linear_attention", "full_attention"})
+    if unknown or len(types) != layers:
+        raise ValueError(f"{arch}: layer_types must be {layers} of linear_attention / full_attention; "
+                         f"got {', '.join(unknown) or len(types)}")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{arch}: hidden activation {act!r} is not implemented; tokenmill's is silu")
+    return dict(linear_layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
+                linear_num_key_heads=cfg.get("linear_num_key_heads", 16),
+                linear_num_value_heads=cfg.get("linear_num_value_heads", 32),
+                linear_key_head_dim=cfg.get("linear_key_head_dim", 128),
+                linear_value_head_dim=cfg.get("linear_value_head_dim", 128),
+                linear_conv_kernel_dim=cfg.get("linear_conv_kernel_dim", 4), attn_output_gate=True,
+                zero_centered_norms=True)
+
+
 def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """ModelConfig's Mixture-of-Experts fields from an HF config (none for a dense architecture). Mixtral's every
     layer is sparse and always renormalises; Qwen's layers are sparse every decoder_sparse_step-th layer but for
@@ -303,9 +359,11 @@ def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
                     moe_intermediate_size=cfg["intermediate_size"], moe_scoring="topk_softmax", router_bias=True)
     return dict(moe_layers=sparse_layers(layers, cfg.get("decoder_sparse_step"), cfg.get("mlp_only_layers")),
                 num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=cfg["moe_intermediate_size"],
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                # Qwen3.5-MoE always renormalises (its config has no key for it); Qwen3-Next does by default
+                norm_topk_prob=arch == "Qwen3_5MoeForCausalLM" or bool(cfg.get("norm_topk_prob",
+                                                                                arch == "Qwen3NextForCausalLM")),
                 shared_expert_intermediate_size=(cfg.get("shared_expert_intermediate_size") or 0)
-                if arch == "Qwen2MoeForCausalLM" else 0)
+                if arch in SHARED_EXPERT_ARCHITECTURES else 0)
 
 
 # transformers' DeepseekV2Config / DeepseekV3Config defaults, for keys a config.json leaves out

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Optional, Union
 
 import torch
 
-from tokenmill.config import (CacheConfig, CompilationConfig, EngineConfig, LoRAConfig, SchedulerConfig,
+from tokenmill.config import (CacheConfig, CompilationConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig,
                               resolve_dtype)
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.draft_model import DraftModelProposer, check_draft_config, check_draft_tokenizer
@@ -155,6 +155,8 @@ class KVCacheInfo:
     bytes: int
     max_model_len: int
     enable_prefix_caching: bool
+    state_bytes: int = 0            # linear-attention layers' states (Qwen3.5), beside the cache
+    state_slots: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -168,7 +170,9 @@ class KVCacheInfo:
     def describe(self) -> str:
         return (f"KV cache {self.bytes / 2 ** 30:.2f} GiB: {self.num_blocks:,} blocks of {self.block_size} tokens "
                 f"({self.num_tokens:,} tokens, {self.cache_dtype}); {self.max_concurrency:.1f} requests of "
-                f"max_model_len {self.max_model_len:,} at once")
+                f"max_model_len {self.max_model_len:,} at once" +
+                (f"; linear-attention states {self.state_bytes / 2 ** 20:,.1f} MiB ({self.state_slots} requests)"
+                 if self.state_slots else ""))
 
 
 def prompt_cache_salt(prompt: PromptType) -> Optional[str]:
@@ -182,6 +186,24 @@ def prompt_cache_salt(prompt: PromptType) -> Optional[str]:
         raise ValueError(f"cache_salt must be a non-empty string (e.g. one per tenant or user), got {got}; "
                          f"leave it out to share the prefix cache with other unsalted requests")
     return salt
+
+
+def linear_attention_checks(mc: ModelConfig, dev: torch.device, spec: Optional[SpeculativeConfig],
+                            use_kv_cache: bool, prefix_caching: bool) -> bool:
+    """What a model with linear-attention layers (a state a request, executor/linear_states.py) cannot do yet,
+    refused with what to change; returns whether prefix caching stays on (it cannot: a cached prefix has KV but no
+    state to resume from)."""
+    what = f"{mc.architecture}'s linear-attention layers"
+    if dev.type != "cpu":
+        raise ValueError(f"{what} run on the CPU only so far; use device='cpu'")
+    if spec is not None:
+        raise ValueError(f"speculative decoding with {what} is not implemented (a rejected guess would stay in the "
+                         f"state); leave speculative_config unset")
+    if not use_kv_cache:
+        raise ValueError(f"use_kv_cache=False with {what} is not implemented; leave it on")
+    if prefix_caching:
+        log.info("prefix caching is off: %s keep a state a request that a cached prefix cannot resume from", what)
+    return False
 
 
 def pick_device(device: Optional[str]) -> torch.device:
@@ -251,6 +273,9 @@ class LLMEngine:
                              f"({mc.max_position_embeddings}); lower it")
         if not use_kv_cache:
             enable_prefix_caching = False
+        if mc.linear_layers:
+            enable_prefix_caching = linear_attention_checks(mc, dev, spec_config, use_kv_cache,
+                                                            enable_prefix_caching)
         lora_cfg = self._lora_config(enable_lora, max_loras, max_lora_rank, max_cpu_loras, mc, tensor_parallel_size)
         if long_prefill_token_threshold is None:    # fair prefill: the device's default (SchedulerConfig)
             long_prefill_token_threshold = SchedulerConfig.default_long_prefill_token_threshold(dev.type, use_kv_cache)
@@ -469,11 +494,13 @@ class LLMEngine:
 
     def kv_cache_info(self) -> KVCacheInfo:
         cfg = self.config
+        states = getattr(self.runner, "linear_states", None)
         # a hybrid cache's blocks hold one group's layers each: counted as blocks of all layers, as if every group
         # kept every token (a lower bound: its window groups keep fewer)
         return KVCacheInfo(self.kv.num_blocks // self.kv.num_groups, cfg.cache_config.block_size, cfg.kv_cache_dtype,
                            self.kv.num_blocks * self.kv_bytes_per_block(),
-                           cfg.scheduler_config.max_model_len, cfg.cache_config.enable_prefix_caching)
+                           cfg.scheduler_config.max_model_len, cfg.cache_config.enable_prefix_caching,
+                           *((states.nbytes, states.conv.shape[1]) if states is not None else ()))
 
     def kv_bytes_per_block(self) -> int:
         """The KV bytes a block of tokens takes: the target's, and the draft model's beside it."""

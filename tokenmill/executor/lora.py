@@ -67,6 +67,9 @@ def attach_lora(model, config: LoRAConfig, dtype: torch.dtype, device: torch.dev
     shapes = module_shapes(mc)
     step = LoRAStep()
     dtype = model.ops.lora_weight_dtype(dtype)
+    if mc.linear_layers:
+        raise ValueError(f"LoRA adapters on {mc.architecture}'s linear-attention layers are not implemented; serve "
+                         f"the model without enable_lora")
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         wraps = [(attn, "qkv_proj", ("q_proj", "k_proj", "v_proj")), (attn, "o_proj", ("o_proj",))]

@@ -19,6 +19,7 @@ from torch import nn
 
 from tokenmill.config import ModelConfig
 from tokenmill.executor.attention import AttentionBackend, AttentionMetadata
+from tokenmill.executor.layers.gated_deltanet import GatedDeltaNet, LinearStep
 from tokenmill.executor.layers.linear import Embedding, Linear
 from tokenmill.executor.layers.mla import LatentAttention
 from tokenmill.executor.layers.moe import SparseMoeBlock
@@ -40,9 +41,13 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, ops)
+        # Qwen3.5: q_proj gives each head its query and then as many gate values (a sigmoid of them scales the
+        # head's output)
+        self.output_gate = cfg.attn_output_gate
+        q_rows = self.q_size * (2 if self.output_gate else 1)
+        self.qkv_proj = Linear(cfg.hidden_size, q_rows + 2 * self.kv_size, cfg.attention_bias, ops)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_proj_bias, ops)
-        offset = 1.0 if cfg.gemma else 0.0
+        offset = cfg.norm_offset
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops, offset) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops, offset) if cfg.qk_norm else None
         self.scale = (cfg.query_pre_attn_scalar or self.head_dim) ** -0.5
@@ -59,14 +64,21 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         T, H = x.shape[0], self.num_heads
         qkv = self.qkv_proj(x)
+        gate = None
+        if self.output_gate:
+            qg = qkv[:, :2 * self.q_size].view(T, H, 2 * self.head_dim)
+            gate = qg[..., self.head_dim:].reshape(T, self.q_size)
+            qkv = torch.cat([qg[..., :self.head_dim].reshape(T, self.q_size), qkv[:, 2 * self.q_size:]], dim=1)
         # q and k side by side as [T, H + KV, D] (a view of the qkv rows), so one rotation covers both
         qk = qkv[:, :self.q_size + self.kv_size].view(T, H + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])], dim=1)
         o = backend.forward_rotary(self.layer_idx, qk, v, rope, self.ops.rotary, meta, self.scale, self.window,
-                                   self.softcap, self.sinks)                                # [T, H, D]
-        return self.ops.all_reduce(self.o_proj(o.reshape(T, self.q_size)))      # rank's heads' share, summed
+                                   self.softcap, self.sinks).reshape(T, self.q_size)        # [T, H * D]
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self.ops.all_reduce(self.o_proj(o))      # rank's heads' share, summed
 
 
 class VocabParallelEmbedding(Embedding):
@@ -106,9 +118,16 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, ops: ReferenceOps):
         super().__init__()
         self.layer_idx = layer_idx
-        offset = 1.0 if cfg.gemma else 0.0
+        offset = cfg.norm_offset
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, offset)
-        self.self_attn = LatentAttention(cfg, layer_idx, ops) if cfg.mla else Attention(cfg, layer_idx, ops)
+        # the attending layers by their place among those that keep KV; a linear layer (Qwen3.5) keeps a state
+        attn_idx = cfg.attention_index(layer_idx)
+        self.self_attn: Optional[nn.Module] = None
+        self.linear_attn: Optional[GatedDeltaNet] = None
+        if attn_idx is None:
+            self.linear_attn = GatedDeltaNet(cfg, cfg.linear_layers.index(layer_idx), ops)
+        else:
+            self.self_attn = LatentAttention(cfg, attn_idx, ops) if cfg.mla else Attention(cfg, attn_idx, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, offset)
         if layer_idx in cfg.moe_layers:
             self.mlp = SparseMoeBlock(cfg, ops, lambda inter: MLP(cfg, ops, inter, reduce=False,
@@ -131,7 +150,12 @@ class DecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        return self.self_attn(h, rope, backend, meta), residual
+        mixer = self.self_attn if self.linear_attn is None else self.linear_attn
+        return mixer(h, rope, backend, meta), residual
+
+    @property
+    def local_rope(self) -> bool:
+        return self.self_attn is not None and self.self_attn.local_rope
 
 
 class GemmaDecoderLayer(DecoderLayer):
@@ -187,6 +211,32 @@ def _unstacked_experts(weights: Iterable[tuple[str, torch.Tensor | QuantWeight |
             yield name, t
 
 
+def _ungrouped_projections(weights: Iterable[tuple[str, torch.Tensor | QuantWeight]], cfg: ModelConfig
+                           ) -> Iterable[tuple[str, torch.Tensor | QuantWeight]]:
+    """Qwen3-Next's linear layers project q/k/v/z in one matrix and b/a in another, their rows grouped by key head
+    (a head's q, k, then its value heads' v and z; its value heads' b, then a): as Qwen3.5's in_proj_qkv (every q,
+    every k, every v), in_proj_z, in_proj_b and in_proj_a."""
+    hk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    rep = cfg.linear_num_value_heads // hk
+    for name, t in weights:
+        head, _, leaf = name.rpartition(".")
+        if not head.endswith((".in_proj_qkvz", ".in_proj_ba")):
+            yield name, t
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: a quantised {type(t).__name__} is not implemented for Qwen3-Next's linear "
+                             f"layers; load a float checkpoint")
+        base = head.rpartition(".")[0]
+        if head.endswith("qkvz"):
+            q, k, v, z = t.view(hk, 2 * dk + 2 * rep * dv, -1).split([dk, dk, rep * dv, rep * dv], dim=1)
+            yield f"{base}.in_proj_qkv.{leaf}", torch.cat([x.reshape(-1, t.shape[-1]) for x in (q, k, v)])
+            yield f"{base}.in_proj_z.{leaf}", z.reshape(-1, t.shape[-1])
+        else:
+            b, a = t.view(hk, 2 * rep, -1).split([rep, rep], dim=1)
+            yield f"{base}.in_proj_b.{leaf}", b.reshape(-1, t.shape[-1])
+            yield f"{base}.in_proj_a.{leaf}", a.reshape(-1, t.shape[-1])
+
+
 def _rows(w: torch.Tensor | QuantWeight, ids: torch.Tensor) -> torch.Tensor | QuantWeight:
     return w[ids] if isinstance(w, torch.Tensor) else select_rows(w, ids)
 
@@ -219,8 +269,13 @@ class DecoderForCausalLM(nn.Module):
             VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, ops)
         layer = GemmaDecoderLayer if cfg.gemma else DecoderLayer
         self.layers = nn.ModuleList(layer(cfg, i, ops) for i in range(cfg.num_hidden_layers))
-        self.layer_group = cfg.kv_groups.layer_group        # each layer's KV group: whose metadata it attends by
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, 1.0 if cfg.gemma else 0.0)
+        # each layer's KV group (whose metadata it attends by), None for a linear layer
+        groups = cfg.kv_groups.layer_group
+        self.layer_group = [None if (j := cfg.attention_index(i)) is None else groups[j]
+                            for i in range(cfg.num_hidden_layers)]
+        # the step's requests as the linear layers see them, with the state tensors (executor/linear_states.py)
+        self.linear_step: Optional[LinearStep] = None
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, cfg.norm_offset)
         # a tied head is made by finalize(), from the loaded embeddings
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, ops)
         # computed tables, not weights: built on the CPU even when the model is built on the meta device (math on
@@ -247,8 +302,8 @@ class DecoderForCausalLM(nn.Module):
         ropes = (rope, self.rotary_local.tables(positions, x.dtype) if self.rotary_local is not None else rope)
         residual = None
         for layer, group in zip(self.layers, self.layer_group):
-            x, residual = self.ops.decoder_layer(layer, x, residual, ropes[layer.self_attn.local_rope], backend,
-                                                 metas[group])
+            x, residual = self.ops.decoder_layer(layer, x, residual, ropes[layer.local_rope], backend,
+                                                 self.linear_step if group is None else metas[group])
         return self.norm(x, residual)[0]
 
     def graph_blocker(self) -> Optional[str]:
@@ -290,6 +345,7 @@ class DecoderForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         cfg = self.config
         q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        q *= 2 if cfg.attn_output_gate else 1          # each head's query, then its gate
 
         def shard_rows(pname: str) -> list[int]:
             """The rows of each shard of a fused projection's weight"""
@@ -299,6 +355,8 @@ class DecoderForCausalLM(nn.Module):
         quant: dict[str, dict[int, QuantWeight]] = {}     # parameter -> its quantised shards
         if cfg.architecture == "GptOssForCausalLM":     # its checkpoint stacks each layer's experts
             weights = _unstacked_experts(weights)
+        if cfg.architecture == "Qwen3NextForCausalLM":
+            weights = _ungrouped_projections(weights, cfg)
         for name, tensor in weights:
             pname, shard = _our_name(name, cfg.mla)
             name = name[len("model."):] if name.startswith("model.") else name

@@ -154,6 +154,8 @@ class CpuKernelOps(ReferenceOps):
             return None
         if attn.sinks is not None or mlp.act not in (self.silu_mul, self.gelu_tanh_mul):   # gpt-oss's
             return None
+        if attn.output_gate:            # Qwen3.5's gated heads
+            return None
         if self.tp is not None:          # the one-call layer has no all-reduce after o_proj and down_proj
             return None
         # an adapted projection (executor/lora.py): its base's blocks, and its adapters' stacks after each product

@@ -1,0 +1,143 @@
+"""Qwen3.5 (Qwen3_5ForCausalLM, text), Qwen3.5-MoE and Qwen3-Next from HF folders: Gated DeltaNet linear-attention
+layers, each keeping a fixed-size state a request (executor/linear_states.py), around gated full-attention layers
+that keep KV; the MoE models' MLPs are experts beside a gated shared expert, and Qwen3-Next's linear projections
+come grouped by key head. Greedy tokens and logprobs equal transformers' in a mixed batch, through every attention
+backend and kernel plan, in chunks of a prompt (the state carried across them), under preemption (the state started
+afresh) and with slots reused by later requests; what the state cannot do yet is refused by name."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.family_checks import PRESSURE, check_under_pressure, greedy
+from tests.tiny_models import build_tiny, hf_greedy, hf_logprobs, random_prompts
+from tokenmill import LLM, SamplingParams
+from tokenmill.config import ModelConfig
+from tokenmill.executor.layers.gated_deltanet import CHUNK, chunked_delta_rule, recurrent_step
+from tokenmill.executor.linear_states import state_bytes_per_request
+
+ENGINE = dict(dtype="float32", kv_cache_memory_gb=0.02, max_model_len=512)
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next", "qwen3_5_moe"])
+def qwen3_5(request, tmp_path_factory):
+    return build_tiny(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def test_config_reads_the_linear_layers(qwen3_5):
+    path, hf = qwen3_5
+    mc = ModelConfig.from_path(path)
+    assert mc.linear_layers == tuple(i for i, t in enumerate(hf.config.layer_types) if t == "linear_attention")
+    assert mc.attn_output_gate and mc.zero_centered_norms and mc.norm_offset == 1.0
+    assert mc.rotary_dim == mc.head_dim // 4
+    # one KV group of the attending layer alone: the linear layers keep no KV
+    groups = mc.kv_groups
+    assert groups.group_size == mc.num_hidden_layers - len(mc.linear_layers) == 1
+    assert [mc.attention_index(i) for i in range(mc.num_hidden_layers)] == \
+        [None if t == "linear_attention" else 0 for t in hf.config.layer_types]
+    if mc.architecture != "Qwen3_5ForCausalLM":       # experts (Qwen3-Next's from the second layer on), gated shared
+        assert mc.moe_layers == ((1, 2, 3) if mc.architecture == "Qwen3NextForCausalLM" else (0, 1, 2, 3))
+        assert mc.shared_expert_intermediate_size == 48 and mc.norm_topk_prob
+
+
+def test_the_chunked_rule_equals_the_recurrence():
+    """The chunked form (prefill) over several chunks, from a nonzero state, against one token at a time."""
+    g = torch.Generator().manual_seed(0)
+    H, L, dk, dv = 3, 2 * CHUNK + 9, 8, 5
+    q, k = (torch.nn.functional.normalize(torch.randn(H, L, dk, generator=g), dim=-1) for _ in range(2))
+    v = torch.randn(H, L, dv, generator=g)
+    decay = -torch.rand(H, L, generator=g)
+    beta = torch.rand(H, L, generator=g)
+    state = torch.randn(H, dk, dv, generator=g)
+    out, last = chunked_delta_rule(q, k, v, decay, beta, state)
+    s, steps = state.unsqueeze(0), []
+    for t in range(L):
+        o, s = recurrent_step(q[None, :, t], k[None, :, t], v[None, :, t], decay[None, :, t], beta[None, :, t], s)
+        steps.append(o[0])
+    torch.testing.assert_close(out, torch.stack(steps, dim=1), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(last, s[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("plan", [{}, {"attention_backend": "batched"},
+                                  {"attention_backend": "torch", "cpu_kernels": "reference"}])
+def test_mixed_batch_gives_transformers_tokens_and_logprobs(qwen3_5, plan):
+    """Prompts across the chunk size, a one-token one, decoding together."""
+    path, hf = qwen3_5
+    llm = LLM(path, **ENGINE, **plan)
+    prompts = random_prompts([5, 33, CHUNK + 6, 1, 12], seed=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        toks = o.outputs[0].token_ids
+        assert toks == hf_greedy(hf, p, 16), len(p)
+        got = torch.tensor([lp[t].logprob for t, lp in zip(toks, o.outputs[0].logprobs)])
+        torch.testing.assert_close(got, hf_logprobs(hf, p, toks), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("pressure", list(PRESSURE))
+def test_greedy_under_pressure(qwen3_5, pressure):
+    """Chunks of 16 carry the state from one to the next; a preempted request recomputes from a fresh state."""
+    check_under_pressure(*qwen3_5, ENGINE, pressure)
+
+
+def test_slots_go_back_and_are_reused(qwen3_5):
+    """More requests than slots over the engine's life: each finished one's slot serves a later one, starting
+    afresh."""
+    path, hf = qwen3_5
+    llm = LLM(path, **ENGINE, max_num_seqs=2)
+    states = llm.llm_engine.runner.linear_states
+    assert states.conv.shape[1] == states.rec.shape[1] == 2
+    prompts = random_prompts([20, 7, 41, 3, 15], seed=6)
+    assert greedy(llm, prompts, 10) == [hf_greedy(hf, p, 10) for p in prompts]
+    # (a finished request's slot goes back on the next step, when the runner hears of it)
+    assert len(states.slot_of) <= 1 and sorted(states.free_slots + list(states.slot_of.values())) == [0, 1]
+    # the same prompt again, alone: nothing of the earlier requests' states leaks in
+    assert greedy(llm, prompts[:1], 10) == [hf_greedy(hf, prompts[0], 10)]
+
+
+@torch.no_grad()
+def test_bfloat16_agrees_to_rounding(qwen3_5):
+    """bfloat16 against transformers in bfloat16 (the states' recurrence in float32 in both): up to the first
+    divergence the tokens agree, and a divergence is a tie within rounding: each side's token is among the other's
+    top 5."""
+    import copy
+    path, hf = qwen3_5
+    hf16 = copy.deepcopy(hf).to(torch.bfloat16)
+    llm = LLM(path, **{**ENGINE, "dtype": "bfloat16"})
+    prompts = random_prompts([9, 30, 70], seed=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        want = hf16.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, output_scores=True, return_dict_in_generate=True,
+                             attention_mask=torch.ones(1, len(p), dtype=torch.long))
+        toks = o.outputs[0].token_ids
+        for j, (a, b) in enumerate(zip(toks, want.sequences[0, len(p):].tolist())):
+            if a != b:
+                assert a in want.scores[j][0].float().topk(5).indices.tolist() and b in o.outputs[0].logprobs[j], \
+                    (len(p), j, a, b)
+                break
+
+
+def test_what_the_state_cannot_do_yet_is_refused(qwen3_5, caplog):
+    path, hf = qwen3_5
+    arch = hf.config.architectures[0]
+    with pytest.raises(ValueError, match=f"speculative decoding with {arch}'s linear-attention layers"):
+        LLM(path, **ENGINE, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match=f"LoRA adapters on {arch}'s linear-attention layers"):
+        LLM(path, **ENGINE, enable_lora=True)
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 splits"):
+        LLM(path, **ENGINE, tensor_parallel_size=2)
+    with caplog.at_level("INFO", logger="tokenmill"):
+        llm = LLM(path, **ENGINE)
+    assert not llm.llm_engine.config.cache_config.enable_prefix_caching
+    assert "prefix caching is off" in caplog.text
+
+
+def test_state_bytes_are_counted(qwen3_5):
+    path, _ = qwen3_5
+    mc = ModelConfig.from_path(path)
+    llm = LLM(path, **ENGINE, max_num_seqs=3)
+    states = llm.llm_engine.runner.linear_states
+    assert states.nbytes == 3 * state_bytes_per_request(mc, torch.float32)
+    assert "linear-attention states" in llm.llm_engine.kv_cache_info().describe()

@@ -1,0 +1,171 @@
+"""Qwen3.5's linear-attention layer (Gated DeltaNet): a fixed-size state per request instead of a KV cache.
+
+Per token t of a request: q/k/v from a causal depthwise convolution (SiLU) over the projected rows; each value head
+keeps a state S [key_dim, value_dim] that decays by exp(g_t) and is corrected towards v_t along k_t with strength
+beta_t (the delta rule), and reads out S^T q_t:
+
+    S <- exp(g_t) S;   S <- S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T q_t
+
+A prompt (or a chunk of one) runs the chunked form: the recurrence over chunks of CHUNK tokens, the tokens inside a
+chunk solved at once as a unit-triangular system (the UT transform). A decode runs one step of the recurrence. Both
+in float32, as transformers computes them; the state and the convolution's last inputs live in LinearStates
+(executor/linear_states.py), one slot a request, and this step's slots come in LinearStep.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.config import ModelConfig
+from tokenmill.executor.layers.linear import Linear
+
+CHUNK = 64          # tokens solved together in the chunked form (transformers' and FLA's chunk size)
+
+
+@dataclass
+class LinearStep:
+    """The step's requests as the linear layers see them: each request's rows [start, end) of the batch, whether
+    its state starts afresh (its first tokens: a new or recomputed request) and its state slot; and the states of
+    every linear layer, conv [layers, slots, C, K-1] (the convolution's last inputs) and rec [layers, slots, Hv,
+    dk, dv] (float32)."""
+    rows: list[tuple[int, int]]
+    fresh: list[bool]
+    slots: list[int]
+    conv: torch.Tensor
+    rec: torch.Tensor
+
+
+def l2_normalised(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's L tokens: q, k [H, L, dk] (normalised, q scaled), v [H, L, dv], g, beta [H, L], state
+    [H, dk, dv]; all float32. Returns (outputs [H, L, dv], the state after the last token)."""
+    H, L, dk = k.shape
+    pad = -L % CHUNK
+    if pad:                 # zero keys and no decay: padded tokens leave the state as it is
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    n = (L + pad) // CHUNK
+    q, k, v = (t.reshape(H, n, CHUNK, -1) for t in (q, k, v))
+    g, beta = g.reshape(H, n, CHUNK), beta.reshape(H, n, CHUNK)
+    cum = g.cumsum(-1)                                              # log decay from the chunk's start
+    later = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(later, float("-inf")).exp()     # [i, j]: j -> i
+    kb, vb = k * beta.unsqueeze(-1), v * beta.unsqueeze(-1)
+    # (I + strictly lower part of A) X = rhs, A[i, j] = beta_i k_i.k_j decay[i, j]: the chunk's corrections at once
+    system = (kb @ k.transpose(-1, -2)) * decay
+    values = torch.linalg.solve_triangular(system, vb, upper=False, unitriangular=True)
+    keys_read = torch.linalg.solve_triangular(system, kb * cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    inner = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * cum.exp().unsqueeze(-1)
+    k_to_end = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    end_decay = cum[..., -1].exp()[..., None, None]
+    out = torch.empty_like(v)
+    for c in range(n):
+        fresh_values = values[:, c] - keys_read[:, c] @ state
+        out[:, c] = q_decayed[:, c] @ state + inner[:, c] @ fresh_values
+        state = state * end_decay[:, c] + k_to_end[:, c].transpose(-1, -2) @ fresh_values
+    return out.reshape(H, n * CHUNK, -1)[:, :L], state
+
+
+def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of B requests: q, k [B, H, dk], v [B, H, dv], g, beta [B, H], state [B, H, dk, dv]; float32.
+    Returns (outputs [B, H, dv], the new states)."""
+    state = state * g.exp()[..., None, None]
+    read = (state * k.unsqueeze(-1)).sum(-2)
+    state = state + k.unsqueeze(-1) * ((v - read) * beta.unsqueeze(-1)).unsqueeze(-2)
+    return (state * q.unsqueeze(-1)).sum(-2), state
+
+
+class GatedRMSNorm(nn.Module):
+    """The output's norm a value head: RMS-normalised in float32, scaled by w (not 1 + w) in the model's dtype,
+    then gated by SiLU(z)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * xf.to(x.dtype) * F.silu(z.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """HF's names: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, conv1d, dt_bias, A_log, norm, out_proj."""
+    local_rope = False
+
+    def __init__(self, cfg: ModelConfig, index: int, ops):
+        """index: this layer's place among the linear layers (its rows of the state tensors)."""
+        super().__init__()
+        self.ops, self.index = ops, index
+        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = self.hk * self.dk, self.hv * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        h = cfg.hidden_size
+        self.in_proj_qkv = Linear(h, self.conv_dim, False, ops)
+        self.in_proj_z = Linear(h, self.value_dim, False, ops)
+        self.in_proj_b = Linear(h, self.hv, False, ops)
+        self.in_proj_a = Linear(h, self.hv, False, ops)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, self.kernel), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.hv), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(self.hv), requires_grad=False)
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = Linear(self.value_dim, h, False, ops)
+
+    def _conv(self, x: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
+        """One request's rows [L, C] after the kernel's last K-1 inputs (conv_state [C, K-1], updated in place):
+        the causal depthwise convolution with SiLU, [L, C]."""
+        full = torch.cat([conv_state, x.t()], dim=1)                  # [C, K - 1 + L]
+        conv_state.copy_(full[:, -(self.kernel - 1):])
+        y = F.conv1d(full.unsqueeze(0).to(self.conv1d.weight.dtype), self.conv1d.weight, groups=self.conv_dim)
+        return F.silu(y[0]).t().to(x.dtype)
+
+    def forward(self, x: torch.Tensor, rope, backend, step: LinearStep) -> torch.Tensor:
+        """x [T, hidden] of the step's requests (step.rows); this layer's states are read and written at the step's
+        slots. rope and backend: an attending layer's, unused here."""
+        T = x.shape[0]
+        conv_states, rec_states = step.conv[self.index], step.rec[self.index]
+        mixed = self.in_proj_qkv(x)
+        z = self.in_proj_z(x).view(T, self.hv, self.dv)
+        beta = self.in_proj_b(x).sigmoid().float()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        conv = torch.empty_like(mixed)
+        for (r0, r1), fresh, slot in zip(step.rows, step.fresh, step.slots):
+            if fresh:
+                conv_states[slot].zero_()
+            conv[r0:r1] = self._conv(mixed[r0:r1], conv_states[slot])
+        q, k, v = conv.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        rep = self.hv // self.hk           # each q/k head serves this many consecutive value heads
+        q = l2_normalised(q.view(T, self.hk, self.dk)).repeat_interleave(rep, dim=1)
+        k = l2_normalised(k.view(T, self.hk, self.dk)).repeat_interleave(rep, dim=1)
+        v = v.view(T, self.hv, self.dv)
+        out = torch.empty(T, self.hv, self.dv, dtype=torch.float32, device=x.device)
+        decodes = [i for i, ((r0, r1), fresh) in enumerate(zip(step.rows, step.fresh)) if r1 - r0 == 1 and not fresh]
+        if decodes:             # one step of the recurrence for every decoding request at once
+            rows = torch.tensor([step.rows[i][0] for i in decodes], device=x.device)
+            slots = torch.tensor([step.slots[i] for i in decodes], device=x.device)
+            # scaled as transformers scales a decode's query (a division; the chunked form multiplies)
+            o, s = recurrent_step(q[rows] / self.dk ** 0.5, k[rows], v[rows], g[rows], beta[rows], rec_states[slots])
+            out[rows] = o
+            rec_states[slots] = s
+        for i in set(range(len(step.rows))) - set(decodes):
+            (r0, r1), slot = step.rows[i], step.slots[i]
+            start = torch.zeros_like(rec_states[slot]) if step.fresh[i] else rec_states[slot]
+            o, s = chunked_delta_rule(q[r0:r1].transpose(0, 1) * self.dk ** -0.5,
+                                      *(t[r0:r1].transpose(0, 1) for t in (k, v, g, beta)), start)
+            out[r0:r1] = o.transpose(0, 1)
+            rec_states[slot] = s
+        y = self.norm(out.to(x.dtype), z)
+        return self.ops.all_reduce(self.out_proj(y.reshape(T, self.value_dim)))
