@@ -80,6 +80,21 @@ def test_greedy_under_pressure(qwen3_5, pressure):
     check_under_pressure(*qwen3_5, ENGINE, pressure)
 
 
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_ngram_speculation_rolls_the_state_back(qwen3_5, chunk):
+    """Guesses verified a row each: the state after the last accepted row is restored, so rejected guesses leave
+    nothing behind; prompts that repeat themselves make guesses that stand as well as ones that fall."""
+    path, hf = qwen3_5
+    kw = {} if chunk is None else {"max_num_batched_tokens": chunk}
+    llm = LLM(path, **ENGINE, **kw, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                         "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    base = random_prompts([6, 11], seed=8)
+    prompts = [b * 4 for b in base] + random_prompts([23], seed=9)
+    assert greedy(llm, prompts, 48) == [hf_greedy(hf, p, 48) for p in prompts]
+    st = llm.llm_engine.stats
+    assert st.spec_num_draft_tokens > st.spec_num_accepted_tokens > 0
+
+
 def test_slots_go_back_and_are_reused(qwen3_5):
     """More requests than slots over the engine's life: each finished one's slot serves a later one, starting
     afresh."""
@@ -122,8 +137,8 @@ def test_bfloat16_agrees_to_rounding(qwen3_5):
 def test_what_the_state_cannot_do_yet_is_refused(qwen3_5, caplog):
     path, hf = qwen3_5
     arch = hf.config.architectures[0]
-    with pytest.raises(ValueError, match=f"speculative decoding with {arch}'s linear-attention layers"):
-        LLM(path, **ENGINE, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match=f"speculative decoding by 'draft_model' with {arch}'s linear-attention"):
+        LLM(path, **ENGINE, speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match=f"LoRA adapters on {arch}'s linear-attention layers"):
         LLM(path, **ENGINE, enable_lora=True)
     with pytest.raises(ValueError, match="tensor_parallel_size > 1 splits"):
@@ -141,3 +156,23 @@ def test_state_bytes_are_counted(qwen3_5):
     states = llm.llm_engine.runner.linear_states
     assert states.nbytes == 3 * state_bytes_per_request(mc, torch.float32)
     assert "linear-attention states" in llm.llm_engine.kv_cache_info().describe()
+
+
+def test_a_vision_language_checkpoint_serves_its_language_model(tmp_path):
+    """Qwen3.5 is published as Qwen3_5ForConditionalGeneration: its text_config and its language model's weights
+    (model.language_model.*) serve text alone, the vision tower's skipped; tokens equal transformers' generate on
+    the whole model given text."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from tests.tiny_models import _configs
+    torch.manual_seed(0)
+    cfg = Qwen3_5Config(text_config=_configs()["qwen3_5"]().to_dict(),
+                        vision_config=dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2,
+                                           out_hidden_size=64))
+    hf = Qwen3_5ForConditionalGeneration(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    assert ModelConfig.from_path(str(tmp_path)).architecture == "Qwen3_5ForCausalLM"
+    llm = LLM(str(tmp_path), **ENGINE)
+    for p, got in zip(prompts := random_prompts([5, 40], seed=1), greedy(llm, prompts, 10)):
+        with torch.no_grad():
+            assert got == hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False)[0, len(p):].tolist()

@@ -22,6 +22,9 @@ ROPE_TYPES = ("linear", "llama3", "yarn", "longrope")      # besides the default
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM",
                      "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM")
 LINEAR_ATTENTION_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM")
+# vision-language checkpoints whose language model is served alone (their vision tower's weights skipped)
+MULTIMODAL_TEXT = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+                   "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
 # experts beside a shared expert behind a sigmoid gate
 SHARED_EXPERT_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM")
 DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
@@ -117,6 +120,10 @@ class ModelConfig:
     def from_hf_dict(cfg: dict[str, Any]) -> "ModelConfig":
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else None
+        if arch in MULTIMODAL_TEXT:     # a vision-language checkpoint: its language model's config, text only
+            cfg = {**cfg["text_config"], "architectures": [MULTIMODAL_TEXT[arch]],
+                   "tie_word_embeddings": cfg.get("tie_word_embeddings", cfg["text_config"].get("tie_word_embeddings"))}
+            arch = MULTIMODAL_TEXT[arch]
         if arch not in SUPPORTED_ARCHITECTURES:
             what = repr(arch) if arch else f"(none named; model_type {cfg.get('model_type')!r})"
             raise ValueError(

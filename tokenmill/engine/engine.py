@@ -196,9 +196,9 @@ def linear_attention_checks(mc: ModelConfig, dev: torch.device, spec: Optional[S
     what = f"{mc.architecture}'s linear-attention layers"
     if dev.type != "cpu":
         raise ValueError(f"{what} run on the CPU only so far; use device='cpu'")
-    if spec is not None:
-        raise ValueError(f"speculative decoding with {what} is not implemented (a rejected guess would stay in the "
-                         f"state); leave speculative_config unset")
+    if spec is not None and spec.method != "ngram":
+        raise ValueError(f"speculative decoding by {spec.method!r} with {what} is not implemented (the draft's own "
+                         f"state would need rolling back too); use method 'ngram'")
     if not use_kv_cache:
         raise ValueError(f"use_kv_cache=False with {what} is not implemented; leave it on")
     if prefix_caching:

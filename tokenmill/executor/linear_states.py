@@ -36,21 +36,49 @@ class LinearStates:
         return self.conv.nbytes + self.rec.nbytes
 
     def step(self, plan: StepPlan) -> LinearStep:
-        """The step's requests (one attention entry each: speculation is refused for these models) with their
-        slots, a slot taken for a request's first step."""
+        """The step's requests with their slots (a slot taken on a request's first step) and rows: a request's
+        entries are consecutive, one, or one a row where it verifies guesses. A verifying request's states after
+        each row are kept aside until restore() hears how many of them stand."""
         b = plan.batch
-        if b.num_entries != len(plan.states):
-            raise RuntimeError("a linear-attention step has one entry a request (no verification rows)")
-        slots = []
-        for st in plan.states:
+        first: dict[int, int] = {}                      # request -> its first entry
+        last: dict[int, int] = {}
+        for e, r in enumerate(b.entry_req):
+            first.setdefault(r, e)
+            last[r] = e
+        rows, fresh, slots, snap_row = [], [], [], []
+        self.snapshots: dict[str, tuple[int, int]] = {}    # verifying request -> (slot, its first snapshot row)
+        verified = 0
+        for r, st in enumerate(plan.states):
             if st.req_id not in self.slot_of:
                 if not self.free_slots:
                     raise RuntimeError(f"no linear-attention state slot is free for {st.req_id!r} (the engine "
                                        f"holds one a running request)")
                 self.slot_of[st.req_id] = self.free_slots.pop()
-            slots.append(self.slot_of[st.req_id])
-        return LinearStep([(b.qsl[i], b.qsl[i + 1]) for i in range(b.num_entries)],
-                          [start == 0 for start in b.num_computed], slots, self.conv, self.rec)
+            slot = self.slot_of[st.req_id]
+            r0, r1 = b.qsl[first[r]], b.qsl[last[r] + 1]
+            rows.append((r0, r1))
+            fresh.append(b.num_computed[first[r]] == 0)
+            slots.append(slot)
+            if last[r] > first[r]:
+                snap_row.append(verified)
+                self.snapshots[st.req_id] = (slot, verified)
+                verified += r1 - r0
+            else:
+                snap_row.append(None)
+        snap_conv = snap_rec = None
+        if verified:
+            snap_conv = self.conv.new_empty(self.conv.shape[0], verified, *self.conv.shape[2:])
+            snap_rec = self.rec.new_empty(self.rec.shape[0], verified, *self.rec.shape[2:])
+        self.snap_conv, self.snap_rec = snap_conv, snap_rec
+        return LinearStep(rows, fresh, slots, self.conv, self.rec, snap_row, snap_conv, snap_rec)
+
+    def restore(self, accepted: dict[str, int]) -> None:
+        """After a step that verified guesses: each request's state back to after its last standing row (rows
+        counted from its first: the token before the guesses is row 0; accepted[req] rows stand)."""
+        for rid, n in accepted.items():
+            slot, row = self.snapshots[rid]
+            self.conv[:, slot] = self.snap_conv[:, row + n - 1]
+            self.rec[:, slot] = self.snap_rec[:, row + n - 1]
 
     def free(self, req_ids: list[str]) -> None:
         for rid in req_ids:

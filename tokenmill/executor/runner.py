@@ -200,13 +200,18 @@ class ModelRunner:
         if handle.pending is not None:
             res = handle.pending.result()
             row = 0
+            verified = {}
             for st, guesses, _ in plan.samplers:
                 drawn = res.token_ids[row:row + len(guesses) + 1]
                 n = accepted_length(guesses, drawn) + 1
                 out.sampled[st.req_id] = drawn[:n]
+                if guesses:     # rows 0 .. n-1 stand: the token before the guesses and the n-1 guesses accepted
+                    verified[st.req_id] = n
                 if st.params.logprobs is not None:
                     out.logprobs[st.req_id] = res.logprobs[row:row + n]
                 row += len(guesses) + 1
+            if self.linear_states is not None and verified:
+                self.linear_states.restore(verified)
         # into the states the step was planned with: a request gone meanwhile (and a new one of its id) is untouched
         self.builder.record(out.sampled, [st for st, _, _ in plan.samplers])
         return out

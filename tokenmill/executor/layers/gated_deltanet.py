@@ -13,7 +13,8 @@ in float32, as transformers computes them; the state and the convolution's last 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,11 @@ class LinearStep:
     slots: list[int]
     conv: torch.Tensor
     rec: torch.Tensor
+    # speculation: each verifying request's first row in the snapshots (None: not verifying), and the states after
+    # each of its rows, [layers, verified rows, ...], from which the runner restores the last accepted one
+    snap_row: list[Optional[int]] = field(default_factory=list)
+    snap_conv: Optional[torch.Tensor] = None
+    snap_rec: Optional[torch.Tensor] = None
 
 
 def l2_normalised(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -142,9 +148,12 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(x).sigmoid().float()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         conv = torch.empty_like(mixed)
-        for (r0, r1), fresh, slot in zip(step.rows, step.fresh, step.slots):
+        for (r0, r1), fresh, slot, snap in zip(step.rows, step.fresh, step.slots,
+                                               step.snap_row or [None] * len(step.rows)):
             if fresh:
                 conv_states[slot].zero_()
+            if snap is not None:        # (the inputs before the step; overwritten with the rows' windows below)
+                step.snap_conv[self.index, snap] = conv_states[slot]
             conv[r0:r1] = self._conv(mixed[r0:r1], conv_states[slot])
         q, k, v = conv.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         rep = self.hv // self.hk           # each q/k head serves this many consecutive value heads
@@ -152,7 +161,9 @@ class GatedDeltaNet(nn.Module):
         k = l2_normalised(k.view(T, self.hk, self.dk)).repeat_interleave(rep, dim=1)
         v = v.view(T, self.hv, self.dv)
         out = torch.empty(T, self.hv, self.dv, dtype=torch.float32, device=x.device)
-        decodes = [i for i, ((r0, r1), fresh) in enumerate(zip(step.rows, step.fresh)) if r1 - r0 == 1 and not fresh]
+        verifying = [i for i, r in enumerate(step.snap_row) if r is not None]
+        decodes = [i for i, ((r0, r1), fresh) in enumerate(zip(step.rows, step.fresh))
+                   if r1 - r0 == 1 and not fresh and i not in verifying]
         if decodes:             # one step of the recurrence for every decoding request at once
             rows = torch.tensor([step.rows[i][0] for i in decodes], device=x.device)
             slots = torch.tensor([step.slots[i] for i in decodes], device=x.device)
@@ -160,7 +171,19 @@ class GatedDeltaNet(nn.Module):
             o, s = recurrent_step(q[rows] / self.dk ** 0.5, k[rows], v[rows], g[rows], beta[rows], rec_states[slots])
             out[rows] = o
             rec_states[slots] = s
-        for i in set(range(len(step.rows))) - set(decodes):
+        for i in verifying:     # a token and its guesses: one step each, the state after each kept
+            (r0, r1), slot, snap = step.rows[i], step.slots[i], step.snap_row[i]
+            for j, r in enumerate(range(r0, r1)):
+                o, s = recurrent_step(q[r:r + 1] / self.dk ** 0.5, k[r:r + 1], v[r:r + 1], g[r:r + 1],
+                                      beta[r:r + 1], rec_states[slot:slot + 1])
+                out[r] = o[0]
+                rec_states[slot] = s[0]
+                step.snap_rec[self.index, snap + j] = s[0]
+            # the convolution's last inputs after each row: windows of its inputs before the step and the rows'
+            full = torch.cat([step.snap_conv[self.index, snap], mixed[r0:r1].t()], dim=1)
+            for j in range(r1 - r0):
+                step.snap_conv[self.index, snap + j] = full[:, j + 1:j + self.kernel]
+        for i in set(range(len(step.rows))) - set(decodes) - set(verifying):
             (r0, r1), slot = step.rows[i], step.slots[i]
             start = torch.zeros_like(rec_states[slot]) if step.fresh[i] else rec_states[slot]
             o, s = chunked_delta_rule(q[r0:r1].transpose(0, 1) * self.dk ** -0.5,

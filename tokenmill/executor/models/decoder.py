@@ -237,6 +237,16 @@ def _ungrouped_projections(weights: Iterable[tuple[str, torch.Tensor | QuantWeig
             yield f"{base}.in_proj_a.{leaf}", a.reshape(-1, t.shape[-1])
 
 
+def _language_model_only(weights: Iterable[tuple[str, torch.Tensor | QuantWeight]]
+                         ) -> Iterable[tuple[str, torch.Tensor | QuantWeight]]:
+    """A Qwen3.5 vision-language checkpoint's language model under the text model's names: its vision tower and
+    its multi-token-prediction layer (which transformers does not run either) skipped."""
+    for name, t in weights:
+        if name.startswith(("model.visual.", "mtp.", "model.mtp.")):
+            continue
+        yield (f"model.{name[len('model.language_model.'):]}" if name.startswith("model.language_model.") else name), t
+
+
 def _rows(w: torch.Tensor | QuantWeight, ids: torch.Tensor) -> torch.Tensor | QuantWeight:
     return w[ids] if isinstance(w, torch.Tensor) else select_rows(w, ids)
 
@@ -357,6 +367,8 @@ class DecoderForCausalLM(nn.Module):
             weights = _unstacked_experts(weights)
         if cfg.architecture == "Qwen3NextForCausalLM":
             weights = _ungrouped_projections(weights, cfg)
+        if cfg.linear_layers:
+            weights = _language_model_only(weights)
         for name, tensor in weights:
             pname, shard = _our_name(name, cfg.mla)
             name = name[len("model."):] if name.startswith("model.") else name
