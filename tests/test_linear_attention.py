@@ -58,28 +58,34 @@ def test_the_chunked_rule_equals_the_recurrence():
     torch.testing.assert_close(last, s[0], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("plan", [{}, {"attention_backend": "batched"},
-                                  {"attention_backend": "torch", "cpu_kernels": "reference"}])
-def test_mixed_batch_gives_transformers_tokens_and_logprobs(qwen3_5, plan):
-    """Prompts across the chunk size, a one-token one, decoding together."""
+def test_mixed_batch_gives_transformers_tokens_and_logprobs(qwen3_5):
+    """Prompts across the chunk size, a one-token one, decoding together; Qwen3.5 through every attention backend
+    and kernel plan (the linear layers' own path is the same in each)."""
     path, hf = qwen3_5
-    llm = LLM(path, **ENGINE, **plan)
+    plans = [{}]
+    if hf.config.architectures[0] == "Qwen3_5ForCausalLM":
+        plans += [{"attention_backend": "batched"}, {"attention_backend": "torch", "cpu_kernels": "reference"}]
     prompts = random_prompts([5, 33, CHUNK + 6, 1, 12], seed=3)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1), use_tqdm=False)
-    for p, o in zip(prompts, outs):
-        toks = o.outputs[0].token_ids
-        assert toks == hf_greedy(hf, p, 16), len(p)
-        got = torch.tensor([lp[t].logprob for t, lp in zip(toks, o.outputs[0].logprobs)])
-        torch.testing.assert_close(got, hf_logprobs(hf, p, toks), rtol=0, atol=1e-4)
+    want = [hf_greedy(hf, p, 16) for p in prompts]
+    for plan in plans:
+        llm = LLM(path, **ENGINE, **plan)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1), use_tqdm=False)
+        for p, o, w in zip(prompts, outs, want):
+            toks = o.outputs[0].token_ids
+            assert toks == w, (plan, len(p))
+            got = torch.tensor([lp[t].logprob for t, lp in zip(toks, o.outputs[0].logprobs)])
+            torch.testing.assert_close(got, hf_logprobs(hf, p, toks), rtol=0, atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pressure", list(PRESSURE))
 def test_greedy_under_pressure(qwen3_5, pressure):
     """Chunks of 16 carry the state from one to the next; a preempted request recomputes from a fresh state."""
     check_under_pressure(*qwen3_5, ENGINE, pressure)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [None, 16])
 def test_ngram_speculation_rolls_the_state_back(qwen3_5, chunk):
     """Guesses verified a row each: the state after the last accepted row is restored, so rejected guesses leave
@@ -95,6 +101,7 @@ def test_ngram_speculation_rolls_the_state_back(qwen3_5, chunk):
     assert st.spec_num_draft_tokens > st.spec_num_accepted_tokens > 0
 
 
+@pytest.mark.slow
 def test_slots_go_back_and_are_reused(qwen3_5):
     """More requests than slots over the engine's life: each finished one's slot serves a later one, starting
     afresh."""
@@ -110,6 +117,7 @@ def test_slots_go_back_and_are_reused(qwen3_5):
     assert greedy(llm, prompts[:1], 10) == [hf_greedy(hf, prompts[0], 10)]
 
 
+@pytest.mark.slow
 @torch.no_grad()
 def test_bfloat16_agrees_to_rounding(qwen3_5):
     """bfloat16 against transformers in bfloat16 (the states' recurrence in float32 in both): up to the first
@@ -158,6 +166,7 @@ def test_state_bytes_are_counted(qwen3_5):
     assert "linear-attention states" in llm.llm_engine.kv_cache_info().describe()
 
 
+@pytest.mark.slow
 def test_a_vision_language_checkpoint_serves_its_language_model(tmp_path):
     """Qwen3.5 is published as Qwen3_5ForConditionalGeneration: its text_config and its language model's weights
     (model.language_model.*) serve text alone, the vision tower's skipped; tokens equal transformers' generate on

@@ -106,7 +106,8 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    """HF's names: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, conv1d, dt_bias, A_log, norm, out_proj."""
+    """HF's names: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a (fused here as in_proj), conv1d, dt_bias, A_log,
+    norm, out_proj."""
     local_rope = False
 
     def __init__(self, cfg: ModelConfig, index: int, ops):
@@ -119,10 +120,9 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel = cfg.linear_conv_kernel_dim
         h = cfg.hidden_size
-        self.in_proj_qkv = Linear(h, self.conv_dim, False, ops)
-        self.in_proj_z = Linear(h, self.value_dim, False, ops)
-        self.in_proj_b = Linear(h, self.hv, False, ops)
-        self.in_proj_a = Linear(h, self.hv, False, ops)
+        # HF's in_proj_qkv, in_proj_z, in_proj_b and in_proj_a fused at load into one matmul, in that order
+        self.in_rows = (self.conv_dim, self.value_dim, self.hv, self.hv)
+        self.in_proj = Linear(h, sum(self.in_rows), False, ops)
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, self.kernel), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.hv), requires_grad=False)
@@ -143,14 +143,26 @@ class GatedDeltaNet(nn.Module):
         slots. rope and backend: an attending layer's, unused here."""
         T = x.shape[0]
         conv_states, rec_states = step.conv[self.index], step.rec[self.index]
-        mixed = self.in_proj_qkv(x)
-        z = self.in_proj_z(x).view(T, self.hv, self.dv)
-        beta = self.in_proj_b(x).sigmoid().float()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        mixed, z, b, a = self.in_proj(x).split(self.in_rows, dim=-1)
+        z = z.reshape(T, self.hv, self.dv)
+        beta = b.sigmoid().float()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        snap_row = step.snap_row or [None] * len(step.rows)
+        verifying = [i for i, r in enumerate(snap_row) if r is not None]
+        # decoding requests (a row each, a state to go on from): their convolutions and recurrence steps at once
+        decodes = [i for i, ((r0, r1), fresh) in enumerate(zip(step.rows, step.fresh))
+                   if r1 - r0 == 1 and not fresh and snap_row[i] is None]
         conv = torch.empty_like(mixed)
-        for (r0, r1), fresh, slot, snap in zip(step.rows, step.fresh, step.slots,
-                                               step.snap_row or [None] * len(step.rows)):
-            if fresh:
+        if decodes:
+            rows = torch.tensor([step.rows[i][0] for i in decodes], device=x.device)
+            slots = torch.tensor([step.slots[i] for i in decodes], device=x.device)
+            full = torch.cat([conv_states[slots], mixed[rows].unsqueeze(-1)], dim=-1)        # [B, C, K]
+            conv_states[slots] = full[..., 1:]
+            y = F.conv1d(full.to(self.conv1d.weight.dtype), self.conv1d.weight, groups=self.conv_dim)
+            conv[rows] = F.silu(y[..., 0]).to(conv.dtype)
+        for i in set(range(len(step.rows))) - set(decodes):
+            (r0, r1), slot, snap = step.rows[i], step.slots[i], snap_row[i]
+            if step.fresh[i]:
                 conv_states[slot].zero_()
             if snap is not None:        # (the inputs before the step; overwritten with the rows' windows below)
                 step.snap_conv[self.index, snap] = conv_states[slot]
@@ -161,12 +173,7 @@ class GatedDeltaNet(nn.Module):
         k = l2_normalised(k.view(T, self.hk, self.dk)).repeat_interleave(rep, dim=1)
         v = v.view(T, self.hv, self.dv)
         out = torch.empty(T, self.hv, self.dv, dtype=torch.float32, device=x.device)
-        verifying = [i for i, r in enumerate(step.snap_row) if r is not None]
-        decodes = [i for i, ((r0, r1), fresh) in enumerate(zip(step.rows, step.fresh))
-                   if r1 - r0 == 1 and not fresh and i not in verifying]
-        if decodes:             # one step of the recurrence for every decoding request at once
-            rows = torch.tensor([step.rows[i][0] for i in decodes], device=x.device)
-            slots = torch.tensor([step.slots[i] for i in decodes], device=x.device)
+        if decodes:
             # scaled as transformers scales a decode's query (a division; the chunked form multiplies)
             o, s = recurrent_step(q[rows] / self.dk ** 0.5, k[rows], v[rows], g[rows], beta[rows], rec_states[slots])
             out[rows] = o

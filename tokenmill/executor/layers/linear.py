@@ -11,9 +11,9 @@ from tokenmill.executor.layers.quant import QuantWeight
 
 
 class Linear(nn.Module):
-    """y = x W^T + b. Loaded as W [out, in] (the checkpoint layout); `finalize()` on CPU keeps W^T [in, out]
-    contiguous instead: small-row GEMMs (decode batches) run several times faster from that layout with torch's
-    CPU BLAS (BENCHMARKS.md). A quantised W lives in `quant` and the float weight is dropped."""
+    """y = x W^T + b. Loaded as W [out, in] (the checkpoint layout); `finalize()` on CPU keeps a float32 W^T [in, out]
+    contiguous instead: small-row float32 GEMMs (decode batches) run several times faster from that layout with
+    torch's CPU BLAS (BENCHMARKS.md). A quantised W lives in `quant` and the float weight is dropped."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, ops):
         super().__init__()
@@ -37,7 +37,9 @@ class Linear(nn.Module):
         return lin
 
     def finalize(self) -> None:
-        if self.quant is not None or self.weight.device.type != "cpu":
+        # only float32 gains from [in, out]: torch's bfloat16 and float16 CPU GEMMs read [out, in] faster (float16
+        # many times so)
+        if self.quant is not None or self.weight.device.type != "cpu" or self.weight.dtype != torch.float32:
             return
         w = self.weight.data
         del self.weight

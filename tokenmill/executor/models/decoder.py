@@ -176,7 +176,10 @@ class GemmaDecoderLayer(DecoderLayer):
 
 # HF checkpoint names -> (our fused parameter, shard index) for the fused projections
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+          # a linear-attention layer's four input projections (layers/gated_deltanet.py)
+          "in_proj_qkv": ("in_proj", 0), "in_proj_z": ("in_proj", 1), "in_proj_b": ("in_proj", 2),
+          "in_proj_a": ("in_proj", 3)}
 _NUM_SHARDS = Counter(target for target, _ in _FUSED.values())    # qkv_proj: 3, gate_up_proj: 2
 
 
@@ -359,7 +362,10 @@ class DecoderForCausalLM(nn.Module):
 
         def shard_rows(pname: str) -> list[int]:
             """The rows of each shard of a fused projection's weight"""
-            return [q, kv, kv] if pname.split(".")[-2] == "qkv_proj" else [params[pname].shape[0] // 2] * 2
+            part = pname.split(".")[-2]
+            if part == "in_proj":
+                return list(modules[pname.rsplit(".", 2)[0]].in_rows)
+            return [q, kv, kv] if part == "qkv_proj" else [params[pname].shape[0] // 2] * 2
 
         loaded: set[str] = set()
         quant: dict[str, dict[int, QuantWeight]] = {}     # parameter -> its quantised shards
