@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.gpu,
 TOP = 5
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral_sw", "gemma2", "gpt_oss"])
+@pytest.fixture(scope="module", params=["llama", "mistral_sw", "gemma2", "gpt_oss", "qwen3_5"])
 def model(request, tmp_path_factory):
     return build_tiny(request.param, tmp_path_factory.mktemp(request.param))
 

@@ -101,6 +101,25 @@ def test_ngram_speculation_rolls_the_state_back(qwen3_5, chunk):
     assert st.spec_num_draft_tokens > st.spec_num_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("kind,plan", [
+    ("qwen3_5", {"attention_backend": "padded", "cpu_kernels": "reference"}),
+    pytest.param("qwen3_next", {"attention_backend": "triton", "cpu_kernels": "triton"}, marks=pytest.mark.slow)])
+def test_the_gpu_runner_steps_them_eagerly(kind, plan, tmp_path, caplog):
+    """The GPU's runner (here its CPU stand-in, and the Triton plan with its fused MoE under the interpreter) with
+    graphs asked for: they are turned off, saying why, and chunked prompts and decodes give transformers' tokens."""
+    from tokenmill.executor.gpu_runner import GpuRunner
+    path, hf = build_tiny(kind, tmp_path)
+    with caplog.at_level("WARNING", logger="tokenmill"):
+        llm = LLM(path, **ENGINE, **plan, max_num_batched_tokens=16,
+                  compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4]})
+    assert isinstance(llm.llm_engine.runner, GpuRunner) and not llm.llm_engine.runner.graphs
+    assert "linear-attention layers take each step's requests and state slots from the host" in caplog.text
+    prompts = random_prompts([21, 4, 9], seed=2)
+    assert greedy(llm, prompts, 10) == [hf_greedy(hf, p, 10) for p in prompts]
+    with pytest.raises(ValueError, match=f"async_scheduling=True with {hf.config.architectures[0]}'s linear"):
+        LLM(path, **ENGINE, **plan, async_scheduling=True)
+
+
 @pytest.mark.slow
 def test_slots_go_back_and_are_reused(qwen3_5):
     """More requests than slots over the engine's life: each finished one's slot serves a later one, starting

@@ -188,14 +188,14 @@ def prompt_cache_salt(prompt: PromptType) -> Optional[str]:
     return salt
 
 
-def linear_attention_checks(mc: ModelConfig, dev: torch.device, spec: Optional[SpeculativeConfig],
-                            use_kv_cache: bool, prefix_caching: bool) -> bool:
+def linear_attention_checks(mc: ModelConfig, spec: Optional[SpeculativeConfig], use_kv_cache: bool,
+                            prefix_caching: bool, async_scheduling: Optional[bool]) -> bool:
     """What a model with linear-attention layers (a state a request, executor/linear_states.py) cannot do yet,
     refused with what to change; returns whether prefix caching stays on (it cannot: a cached prefix has KV but no
     state to resume from)."""
     what = f"{mc.architecture}'s linear-attention layers"
-    if dev.type != "cpu":
-        raise ValueError(f"{what} run on the CPU only so far; use device='cpu'")
+    if async_scheduling:
+        raise ValueError(f"async_scheduling=True with {what} is not implemented; leave it off")
     if spec is not None and spec.method != "ngram":
         raise ValueError(f"speculative decoding by {spec.method!r} with {what} is not implemented (the draft's own "
                          f"state would need rolling back too); use method 'ngram'")
@@ -274,8 +274,8 @@ class LLMEngine:
         if not use_kv_cache:
             enable_prefix_caching = False
         if mc.linear_layers:
-            enable_prefix_caching = linear_attention_checks(mc, dev, spec_config, use_kv_cache,
-                                                            enable_prefix_caching)
+            enable_prefix_caching = linear_attention_checks(mc, spec_config, use_kv_cache, enable_prefix_caching,
+                                                            async_scheduling)
         lora_cfg = self._lora_config(enable_lora, max_loras, max_lora_rank, max_cpu_loras, mc, tensor_parallel_size)
         if long_prefill_token_threshold is None:    # fair prefill: the device's default (SchedulerConfig)
             long_prefill_token_threshold = SchedulerConfig.default_long_prefill_token_threshold(dev.type, use_kv_cache)

@@ -325,6 +325,8 @@ class DecoderForCausalLM(nn.Module):
             return f"the {self.ops.name!r} op plan calls kernels no graph records"
         if self.config.moe_layers and not self.ops.moe_graph_safe:
             return "its Mixture-of-Experts layers run each expert on the tokens routed to it, counted on the host"
+        if self.config.linear_layers:
+            return "its linear-attention layers take each step's requests and state slots from the host"
         return None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
