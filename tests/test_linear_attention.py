@@ -170,6 +170,8 @@ def test_what_the_state_cannot_do_yet_is_refused(qwen3_5, caplog):
         LLM(path, **ENGINE, enable_lora=True)
     with pytest.raises(ValueError, match="tensor_parallel_size > 1 splits"):
         LLM(path, **ENGINE, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="prefix cache, which is off here .* or linear-attention layers"):
+        LLM(path, **ENGINE, kv_offload_memory_gb=0.01)
     with caplog.at_level("INFO", logger="tokenmill"):
         llm = LLM(path, **ENGINE)
     assert not llm.llm_engine.config.cache_config.enable_prefix_caching

@@ -421,7 +421,8 @@ class LLMEngine:
             names = f"kv_role {transfer.kv_role} (it receives blocks into the prefix cache's host tier)"
         why = None
         if not self.kv.enable_caching:
-            why = "they feed the prefix cache, which is off here (enable_prefix_caching=False, or a sliding window)"
+            why = ("they feed the prefix cache, which is off here (enable_prefix_caching=False, a sliding window, or "
+                   "linear-attention layers)")
         elif tp_size > 1:
             why = "each tensor-parallel rank holds its share of the cache, and they move rank 0's only"
         if why is not None:
@@ -444,7 +445,8 @@ class LLMEngine:
             raise ValueError("kv_transfer_config with tensor_parallel_size > 1 is not implemented; use one of them")
         if not self.kv.enable_caching:
             raise ValueError("kv_transfer_config: the transferred blocks are found through the prefix cache, which "
-                             "is off here (enable_prefix_caching=False, or a sliding window); turn it on")
+                             "is off here (enable_prefix_caching=False, a sliding window, or linear-attention "
+                             "layers); turn it on where it can be")
         tensors, parts = identity
         codec = self.offload.codec if self.offload is not None else \
             BlockCodec(tensors, self.config.cache_config.block_size)
