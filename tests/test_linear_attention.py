@@ -110,10 +110,16 @@ def test_the_gpu_runner_steps_them_eagerly(kind, plan, tmp_path, caplog):
     from tokenmill.executor.gpu_runner import GpuRunner
     path, hf = build_tiny(kind, tmp_path)
     with caplog.at_level("WARNING", logger="tokenmill"):
-        llm = LLM(path, **ENGINE, **plan, max_num_batched_tokens=16,
+        llm = LLM(path, **ENGINE, **plan, max_num_batched_tokens=16, max_num_seqs=4,
                   compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4]})
-    assert isinstance(llm.llm_engine.runner, GpuRunner) and not llm.llm_engine.runner.graphs
+    runner = llm.llm_engine.runner
+    assert isinstance(runner, GpuRunner) and not runner.graphs
     assert "linear-attention layers take each step's requests and state slots from the host" in caplog.text
+    # the start-up steps a GPU runs (profiling, compiling): more decode entries than slots, and a prompt; what they
+    # leave in the slots is not read by a request, whose first step starts afresh
+    assert runner.max_rows > runner.linear_states.conv.shape[1]
+    for entries in ([1] * runner.max_rows, [runner.max_rows], [1] * 3):
+        runner._dummy_step(entries)
     prompts = random_prompts([21, 4, 9], seed=2)
     assert greedy(llm, prompts, 10) == [hf_greedy(hf, p, 10) for p in prompts]
     with pytest.raises(ValueError, match=f"async_scheduling=True with {hf.config.architectures[0]}'s linear"):
@@ -206,3 +212,15 @@ def test_a_vision_language_checkpoint_serves_its_language_model(tmp_path):
     for p, got in zip(prompts := random_prompts([5, 40], seed=1), greedy(llm, prompts, 10)):
         with torch.no_grad():
             assert got == hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False)[0, len(p):].tolist()
+
+
+def test_qwen3_next_regroups_rows_quantised_at_load(tmp_path):
+    """Qwen3-Next's grouped projections are regrouped by picking rows, so a matrix quantised by rows at load is
+    regrouped as it is: each row of the fused input projection is its float row to within one int8 step."""
+    from tokenmill.executor.layers.quant import dequantize_rows
+    path, _ = build_tiny("qwen3_next", tmp_path)
+    exact = LLM(path, **ENGINE).llm_engine.model.layers[0].linear_attn.in_proj
+    quant = LLM(path, **ENGINE, quantization="int8").llm_engine.model.layers[0].linear_attn.in_proj
+    w = exact.weight if exact.weight is not None else exact.weight_t.t()
+    step = w.abs().amax(dim=1, keepdim=True) / 127
+    assert quant.quant is not None and ((dequantize_rows(quant.quant) - w).abs() <= step).all()

@@ -121,8 +121,9 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else None
         if arch in MULTIMODAL_TEXT:     # a vision-language checkpoint: its language model's config, text only
+            # the head is tied by the top-level key alone (transformers' rule), untied where it is absent
             cfg = {**cfg["text_config"], "architectures": [MULTIMODAL_TEXT[arch]],
-                   "tie_word_embeddings": cfg.get("tie_word_embeddings", cfg["text_config"].get("tie_word_embeddings"))}
+                   "tie_word_embeddings": cfg.get("tie_word_embeddings", False)}
             arch = MULTIMODAL_TEXT[arch]
         if arch not in SUPPORTED_ARCHITECTURES:
             what = repr(arch) if arch else f"(none named; model_type {cfg.get('model_type')!r})"

@@ -354,6 +354,8 @@ class GpuRunner(ModelRunner):
     def _dummy_step(self, entry_rows: list[int]) -> None:
         """An eager step of entries with these row counts, all in the sink block (their K/V land there)."""
         self._fill_dummy_header(0, entry_rows)
+        if self.linear_states is not None:
+            self.model.linear_step = self.linear_states.dummy_step(entry_rows)
         hidden, _ = self._device_forward(sum(entry_rows), len(entry_rows), entry_rows, None)
         self.model.compute_logits(hidden[-1:])
 

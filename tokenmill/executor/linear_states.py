@@ -8,7 +8,7 @@ import torch
 
 from tokenmill.config import ModelConfig
 from tokenmill.executor.batch import StepPlan
-from tokenmill.executor.layers.gated_deltanet import LinearStep
+from tokenmill.executor.layers.gated_deltanet import LinearStep, VerifiedRows, recurrent_step
 
 
 def state_bytes_per_request(mc: ModelConfig, dtype: torch.dtype) -> int:
@@ -25,8 +25,10 @@ class LinearStates:
         conv_dim = 2 * mc.linear_num_key_heads * mc.linear_key_head_dim + \
             mc.linear_num_value_heads * mc.linear_value_head_dim
         layers = len(mc.linear_layers)
-        self.conv = torch.zeros(layers, slots, conv_dim, mc.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
-        self.rec = torch.zeros(layers, slots, mc.linear_num_value_heads, mc.linear_key_head_dim,
+        # untouched memory: a request's first step writes its slot before anything reads it (fresh), so on a CPU
+        # only the slots that requests have used become resident
+        self.conv = torch.empty(layers, slots, conv_dim, mc.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
+        self.rec = torch.empty(layers, slots, mc.linear_num_value_heads, mc.linear_key_head_dim,
                                mc.linear_value_head_dim, dtype=torch.float32, device=device)
         self.free_slots = list(range(slots - 1, -1, -1))
         self.slot_of: dict[str, int] = {}
@@ -65,20 +67,44 @@ class LinearStates:
                 verified += r1 - r0
             else:
                 snap_row.append(None)
-        snap_conv = snap_rec = None
+        self.verified = None
         if verified:
-            snap_conv = self.conv.new_empty(self.conv.shape[0], verified, *self.conv.shape[2:])
-            snap_rec = self.rec.new_empty(self.rec.shape[0], verified, *self.rec.shape[2:])
-        self.snap_conv, self.snap_rec = snap_conv, snap_rec
-        return LinearStep(rows, fresh, slots, self.conv, self.rec, snap_row, snap_conv, snap_rec)
+            L, _, C, _ = self.conv.shape
+            _, _, hv, dk, dv = self.rec.shape
+            f32 = dict(dtype=torch.float32, device=self.rec.device)
+            self.verified = VerifiedRows(self.conv.new_empty(L, verified, C), torch.empty(L, verified, hv, dk, **f32),
+                                         torch.empty(L, verified, hv, dk, **f32),
+                                         torch.empty(L, verified, hv, dv, **f32), torch.empty(L, verified, hv, **f32),
+                                         torch.empty(L, verified, hv, **f32))
+        return LinearStep(rows, fresh, slots, self.conv, self.rec, snap_row, self.verified)
+
+    def dummy_step(self, entry_rows: list[int]) -> LinearStep:
+        """A start-up step's (profiling, compiling): entries of several rows as fresh prompts, one-row entries as
+        decodes, as many as there are slots (a step never decodes more requests), each in a slot of its own. No
+        request holds a slot yet, and a request's first step starts its state afresh."""
+        rows, r0 = [], 0
+        for n in entry_rows:
+            rows.append((r0, r0 + n))
+            r0 += n
+        rows = [r for r in rows if r[1] - r[0] > 1] + [r for r in rows if r[1] - r[0] == 1][:self.conv.shape[1]]
+        return LinearStep(rows, [r1 - r0 > 1 for r0, r1 in rows], [i % self.conv.shape[1] for i in range(len(rows))],
+                          self.conv, self.rec)
 
     def restore(self, accepted: dict[str, int]) -> None:
-        """After a step that verified guesses: each request's state back to after its last standing row (rows
-        counted from its first: the token before the guesses is row 0; accepted[req] rows stand)."""
+        """After a step that verified guesses: each verifying request's slot (left as it was before the step)
+        moved over its standing rows, every linear layer at once (rows counted from its first: the token before
+        the guesses is row 0; accepted[req] rows stand). Keeping rows' inputs rather than a state a row holds
+        speculation's extra memory to a few KB a row."""
+        vr = self.verified
         for rid, n in accepted.items():
             slot, row = self.snapshots[rid]
-            self.conv[:, slot] = self.snap_conv[:, row + n - 1]
-            self.rec[:, slot] = self.snap_rec[:, row + n - 1]
+            s = self.rec[:, slot]
+            for j in range(row, row + n):
+                _, s = recurrent_step(vr.q[:, j], vr.k[:, j], vr.v[:, j], vr.g[:, j], vr.beta[:, j], s)
+            self.rec[:, slot] = s
+            width = self.conv.shape[-1]          # the last K-1 inputs
+            full = torch.cat([self.conv[:, slot], vr.mixed[:, row:row + n].transpose(1, 2)], dim=-1)
+            self.conv[:, slot] = full[..., full.shape[-1] - width:]
 
     def free(self, req_ids: list[str]) -> None:
         for rid in req_ids:

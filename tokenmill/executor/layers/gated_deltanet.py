@@ -37,11 +37,23 @@ class LinearStep:
     slots: list[int]
     conv: torch.Tensor
     rec: torch.Tensor
-    # speculation: each verifying request's first row in the snapshots (None: not verifying), and the states after
-    # each of its rows, [layers, verified rows, ...], from which the runner restores the last accepted one
+    # speculation: each verifying request's first row in `verified` (None: not verifying). A verifying request's
+    # slot is left as it was; each layer keeps its rows' inputs, and once the runner hears how many rows stand it
+    # replays those into the slot (LinearStates.restore)
     snap_row: list[Optional[int]] = field(default_factory=list)
-    snap_conv: Optional[torch.Tensor] = None
-    snap_rec: Optional[torch.Tensor] = None
+    verified: Optional["VerifiedRows"] = None
+
+
+@dataclass
+class VerifiedRows:
+    """The inputs of every verified row of every linear layer: the convolution's (mixed [layers, rows, C], the
+    model's dtype) and the recurrence's (q scaled, k [layers, rows, Hv, dk], v [.., dv], g, beta [.., Hv]; float32)."""
+    mixed: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
 
 
 def l2_normalised(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -164,8 +176,10 @@ class GatedDeltaNet(nn.Module):
             (r0, r1), slot, snap = step.rows[i], step.slots[i], snap_row[i]
             if step.fresh[i]:
                 conv_states[slot].zero_()
-            if snap is not None:        # (the inputs before the step; overwritten with the rows' windows below)
-                step.snap_conv[self.index, snap] = conv_states[slot]
+            if snap is not None:        # verifying: the slot stays as it was until restore() replays its rows
+                step.verified.mixed[self.index, snap:snap + r1 - r0] = mixed[r0:r1]
+                conv[r0:r1] = self._conv(mixed[r0:r1], conv_states[slot].clone())
+                continue
             conv[r0:r1] = self._conv(mixed[r0:r1], conv_states[slot])
         q, k, v = conv.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         rep = self.hv // self.hk           # each q/k head serves this many consecutive value heads
@@ -178,18 +192,16 @@ class GatedDeltaNet(nn.Module):
             o, s = recurrent_step(q[rows] / self.dk ** 0.5, k[rows], v[rows], g[rows], beta[rows], rec_states[slots])
             out[rows] = o
             rec_states[slots] = s
-        for i in verifying:     # a token and its guesses: one step each, the state after each kept
+        for i in verifying:     # a token and its guesses: one step each, on a copy of the state
             (r0, r1), slot, snap = step.rows[i], step.slots[i], step.snap_row[i]
-            for j, r in enumerate(range(r0, r1)):
-                o, s = recurrent_step(q[r:r + 1] / self.dk ** 0.5, k[r:r + 1], v[r:r + 1], g[r:r + 1],
-                                      beta[r:r + 1], rec_states[slot:slot + 1])
-                out[r] = o[0]
-                rec_states[slot] = s[0]
-                step.snap_rec[self.index, snap + j] = s[0]
-            # the convolution's last inputs after each row: windows of its inputs before the step and the rows'
-            full = torch.cat([step.snap_conv[self.index, snap], mixed[r0:r1].t()], dim=1)
+            rows_in = (q[r0:r1] / self.dk ** 0.5, k[r0:r1], v[r0:r1], g[r0:r1], beta[r0:r1])
+            for kept, t in zip((step.verified.q, step.verified.k, step.verified.v, step.verified.g,
+                                step.verified.beta), rows_in):
+                kept[self.index, snap:snap + r1 - r0] = t
+            s = rec_states[slot:slot + 1]
             for j in range(r1 - r0):
-                step.snap_conv[self.index, snap + j] = full[:, j + 1:j + self.kernel]
+                o, s = recurrent_step(*(t[j:j + 1] for t in rows_in), s)
+                out[r0 + j] = o[0]
         for i in set(range(len(step.rows))) - set(decodes) - set(verifying):
             (r0, r1), slot = step.rows[i], step.slots[i]
             start = torch.zeros_like(rec_states[slot]) if step.fresh[i] else rec_states[slot]

@@ -218,26 +218,32 @@ def _ungrouped_projections(weights: Iterable[tuple[str, torch.Tensor | QuantWeig
                            ) -> Iterable[tuple[str, torch.Tensor | QuantWeight]]:
     """Qwen3-Next's linear layers project q/k/v/z in one matrix and b/a in another, their rows grouped by key head
     (a head's q, k, then its value heads' v and z; its value heads' b, then a): as Qwen3.5's in_proj_qkv (every q,
-    every k, every v), in_proj_z, in_proj_b and in_proj_a."""
+    every k, every v), in_proj_z, in_proj_b and in_proj_a. Rows are picked, so a matrix quantised by rows (at load,
+    or in a GPTQ-style folder) is regrouped as it is."""
     hk, dk, dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     rep = cfg.linear_num_value_heads // hk
+
+    def runs(width: int, parts: list[int]) -> list[torch.Tensor]:
+        """Each part's rows, gathered over the heads' groups of width rows."""
+        out, first = [], 0
+        for n in parts:
+            out.append(torch.cat([torch.arange(h * width + first, h * width + first + n) for h in range(hk)]))
+            first += n
+        return out
+    q, k, v, z = runs(2 * dk + 2 * rep * dv, [dk, dk, rep * dv, rep * dv])
+    b, a = runs(2 * rep, [rep, rep])
     for name, t in weights:
         head, _, leaf = name.rpartition(".")
         if not head.endswith((".in_proj_qkvz", ".in_proj_ba")):
             yield name, t
             continue
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name}: a quantised {type(t).__name__} is not implemented for Qwen3-Next's linear "
-                             f"layers; load a float checkpoint")
         base = head.rpartition(".")[0]
         if head.endswith("qkvz"):
-            q, k, v, z = t.view(hk, 2 * dk + 2 * rep * dv, -1).split([dk, dk, rep * dv, rep * dv], dim=1)
-            yield f"{base}.in_proj_qkv.{leaf}", torch.cat([x.reshape(-1, t.shape[-1]) for x in (q, k, v)])
-            yield f"{base}.in_proj_z.{leaf}", z.reshape(-1, t.shape[-1])
+            yield f"{base}.in_proj_qkv.{leaf}", _rows(t, torch.cat([q, k, v]))
+            yield f"{base}.in_proj_z.{leaf}", _rows(t, z)
         else:
-            b, a = t.view(hk, 2 * rep, -1).split([rep, rep], dim=1)
-            yield f"{base}.in_proj_b.{leaf}", b.reshape(-1, t.shape[-1])
-            yield f"{base}.in_proj_a.{leaf}", a.reshape(-1, t.shape[-1])
+            yield f"{base}.in_proj_b.{leaf}", _rows(t, b)
+            yield f"{base}.in_proj_a.{leaf}", _rows(t, a)
 
 
 def _language_model_only(weights: Iterable[tuple[str, torch.Tensor | QuantWeight]]
