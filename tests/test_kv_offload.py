@@ -183,6 +183,9 @@ def _prompts(seed: int = 0) -> list[list[int]]:
 def _run(path, prompts, **kw):
     from tokenmill import LLM
     kw.setdefault("kv_cache_memory_gb", 0.00012)       # 20 blocks of the tiny llama: turns evict each other
+    # one thread throughout: under load the governor would change the count between the runs compared, and a
+    # matmul's sums change their order with it
+    kw.setdefault("num_threads", 1)
     llm = LLM(path, dtype="float32", max_model_len=256, max_num_batched_tokens=48, **kw)
     outs = []
     # each turn at once: chunked, and preempted where it is tight; the first turn is sent again at the end, after
