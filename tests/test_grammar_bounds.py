@@ -181,7 +181,7 @@ def test_shutdown_stops_the_workers(chat_model_dir: str) -> None:
     mgr.shutdown()
     t.join(timeout=5)
     assert errors and "shutting down" in errors[0], errors
-    assert not mgr.compile_pool.worker_pids() and not any(alive(pid) for pid in pids)
+    assert not mgr.compile_pool.worker_pids() and all(gone(pid) for pid in pids)
     with pytest.raises(ValueError, match="shutting down"):
         mgr.compile(StructuredOutputsParams(regex="[a-z]"))
 
