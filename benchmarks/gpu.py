@@ -310,23 +310,15 @@ def busy_fraction(eng: Any, dev: torch.device, prompt: list[int], steps: int) ->
     """The device's kernel time over the wall time of a single stream's decode steps (torch's profiler)."""
     if dev.type != "cuda":
         return None
-    from torch.profiler import ProfilerActivity, profile
     from tokenmill import SamplingParams
     eng.add_request("busy", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=steps + 8,
                                                                          ignore_eos=True))
     for _ in range(4):                       # the prompt, then decode steps in their steady state
         eng.step()
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        t = time.perf_counter()
-        for _ in range(steps):
-            eng.step()
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t
+    busy = kernel_table(eng, steps)["busy"]
     while eng.has_unfinished_requests():
         eng.step()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    # kernels of one stream do not overlap: their durations add up to the busy time
-    return sum(e.device_time for e in kernels) / 1e6 / wall
+    return busy
 
 
 def single_stream(eng: Any, dev: torch.device, prompt: int, out: int) -> dict[str, Any]:
