@@ -11,19 +11,22 @@ from tokenmill.executor.batch import StepPlan
 from tokenmill.executor.layers.gated_deltanet import LinearStep, VerifiedRows, recurrent_step
 
 
+def conv_channels(mc: ModelConfig) -> int:
+    """The convolution's channels: every q, k and v of a linear layer."""
+    return 2 * mc.linear_num_key_heads * mc.linear_key_head_dim + mc.linear_num_value_heads * mc.linear_value_head_dim
+
+
 def state_bytes_per_request(mc: ModelConfig, dtype: torch.dtype) -> int:
     """One slot's bytes over every linear layer: the convolution's last inputs (the model's dtype) and the float32
     recurrent state."""
-    conv = (2 * mc.linear_num_key_heads * mc.linear_key_head_dim + mc.linear_num_value_heads *
-            mc.linear_value_head_dim) * (mc.linear_conv_kernel_dim - 1) * torch.empty(0, dtype=dtype).element_size()
+    conv = conv_channels(mc) * (mc.linear_conv_kernel_dim - 1) * torch.empty(0, dtype=dtype).element_size()
     rec = mc.linear_num_value_heads * mc.linear_key_head_dim * mc.linear_value_head_dim * 4
     return len(mc.linear_layers) * (conv + rec)
 
 
 class LinearStates:
     def __init__(self, mc: ModelConfig, slots: int, dtype: torch.dtype, device: torch.device):
-        conv_dim = 2 * mc.linear_num_key_heads * mc.linear_key_head_dim + \
-            mc.linear_num_value_heads * mc.linear_value_head_dim
+        conv_dim = conv_channels(mc)
         layers = len(mc.linear_layers)
         # untouched memory: a request's first step writes its slot before anything reads it (fresh), so on a CPU
         # only the slots that requests have used become resident
@@ -39,8 +42,8 @@ class LinearStates:
 
     def step(self, plan: StepPlan) -> LinearStep:
         """The step's requests with their slots (a slot taken on a request's first step) and rows: a request's
-        entries are consecutive, one, or one a row where it verifies guesses. A verifying request's states after
-        each row are kept aside until restore() hears how many of them stand."""
+        entries are consecutive, one, or one a row where it verifies guesses. A verifying request's slot is left
+        as it was, and its rows' inputs are kept (VerifiedRows) until restore() hears how many of them stand."""
         b = plan.batch
         first: dict[int, int] = {}                      # request -> its first entry
         last: dict[int, int] = {}
@@ -48,7 +51,7 @@ class LinearStates:
             first.setdefault(r, e)
             last[r] = e
         rows, fresh, slots, snap_row = [], [], [], []
-        self.snapshots: dict[str, tuple[int, int]] = {}    # verifying request -> (slot, its first snapshot row)
+        self.snapshots: dict[str, tuple[int, int]] = {}    # verifying request -> (slot, its first kept row)
         verified = 0
         for r, st in enumerate(plan.states):
             if st.req_id not in self.slot_of:
