@@ -3,7 +3,8 @@ layers, each keeping a fixed-size state a request (executor/linear_states.py), a
 that keep KV; the MoE models' MLPs are experts beside a gated shared expert, and Qwen3-Next's linear projections
 come grouped by key head. Greedy tokens and logprobs equal transformers' in a mixed batch, through every attention
 backend and kernel plan, in chunks of a prompt (the state carried across them), under preemption (the state started
-afresh) and with slots reused by later requests; what the state cannot do yet is refused by name."""
+afresh, or resumed from a snapshot), on prefix hits (resumed from the state snapshot at a cached block boundary) and
+with slots reused by later requests; what the state cannot do yet is refused by name."""
 from __future__ import annotations
 
 import pytest
@@ -17,6 +18,7 @@ from tokenmill.executor.layers.gated_deltanet import CHUNK, chunked_delta_rule, 
 from tokenmill.executor.linear_states import state_bytes_per_request
 
 ENGINE = dict(dtype="float32", kv_cache_memory_gb=0.02, max_model_len=512)
+ENGINE_SEQS = 256           # the engine's max_num_seqs: as many state slots, and as many snapshots
 
 
 @pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next", "qwen3_5_moe"])
@@ -167,7 +169,7 @@ def test_bfloat16_agrees_to_rounding(qwen3_5):
                 break
 
 
-def test_what_the_state_cannot_do_yet_is_refused(qwen3_5, caplog):
+def test_what_the_state_cannot_do_yet_is_refused(qwen3_5):
     path, hf = qwen3_5
     arch = hf.config.architectures[0]
     with pytest.raises(ValueError, match=f"speculative decoding by 'draft_model' with {arch}'s linear-attention"):
@@ -176,12 +178,8 @@ def test_what_the_state_cannot_do_yet_is_refused(qwen3_5, caplog):
         LLM(path, **ENGINE, enable_lora=True)
     with pytest.raises(ValueError, match="tensor_parallel_size > 1 splits"):
         LLM(path, **ENGINE, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="prefix cache, which is off here .* or linear-attention layers"):
+    with pytest.raises(ValueError, match=f"KV offload tiers and kv_transfer_config with {arch}'s linear"):
         LLM(path, **ENGINE, kv_offload_memory_gb=0.01)
-    with caplog.at_level("INFO", logger="tokenmill"):
-        llm = LLM(path, **ENGINE)
-    assert not llm.llm_engine.config.cache_config.enable_prefix_caching
-    assert "prefix caching is off" in caplog.text
 
 
 def test_state_bytes_are_counted(qwen3_5):
@@ -189,8 +187,47 @@ def test_state_bytes_are_counted(qwen3_5):
     mc = ModelConfig.from_path(path)
     llm = LLM(path, **ENGINE, max_num_seqs=3)
     states = llm.llm_engine.runner.linear_states
-    assert states.nbytes == 3 * state_bytes_per_request(mc, torch.float32)
+    assert states.nbytes == states.snapshot_nbytes == 3 * state_bytes_per_request(mc, torch.float32)
     assert "linear-attention states" in llm.llm_engine.kv_cache_info().describe()
+    assert "of snapshots for the prefix cache (3)" in llm.llm_engine.kv_cache_info().describe()
+    off = LLM(path, **ENGINE, max_num_seqs=3, enable_prefix_caching=False).llm_engine
+    assert off.runner.linear_states.snapshot_nbytes == 0 and off.scheduler.snapshots is None
+
+
+def _run(llm: LLM, prompts: list[list[int]], hf, n: int = 16) -> list[int]:
+    """Each prompt's greedy tokens and logprobs checked against transformers'; how many tokens each found cached."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        toks = o.outputs[0].token_ids
+        assert toks == hf_greedy(hf, p, n), len(p)
+        got = torch.tensor([lp[t].logprob for t, lp in zip(toks, o.outputs[0].logprobs)])
+        torch.testing.assert_close(got, hf_logprobs(hf, p, toks), rtol=0, atol=1e-4)
+    return [o.num_cached_tokens for o in outs]
+
+
+@pytest.mark.parametrize("chunk", [None, 24])
+def test_prefix_hits_resume_from_state_snapshots(qwen3_5, chunk):
+    """A hit resumes from the state at the longest cached block boundary that has a snapshot: the same prompt again
+    (the boundary before its last token, 32 of 40), a conversation's next turn (the last boundary the first turn's
+    decode passed, 48), a prompt parting from a cached one mid-block (32). In chunks of 24 the boundary at 32 falls
+    inside a chunk, which is parted there. Two requests for one prompt in one step: the second cannot load the
+    snapshot that step is writing, so it computes everything (unchunked; chunked, it waits for the first)."""
+    path, hf = qwen3_5
+    llm = LLM(path, **ENGINE, **({} if chunk is None else {"max_num_batched_tokens": chunk}))
+    a = random_prompts([40], seed=1)[0]
+    cached = _run(llm, [a, a], hf)
+    if chunk is None:
+        assert cached == [0, 0]
+    first = greedy(llm, [a], 16)[0]
+    turn = a + first + random_prompts([7], seed=2)[0]
+    parted = a[:37] + random_prompts([8], seed=3)[0]
+    assert _run(llm, [a], hf) == [32]
+    assert _run(llm, [turn], hf) == [48]
+    assert _run(llm, [parted], hf) == [32]
+    snaps = llm.llm_engine.scheduler.snapshots
+    assert not snaps.pending and len(snaps.index) + len(snaps.free_slots) == ENGINE_SEQS
+    llm.llm_engine.kv.check_integrity()
 
 
 @pytest.mark.slow

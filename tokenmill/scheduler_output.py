@@ -35,6 +35,10 @@ class ScheduledRequest:
     spec_token_ids: tuple[int, ...] = ()            # the guesses this step verifies
     spec_draft_probs: Optional[tuple[Any, ...]] = None   # a draft model's q [V] of each guess (tensors)
     new: Optional[NewRequestData] = None
+    # linear-attention layers' state snapshots (engine/state_snapshots.py): the slot a prefix hit resumes from, and
+    # (tokens into this step's rows, slot) where the state after those tokens is kept
+    state_load: Optional[int] = None
+    state_save: Optional[tuple[int, int]] = None
 
 
 @dataclass

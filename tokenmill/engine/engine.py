@@ -26,6 +26,7 @@ from tokenmill.engine.kv_transfer import DECODE_HOST_GB, KVTransfer, KVTransferC
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler, SchedulerStats
 from tokenmill.engine.spec_decode import NgramProposer, SpeculativeConfig
+from tokenmill.engine.state_snapshots import StateSnapshots
 from tokenmill.engine.structured_output import StructuredOutputManager, StructuredOutputsConfig
 from tokenmill.executor.cpus import thread_policy
 from tokenmill.executor.kernels.isa import choose as choose_isa
@@ -35,6 +36,7 @@ from tokenmill.executor.models.decoder import DecoderForCausalLM
 from tokenmill.executor.parallel import (TensorParallelRunner, TPGroup, WorkerSpec, check_tensor_parallel,
                                          local_threads, shard_config, sharded_checkpoint, start_ranks, stop_workers)
 from tokenmill.executor.gpu_runner import GpuRunner
+from tokenmill.executor.linear_states import snapshot_slots
 from tokenmill.executor.runner import CpuRunner, ModelRunner, RunnerOutput
 from tokenmill.executor.sampler import bad_words_to_token_ids, check_params_for_vocab
 from tokenmill.lora.adapter import LoRAAdapter, load_adapter, lora_model_error
@@ -157,6 +159,8 @@ class KVCacheInfo:
     enable_prefix_caching: bool
     state_bytes: int = 0            # linear-attention layers' states (Qwen3.5), beside the cache
     state_slots: int = 0
+    snapshot_bytes: int = 0         # and their snapshots for the prefix cache
+    snapshot_slots: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -172,7 +176,9 @@ class KVCacheInfo:
                 f"({self.num_tokens:,} tokens, {self.cache_dtype}); {self.max_concurrency:.1f} requests of "
                 f"max_model_len {self.max_model_len:,} at once" +
                 (f"; linear-attention states {self.state_bytes / 2 ** 20:,.1f} MiB ({self.state_slots} requests)"
-                 if self.state_slots else ""))
+                 if self.state_slots else "") +
+                (f" and {self.snapshot_bytes / 2 ** 20:,.1f} MiB of snapshots for the prefix cache "
+                 f"({self.snapshot_slots})" if self.snapshot_slots else ""))
 
 
 def prompt_cache_salt(prompt: PromptType) -> Optional[str]:
@@ -189,10 +195,10 @@ def prompt_cache_salt(prompt: PromptType) -> Optional[str]:
 
 
 def linear_attention_checks(mc: ModelConfig, spec: Optional[SpeculativeConfig], use_kv_cache: bool,
-                            prefix_caching: bool, async_scheduling: Optional[bool]) -> bool:
+                            async_scheduling: Optional[bool], offload: KVOffloadConfig,
+                            transfer: Optional[KVTransferConfig]) -> None:
     """What a model with linear-attention layers (a state a request, executor/linear_states.py) cannot do yet,
-    refused with what to change; returns whether prefix caching stays on (it cannot: a cached prefix has KV but no
-    state to resume from)."""
+    refused with what to change."""
     what = f"{mc.architecture}'s linear-attention layers"
     if async_scheduling:
         raise ValueError(f"async_scheduling=True with {what} is not implemented; leave it off")
@@ -201,9 +207,9 @@ def linear_attention_checks(mc: ModelConfig, spec: Optional[SpeculativeConfig], 
                          f"state would need rolling back too); use method 'ngram'")
     if not use_kv_cache:
         raise ValueError(f"use_kv_cache=False with {what} is not implemented; leave it on")
-    if prefix_caching:
-        log.info("prefix caching is off: %s keep a state a request that a cached prefix cannot resume from", what)
-    return False
+    if offload.enabled or transfer is not None:
+        raise ValueError(f"KV offload tiers and kv_transfer_config with {what} are not implemented (they move KV "
+                         f"blocks, not the layers' state snapshots); leave them unset")
 
 
 def pick_device(device: Optional[str]) -> torch.device:
@@ -274,8 +280,7 @@ class LLMEngine:
         if not use_kv_cache:
             enable_prefix_caching = False
         if mc.linear_layers:
-            enable_prefix_caching = linear_attention_checks(mc, spec_config, use_kv_cache, enable_prefix_caching,
-                                                            async_scheduling)
+            linear_attention_checks(mc, spec_config, use_kv_cache, async_scheduling, offload_cfg, transfer_cfg)
         lora_cfg = self._lora_config(enable_lora, max_loras, max_lora_rank, max_cpu_loras, mc, tensor_parallel_size)
         if long_prefill_token_threshold is None:    # fair prefill: the device's default (SchedulerConfig)
             long_prefill_token_threshold = SchedulerConfig.default_long_prefill_token_threshold(dev.type, use_kv_cache)
@@ -373,7 +378,9 @@ class LLMEngine:
             if offload_cfg.enabled or transfer_cfg is not None else None
         self.offload = self._offload(offload_cfg, tensor_parallel_size, identity, transfer_cfg)
         self.transfer = self._transfer(transfer_cfg, tensor_parallel_size, identity)
-        self.scheduler = Scheduler(sched_cfg, self.kv, self.offload)
+        snapshots = snapshot_slots(self.config) if mc.linear_layers else 0
+        self.scheduler = Scheduler(sched_cfg, self.kv, self.offload,
+                                   StateSnapshots(snapshots, block_size) if snapshots else None)
         # speculative decoding: guesses for the next step of each decoding request (None: no guesses)
         self.proposer: Union[NgramProposer, DraftModelProposer, None] = None
         if self.draft_config is not None:
@@ -421,8 +428,7 @@ class LLMEngine:
             names = f"kv_role {transfer.kv_role} (it receives blocks into the prefix cache's host tier)"
         why = None
         if not self.kv.enable_caching:
-            why = ("they feed the prefix cache, which is off here (enable_prefix_caching=False, a sliding window, or "
-                   "linear-attention layers)")
+            why = "they feed the prefix cache, which is off here (enable_prefix_caching=False or a sliding window)"
         elif tp_size > 1:
             why = "each tensor-parallel rank holds its share of the cache, and they move rank 0's only"
         if why is not None:
@@ -445,8 +451,7 @@ class LLMEngine:
             raise ValueError("kv_transfer_config with tensor_parallel_size > 1 is not implemented; use one of them")
         if not self.kv.enable_caching:
             raise ValueError("kv_transfer_config: the transferred blocks are found through the prefix cache, which "
-                             "is off here (enable_prefix_caching=False, a sliding window, or linear-attention "
-                             "layers); turn it on where it can be")
+                             "is off here (enable_prefix_caching=False or a sliding window); turn it on where it can be")
         tensors, parts = identity
         codec = self.offload.codec if self.offload is not None else \
             BlockCodec(tensors, self.config.cache_config.block_size)
@@ -502,7 +507,8 @@ class LLMEngine:
         return KVCacheInfo(self.kv.num_blocks // self.kv.num_groups, cfg.cache_config.block_size, cfg.kv_cache_dtype,
                            self.kv.num_blocks * self.kv_bytes_per_block(),
                            cfg.scheduler_config.max_model_len, cfg.cache_config.enable_prefix_caching,
-                           *((states.nbytes, states.conv.shape[1]) if states is not None else ()))
+                           *((states.nbytes, states.conv.shape[1], states.snapshot_nbytes, states.snap_conv.shape[1])
+                             if states is not None else ()))
 
     def kv_bytes_per_block(self) -> int:
         """The KV bytes a block of tokens takes: the target's, and the draft model's beside it."""

@@ -121,6 +121,10 @@ class KVCacheManager:
             hashes.append(block_digest(self._block_key(req, i, parent)))
         return hashes
 
+    def block_hashes(self, req: Request, num_blocks: int) -> list[int]:
+        """The hashes of req's first num_blocks full blocks."""
+        return self._hashes(req, num_blocks)[:num_blocks]
+
     def block_keys(self, req: Request, first: int, last: int) -> list[tuple[int, tuple]]:
         """(hash, key) of req's full blocks first..last-1, for a lookup below the pool (the offload tiers)."""
         hashes = self._hashes(req, last)

@@ -29,6 +29,7 @@ from tokenmill.config import SchedulerConfig
 from tokenmill.engine.kv_cache_manager import KVCacheManager
 from tokenmill.engine.kv_offload import KVOffload
 from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.state_snapshots import StateSnapshots
 from tokenmill.scheduler_output import NewRequestData, ScheduledRequest, SchedulerOutput
 
 
@@ -47,10 +48,12 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, offload: Optional[KVOffload] = None):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, offload: Optional[KVOffload] = None,
+                 snapshots: Optional[StateSnapshots] = None):
         self.config = config
         self.kv = kv
         self.offload = offload                      # the prefix cache's tiers below the pool (None: none)
+        self.snapshots = snapshots                  # linear-attention layers' states at cached boundaries
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}      # every unfinished request, by id
@@ -134,8 +137,11 @@ class Scheduler:
                 continue
             hit_blocks, hit_tokens = ([], 0)
             loads: list = []                 # (group, block index, (tier, payload)) of the blocks a tier holds
+            load = None                      # the state snapshot a linear-attention model's hit resumes from
             if req.num_computed_tokens == 0:
                 hit_blocks, hit_tokens = self.kv.get_computed_blocks(req)
+                if self.snapshots is not None and hit_blocks:
+                    hit_blocks, hit_tokens, load = self._resumable(req, hit_blocks)
             pool_tokens = hit_tokens
             if req.num_computed_tokens == 0 and self.offload is not None:
                 hit_blocks, loads, hit_tokens = self.kv.extend_hit(req, hit_blocks, self._finder())
@@ -161,9 +167,16 @@ class Scheduler:
             if req.lora is not None:
                 adapters.add(req.lora_key)
             self._count_partial(partial, req, left, n)
-            self._add_to_batch(out, req, n, in_flight)
+            self._add_to_batch(out, req, n, in_flight, load)
             budget -= n
         return out
+
+    def _resumable(self, req: Request, hit: list[int]) -> tuple[list[int], int, Optional[int]]:
+        """A prefix hit cut back to its longest run of blocks whose end has a state snapshot: (blocks, tokens, the
+        snapshot's slot)."""
+        keep, slot = self.snapshots.resume(self.kv.block_hashes(req, len(hit)))
+        self.kv.num_hits -= (len(hit) - keep) * self.kv.block_size
+        return hit[:keep], keep * self.kv.block_size, slot
 
     MIN_DEEP_CHUNK = 16       # prefill_depth_cost shrinks a chunk to no fewer tokens (the steps' fixed cost)
 
@@ -278,9 +291,14 @@ class Scheduler:
             n //= 2
         return n
 
-    def _add_to_batch(self, out: SchedulerOutput, req: Request, n: int, in_flight: bool) -> None:
+    def _add_to_batch(self, out: SchedulerOutput, req: Request, n: int, in_flight: bool,
+                      load: Optional[int] = None) -> None:
         target = self._target(req)
         guesses = max(n - (target - req.num_computed_tokens), 0)
+        save = None
+        if self.snapshots is not None and not guesses:    # a verification's state is known only once it is back
+            start = req.num_computed_tokens
+            save = self.snapshots.save(req, start, n, self.kv.block_hashes(req, (start + n) // self.kv.block_size))
         tables = self.kv.tables_of(req.request_id)
         if len(req.blocks_synced) != len(tables):
             req.blocks_synced = [0] * len(tables)
@@ -294,7 +312,8 @@ class Scheduler:
                                  tuple(tuple(w) for w in req.bad_words_token_ids), req.lora)
         out.scheduled.append(ScheduledRequest(
             req.request_id, n, req.num_computed_tokens, deltas, tuple(req.spec_token_ids[:guesses]),
-            tuple(req.spec_draft_probs[:guesses]) if guesses and req.spec_draft_probs is not None else None, new))
+            tuple(req.spec_draft_probs[:guesses]) if guesses and req.spec_draft_probs is not None else None, new,
+            load, save))
         if n == 1 + guesses and (req.output_token_ids or req.num_in_flight) and req.num_computed_tokens == target - 1:
             out.num_decode_tokens += n
         else:
@@ -321,6 +340,8 @@ class Scheduler:
         back, blocks that only they used returned)."""
         if in_flight:           # a step schedule(in_flight=True) made
             return self._update_async(reqs, sampled)
+        if self.snapshots is not None:
+            self.snapshots.commit()
         for s in out.scheduled:
             req = self.requests.get(s.req_id)
             if req is None or req.status is not RequestStatus.RUNNING:
@@ -356,6 +377,8 @@ class Scheduler:
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Take a request out (finished or aborted) and return its blocks."""
         req.status = status
+        if self.snapshots is not None:
+            self.snapshots.forget(req.request_id)
         if self.requests.pop(req.request_id, None) is not None:
             self.num_history_readers -= self._reads_history(req)
             if req.runner_knows:

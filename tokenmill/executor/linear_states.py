@@ -1,14 +1,16 @@
 """The linear-attention layers' state cache (Qwen3.5's Gated DeltaNet), beside the paged KV cache: a slot a
 request holds for its life, with each linear layer's convolution inputs and recurrent state, fixed in size however
-long the context. A request's first tokens (new, or recomputed after preemption) start its state afresh; a finished
-or preempted request's slot goes back."""
+long the context. A request's first tokens (new, or recomputed after preemption) start its state afresh, or from a
+snapshot where a prefix hit resumes (engine/state_snapshots.py chooses the snapshot slots; their tensors are here); a
+finished or preempted request's slot goes back."""
 from __future__ import annotations
 
 import torch
 
-from tokenmill.config import ModelConfig
+from tokenmill.config import EngineConfig, ModelConfig
 from tokenmill.executor.batch import StepPlan
 from tokenmill.executor.layers.gated_deltanet import LinearStep, VerifiedRows, recurrent_step
+from tokenmill.scheduler_output import SchedulerOutput
 
 
 def conv_channels(mc: ModelConfig) -> int:
@@ -24,8 +26,13 @@ def state_bytes_per_request(mc: ModelConfig, dtype: torch.dtype) -> int:
     return len(mc.linear_layers) * (conv + rec)
 
 
+def snapshot_slots(config: EngineConfig) -> int:
+    """State snapshots kept for the prefix cache: as many as requests run at once, none without prefix caching."""
+    return config.scheduler_config.max_num_seqs if config.cache_config.enable_prefix_caching else 0
+
+
 class LinearStates:
-    def __init__(self, mc: ModelConfig, slots: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, mc: ModelConfig, slots: int, dtype: torch.dtype, device: torch.device, snapshots: int = 0):
         conv_dim = conv_channels(mc)
         layers = len(mc.linear_layers)
         # untouched memory: a request's first step writes its slot before anything reads it (fresh), so on a CPU
@@ -33,6 +40,9 @@ class LinearStates:
         self.conv = torch.empty(layers, slots, conv_dim, mc.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
         self.rec = torch.empty(layers, slots, mc.linear_num_value_heads, mc.linear_key_head_dim,
                                mc.linear_value_head_dim, dtype=torch.float32, device=device)
+        # the prefix cache's snapshots: a state per cached boundary, laid out as the slots
+        self.snap_conv = self.conv.new_empty(layers, snapshots, *self.conv.shape[2:])
+        self.snap_rec = self.rec.new_empty(layers, snapshots, *self.rec.shape[2:])
         self.free_slots = list(range(slots - 1, -1, -1))
         self.slot_of: dict[str, int] = {}
 
@@ -40,10 +50,15 @@ class LinearStates:
     def nbytes(self) -> int:
         return self.conv.nbytes + self.rec.nbytes
 
-    def step(self, plan: StepPlan) -> LinearStep:
-        """The step's requests with their slots (a slot taken on a request's first step) and rows: a request's
-        entries are consecutive, one, or one a row where it verifies guesses. A verifying request's slot is left
-        as it was, and its rows' inputs are kept (VerifiedRows) until restore() hears how many of them stand."""
+    @property
+    def snapshot_nbytes(self) -> int:
+        return self.snap_conv.nbytes + self.snap_rec.nbytes
+
+    def step(self, plan: StepPlan, sched: SchedulerOutput) -> LinearStep:
+        """The step's requests with their slots (a slot taken on a request's first step, loaded from a snapshot
+        where a prefix hit resumes) and rows: a request's entries are consecutive, one, or one a row where it
+        verifies guesses. A verifying request's slot is left as it was, and its rows' inputs are kept
+        (VerifiedRows) until restore() hears how many of them stand."""
         b = plan.batch
         first: dict[int, int] = {}                      # request -> its first entry
         last: dict[int, int] = {}
@@ -53,12 +68,17 @@ class LinearStates:
         rows, fresh, slots, snap_row = [], [], [], []
         self.snapshots: dict[str, tuple[int, int]] = {}    # verifying request -> (slot, its first kept row)
         verified = 0
-        for r, st in enumerate(plan.states):
+        for r, (st, s) in enumerate(zip(plan.states, sched.scheduled)):
             if st.req_id not in self.slot_of:
                 if not self.free_slots:
                     raise RuntimeError(f"no linear-attention state slot is free for {st.req_id!r} (the engine "
                                        f"holds one a running request)")
                 self.slot_of[st.req_id] = self.free_slots.pop()
+                if s.state_load is not None:        # before this step's saves can overwrite the snapshot
+                    self.conv[:, self.slot_of[st.req_id]] = self.snap_conv[:, s.state_load]
+                    self.rec[:, self.slot_of[st.req_id]] = self.snap_rec[:, s.state_load]
+                elif s.num_computed_tokens:
+                    raise RuntimeError(f"{st.req_id!r} resumes at token {s.num_computed_tokens} with no state")
             slot = self.slot_of[st.req_id]
             r0, r1 = b.qsl[first[r]], b.qsl[last[r] + 1]
             rows.append((r0, r1))
@@ -79,7 +99,8 @@ class LinearStates:
                                          torch.empty(L, verified, hv, dk, **f32),
                                          torch.empty(L, verified, hv, dv, **f32), torch.empty(L, verified, hv, **f32),
                                          torch.empty(L, verified, hv, **f32))
-        return LinearStep(rows, fresh, slots, self.conv, self.rec, snap_row, self.verified)
+        return LinearStep(rows, fresh, slots, self.conv, self.rec, snap_row, self.verified,
+                          [s.state_save for s in sched.scheduled], self.snap_conv, self.snap_rec)
 
     def dummy_step(self, entry_rows: list[int]) -> LinearStep:
         """A start-up step's (profiling, compiling): entries of several rows as fresh prompts, one-row entries as

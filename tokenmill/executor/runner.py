@@ -14,7 +14,7 @@ from tokenmill.executor.attention import AttentionMetadata, get_backend
 from tokenmill.executor.batch import BatchBuilder, ForwardBatch, StepPlan, sampling_inputs
 from tokenmill.executor.cpus import FixedThreads, ThreadGovernor
 from tokenmill.executor.kv_cache import LayerKV
-from tokenmill.executor.linear_states import LinearStates
+from tokenmill.executor.linear_states import LinearStates, snapshot_slots
 from tokenmill.executor.lora import LoRASlots
 from tokenmill.executor.memory import PageToucher, advise_huge_pages, keep_freed_memory
 from tokenmill.executor.models.decoder import DecoderForCausalLM
@@ -82,8 +82,8 @@ class ModelRunner:
         lora = getattr(model, "lora_step", None)
         self.lora_slots = None if lora is None else LoRASlots(model, config.lora_config)
         # Qwen3.5's linear layers: a state slot a running request, beside the KV cache
-        self.linear_states = LinearStates(mc, config.scheduler_config.max_num_seqs, config.dtype, self.device) \
-            if mc.linear_layers else None
+        self.linear_states = LinearStates(mc, config.scheduler_config.max_num_seqs, config.dtype, self.device,
+                                          snapshot_slots(config)) if mc.linear_layers else None
 
     def memory_reserved(self) -> int:
         """Bytes this runner needs on its device besides the weights and the KV cache (a GPU's graphs), counted
@@ -165,7 +165,7 @@ class ModelRunner:
         plan = self._plan(sched)
         if self.linear_states is not None:
             self.linear_states.free(sched.finished_req_ids + sched.preempted_req_ids)
-            self.model.linear_step = self.linear_states.step(plan)
+            self.model.linear_step = self.linear_states.step(plan, sched)
         if self.lora_slots is not None:
             self.model.lora_step.mapping = self.model.ops.lora_mapping(self.lora_slots.row_slots(plan), self.device,
                                                                        self.config.dtype)

@@ -42,6 +42,11 @@ class LinearStep:
     # replays those into the slot (LinearStates.restore)
     snap_row: list[Optional[int]] = field(default_factory=list)
     verified: Optional["VerifiedRows"] = None
+    # the prefix cache's snapshots: for each request, (rows into its rows, snapshot slot) where its state is kept
+    # (None: nowhere), and the snapshot tensors, laid out as conv and rec
+    saves: list[Optional[tuple[int, int]]] = field(default_factory=list)
+    snap_conv: Optional[torch.Tensor] = None
+    snap_rec: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -142,10 +147,14 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = Linear(self.value_dim, h, False, ops)
 
-    def _conv(self, x: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
+    def _conv(self, x: torch.Tensor, conv_state: torch.Tensor, keep: Optional[tuple[int, torch.Tensor]] = None
+              ) -> torch.Tensor:
         """One request's rows [L, C] after the kernel's last K-1 inputs (conv_state [C, K-1], updated in place):
-        the causal depthwise convolution with SiLU, [L, C]."""
+        the causal depthwise convolution with SiLU, [L, C]. keep (m, into): the K-1 inputs before row m copied
+        into `into` (a snapshot)."""
         full = torch.cat([conv_state, x.t()], dim=1)                  # [C, K - 1 + L]
+        if keep is not None:
+            keep[1].copy_(full[:, keep[0]:keep[0] + self.kernel - 1])
         conv_state.copy_(full[:, -(self.kernel - 1):])
         y = F.conv1d(full.unsqueeze(0).to(self.conv1d.weight.dtype), self.conv1d.weight, groups=self.conv_dim)
         return F.silu(y[0]).t().to(x.dtype)
@@ -160,6 +169,7 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid().float()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         snap_row = step.snap_row or [None] * len(step.rows)
+        saves = step.saves or [None] * len(step.rows)
         verifying = [i for i, r in enumerate(snap_row) if r is not None]
         # decoding requests (a row each, a state to go on from): their convolutions and recurrence steps at once
         decodes = [i for i, ((r0, r1), fresh) in enumerate(zip(step.rows, step.fresh))
@@ -180,7 +190,8 @@ class GatedDeltaNet(nn.Module):
                 step.verified.mixed[self.index, snap:snap + r1 - r0] = mixed[r0:r1]
                 conv[r0:r1] = self._conv(mixed[r0:r1], conv_states[slot].clone())
                 continue
-            conv[r0:r1] = self._conv(mixed[r0:r1], conv_states[slot])
+            keep = None if saves[i] is None else (saves[i][0], step.snap_conv[self.index, saves[i][1]])
+            conv[r0:r1] = self._conv(mixed[r0:r1], conv_states[slot], keep)
         q, k, v = conv.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         rep = self.hv // self.hk           # each q/k head serves this many consecutive value heads
         q = l2_normalised(q.view(T, self.hk, self.dk)).repeat_interleave(rep, dim=1)
@@ -204,10 +215,19 @@ class GatedDeltaNet(nn.Module):
                 out[r0 + j] = o[0]
         for i in set(range(len(step.rows))) - set(decodes) - set(verifying):
             (r0, r1), slot = step.rows[i], step.slots[i]
-            start = torch.zeros_like(rec_states[slot]) if step.fresh[i] else rec_states[slot]
-            o, s = chunked_delta_rule(q[r0:r1].transpose(0, 1) * self.dk ** -0.5,
-                                      *(t[r0:r1].transpose(0, 1) for t in (k, v, g, beta)), start)
-            out[r0:r1] = o.transpose(0, 1)
+            s = torch.zeros_like(rec_states[slot]) if step.fresh[i] else rec_states[slot]
+            # a snapshot inside the rows parts them there: the state at the boundary is the first part's last
+            ends = [r0 + saves[i][0], r1] if saves[i] is not None and saves[i][0] < r1 - r0 else [r1]
+            for a, e in zip([r0] + ends[:-1], ends):
+                o, s = chunked_delta_rule(q[a:e].transpose(0, 1) * self.dk ** -0.5,
+                                          *(t[a:e].transpose(0, 1) for t in (k, v, g, beta)), s)
+                out[a:e] = o.transpose(0, 1)
+                if e < r1:
+                    step.snap_rec[self.index, saves[i][1]] = s
             rec_states[slot] = s
+        for i, save in enumerate(saves):     # snapshots at the end of a request's rows: its state after the step
+            if save is not None and save[0] == step.rows[i][1] - step.rows[i][0]:
+                step.snap_conv[self.index, save[1]] = conv_states[step.slots[i]]
+                step.snap_rec[self.index, save[1]] = rec_states[step.slots[i]]
         y = self.norm(out.to(x.dtype), z)
         return self.ops.all_reduce(self.out_proj(y.reshape(T, self.value_dim)))
