@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
 """Qwen3.5's hybrid linear attention on the CPU, side by side with transformers on the same weights: one stream's
 TTFT of a prompt and its decode tokens a second, and a batch's decode throughput. Random weights in a Qwen3.5
-shape (no model hub here); both sides greedy, in the same dtype, on the same threads, alternating in one run.
+shape (no model hub here); both sides greedy, in the same dtype, on the same threads, alternating in one run. These
+run with tokenmill's prefix cache off, as transformers has none. Then a conversation's next turn (its first turn's
+prompt and answer and --turn more tokens): its TTFT with the prefix cache on (resuming from the state snapshot where
+the first turn's decode last passed a block boundary) against off, in the same run.
 
   .venv/bin/python benchmarks/linear_attention.py [--shape 0.8b] [--dtype bfloat16] [--prompt 256] [--out 32]
-      [--batch 8] [--pairs 2] [--json OUT]
+      [--batch 8] [--turn 32] [--pairs 2] [--json OUT]
 
 The machine's CPU and the kernel variant are recorded. transformers runs its own torch fallbacks of the chunked and
 recurrent delta rule (no flash-linear-attention or causal-conv1d kernels on a CPU), as tokenmill's reference does."""
@@ -41,6 +44,20 @@ def checkpoint(shape: dict, folder: Path, dtype: torch.dtype):
     model = Qwen3_5ForCausalLM(cfg).to(dtype).eval()
     model.save_pretrained(folder)
     return model
+
+
+def ours_turns(cached, uncached, first: list[int], out: int, more: list[int]) -> tuple[float, float, int]:
+    """A conversation's next turn: the first turn run on `cached` (its snapshots kept), then the second turn's TTFT
+    on it and on `uncached`, and the tokens its prefix hit covered."""
+    from tokenmill import SamplingParams
+    answer = cached.generate([{"prompt_token_ids": first}], SamplingParams(temperature=0, max_tokens=out,
+                                                                           ignore_eos=True), use_tqdm=False)
+    turn = first + answer[0].outputs[0].token_ids + more
+    ttft = []
+    for llm in (cached, uncached):
+        t, _ = ours_single(llm, turn, 2)
+        ttft.append(t)
+    return ttft[0], ttft[1], cached.llm_engine.scheduler.kv.num_hits
 
 
 def ours_single(llm, prompt: list[int], out: int) -> tuple[float, float]:
@@ -96,6 +113,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--out", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--turn", type=int, default=32)
     ap.add_argument("--pairs", type=int, default=2)
     ap.add_argument("--json")
     a = ap.parse_args()
@@ -107,13 +125,16 @@ def main() -> None:
     batch = [torch.randint(10, vocab, (a.prompt // 2,), generator=g).tolist() for _ in range(a.batch)]
     with tempfile.TemporaryDirectory() as tmp:
         hf = checkpoint(SHAPES[a.shape], Path(tmp), dtype)
-        llm = LLM(tmp, dtype=a.dtype, max_model_len=a.prompt + a.out + 16, max_num_seqs=max(a.batch, 1),
+        kw = dict(dtype=a.dtype, max_model_len=a.prompt + a.out + a.turn + 16, max_num_seqs=max(a.batch, 1),
                   kv_cache_memory_gb=0.5)
+        llm = LLM(tmp, **kw, enable_prefix_caching=False)
+        cached = LLM(tmp, **kw)
         kernels = llm.llm_engine.model.ops.describe()
         ours_single(llm, prompt[:32], 4)            # warm both
         hf_single(hf, prompt[:32], 4)
         rows = {"ours_ttft_s": [], "ours_tok_s": [], "hf_ttft_s": [], "hf_tok_s": [], "ours_batch_tok_s": [],
-                "hf_batch_tok_s": []}
+                "hf_batch_tok_s": [], "next_turn_cached_ttft_s": [], "next_turn_uncached_ttft_s": []}
+        hits = 0
         for _ in range(a.pairs):
             ttft, rate = ours_single(llm, prompt, a.out)
             rows["ours_ttft_s"].append(ttft)
@@ -123,9 +144,17 @@ def main() -> None:
             rows["hf_tok_s"].append(rate)
             rows["ours_batch_tok_s"].append(ours_batch(llm, batch, a.out))
             rows["hf_batch_tok_s"].append(hf_batch(hf, batch, a.out))
+            first = torch.randint(10, vocab, (a.prompt,), generator=g).tolist()     # a new conversation
+            more = torch.randint(10, vocab, (a.turn,), generator=g).tolist()
+            on, off, total = ours_turns(cached, llm, first, a.out, more)
+            rows["next_turn_cached_ttft_s"].append(on)
+            rows["next_turn_uncached_ttft_s"].append(off)
+            hits, hit_tokens = total, total - hits
     med = {k: statistics.median(v) for k, v in rows.items()}
     res = {"machine": machine_record(), "shape": a.shape, "dtype": a.dtype, "prompt": a.prompt, "out": a.out,
-           "batch": a.batch, "pairs": a.pairs, "plan": kernels, "runs": rows, "median": med,
+           "batch": a.batch, "turn": a.turn, "pairs": a.pairs, "plan": kernels, "runs": rows, "median": med,
+           "next_turn_hit_tokens": hit_tokens,
+           "next_turn_cached_over_uncached": med["next_turn_cached_ttft_s"] / med["next_turn_uncached_ttft_s"],
            "decode_over_hf": med["ours_tok_s"] / med["hf_tok_s"],
            "ttft_over_hf": med["ours_ttft_s"] / med["hf_ttft_s"],
            "batch_over_hf": med["ours_batch_tok_s"] / med["hf_batch_tok_s"]}

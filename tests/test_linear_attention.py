@@ -16,6 +16,8 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.config import ModelConfig
 from tokenmill.executor.layers.gated_deltanet import CHUNK, chunked_delta_rule, recurrent_step
 from tokenmill.executor.linear_states import state_bytes_per_request
+from tokenmill.executor.kernels import load, runnable_variants
+from tokenmill.executor.ops import CpuKernelOps, ReferenceOps
 
 ENGINE = dict(dtype="float32", kv_cache_memory_gb=0.02, max_model_len=512)
 ENGINE_SEQS = 256           # the engine's max_num_seqs: as many state slots, and as many snapshots
@@ -58,6 +60,34 @@ def test_the_chunked_rule_equals_the_recurrence():
         steps.append(o[0])
     torch.testing.assert_close(out, torch.stack(steps, dim=1), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(last, s[0], rtol=1e-4, atol=1e-5)
+
+
+def _plan(name: str):
+    if name == "triton":
+        from tokenmill.executor.ops.triton import TritonOps
+        return TritonOps(torch.float32)
+    return ReferenceOps() if name == "reference" else CpuKernelOps(load(name), torch.float32)
+
+
+@pytest.mark.parametrize("plan", ["reference", *runnable_variants(), "triton"])
+@pytest.mark.parametrize("dk,dv", [(8, 5), (128, 128), (40, 72)])
+def test_every_plan_steps_the_rule_as_the_recurrence(plan, dk, dv):
+    """A decode's step (ops.delta_rule_step) through each plan (the CPU kernels of each variant this machine runs,
+    Triton under the interpreter) against recurrent_step: rows in slots out of order, the other slots untouched."""
+    g = torch.Generator().manual_seed(dk + dv)
+    B, H, slots = 3, 4, 6
+    q, k = (torch.nn.functional.normalize(torch.randn(B, H, dk, generator=g), dim=-1) for _ in range(2))
+    v = torch.randn(B, H, dv, generator=g)
+    decay, beta = -torch.rand(B, H, generator=g), torch.rand(B, H, generator=g)
+    state = torch.randn(slots, H, dk, dv, generator=g)
+    at = torch.tensor([4, 0, 2])
+    want_out, want_state = recurrent_step(q, k, v, decay, beta, state[at])
+    got = state.clone()
+    out = _plan(plan).delta_rule_step(q, k, v, decay, beta, got, at)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[at], want_state, rtol=1e-5, atol=1e-5)
+    untouched = [i for i in range(slots) if i not in at.tolist()]
+    assert torch.equal(got[untouched], state[untouched])
 
 
 def test_mixed_batch_gives_transformers_tokens_and_logprobs(qwen3_5):
@@ -211,7 +241,7 @@ def test_prefix_hits_resume_from_state_snapshots(qwen3_5, chunk):
     """A hit resumes from the state at the longest cached block boundary that has a snapshot: the same prompt again
     (the boundary before its last token, 32 of 40), a conversation's next turn (the last boundary the first turn's
     decode passed, 48), a prompt parting from a cached one mid-block (32). In chunks of 24 the boundary at 32 falls
-    inside a chunk, which is parted there. Two requests for one prompt in one step: the second cannot load the
+    inside a chunk, which is parted there (and in a 48-token prompt, 24 to 48 holds two boundaries). Two requests for one prompt in one step: the second cannot load the
     snapshot that step is writing, so it computes everything (unchunked; chunked, it waits for the first)."""
     path, hf = qwen3_5
     llm = LLM(path, **ENGINE, **({} if chunk is None else {"max_num_batched_tokens": chunk}))
@@ -225,6 +255,11 @@ def test_prefix_hits_resume_from_state_snapshots(qwen3_5, chunk):
     assert _run(llm, [a], hf) == [32]
     assert _run(llm, [turn], hf) == [48]
     assert _run(llm, [parted], hf) == [32]
+    # a prompt of whole blocks keeps both its boundaries: before its last token (32), and its end (48) for a longer
+    # prompt, though it decodes no further
+    b = random_prompts([48], seed=4)[0]
+    greedy(llm, [b], 1)
+    assert _run(llm, [b + random_prompts([5], seed=5)[0], b], hf) == [48, 32]
     snaps = llm.llm_engine.scheduler.snapshots
     assert not snaps.pending and len(snaps.index) + len(snaps.free_slots) == ENGINE_SEQS
     llm.llm_engine.kv.check_integrity()

@@ -36,9 +36,9 @@ class ScheduledRequest:
     spec_draft_probs: Optional[tuple[Any, ...]] = None   # a draft model's q [V] of each guess (tensors)
     new: Optional[NewRequestData] = None
     # linear-attention layers' state snapshots (engine/state_snapshots.py): the slot a prefix hit resumes from, and
-    # (tokens into this step's rows, slot) where the state after those tokens is kept
+    # (tokens into this step's rows, slot) of each point where the state after those tokens is kept, in order
     state_load: Optional[int] = None
-    state_save: Optional[tuple[int, int]] = None
+    state_save: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass

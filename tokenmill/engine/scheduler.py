@@ -295,7 +295,7 @@ class Scheduler:
                       load: Optional[int] = None) -> None:
         target = self._target(req)
         guesses = max(n - (target - req.num_computed_tokens), 0)
-        save = None
+        save = ()
         if self.snapshots is not None and not guesses:    # a verification's state is known only once it is back
             start = req.num_computed_tokens
             save = self.snapshots.save(req, start, n, self.kv.block_hashes(req, (start + n) // self.kv.block_size))

@@ -38,34 +38,33 @@ class StateSnapshots:
                 return n, slot
         return 0, None
 
-    def save_point(self, req: Request, start: int, n: int) -> Optional[int]:
-        """Where in tokens [start, start + n) of req this step's state is worth keeping (a block boundary past
-        start, at most start + n), None: nowhere."""
+    def save_points(self, req: Request, start: int, n: int) -> list[int]:
+        """Where in tokens [start, start + n) of req this step's state is worth keeping: block boundaries past
+        start, at most start + n."""
         bs, end = self.block_size, start + n
         prompt_point = (req.num_prompt_tokens - 1) // bs * bs
-        if start < prompt_point <= end:
-            return prompt_point
-        if end % bs == 0 and end >= req.num_prompt_tokens and end > start:
-            return end
-        return None
+        points = [prompt_point] if start < prompt_point <= end else []
+        if end % bs == 0 and end >= req.num_prompt_tokens and end > max(start, prompt_point):
+            points.append(end)
+        return points
 
-    def save(self, req: Request, start: int, n: int, hashes: list[int]) -> Optional[tuple[int, int]]:
-        """The save this step makes for req's tokens [start, start + n) (hashes: its block hashes up to there):
-        (tokens into the step's rows, snapshot slot), None: none."""
-        point = self.save_point(req, start, n)
-        if point is None:
-            return None
-        h = hashes[point // self.block_size - 1]
-        if h in self.index or any(p[1] == h for p in self.pending):
-            return None
-        if self.free_slots:
-            slot = self.free_slots.pop()
-        elif self.index:                  # the least recently used goes; a load of it this step reads it first
-            _, slot = self.index.popitem(last=False)
-        else:
-            return None
-        self.pending.append((req.request_id, h, slot, point >= req.num_prompt_tokens))
-        return point - start, slot
+    def save(self, req: Request, start: int, n: int, hashes: list[int]) -> tuple[tuple[int, int], ...]:
+        """The saves this step makes for req's tokens [start, start + n) (hashes: its block hashes up to there):
+        (tokens into the step's rows, snapshot slot) each, in order."""
+        saves = []
+        for point in self.save_points(req, start, n):
+            h = hashes[point // self.block_size - 1]
+            if h in self.index or any(p[1] == h for p in self.pending):
+                continue
+            if self.free_slots:
+                slot = self.free_slots.pop()
+            elif self.index:              # the least recently used goes; a load of it this step reads it first
+                _, slot = self.index.popitem(last=False)
+            else:
+                break
+            self.pending.append((req.request_id, h, slot, point >= req.num_prompt_tokens))
+            saves.append((point - start, slot))
+        return tuple(saves)
 
     def commit(self) -> None:
         """The step that wrote the pending snapshots has run: they join the index."""

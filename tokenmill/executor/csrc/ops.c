@@ -155,6 +155,48 @@ TM_API int tm_silu_mul(const tm_silu_mul_args *a) {
     return 0;
 }
 
+/* A head's state S [dk, dv] in two passes: read = S^T k (before the decay, which scales it after), then S
+ * decayed and corrected row by row while out accumulates S^T q. Heads of all rows go over the threads: each is
+ * dk * dv floats of its own. */
+static void delta_rule_step(const tm_delta_rule_step_args *a) {
+    const int H = a->heads, dk = a->dk, dv = a->dv, units = a->rows * a->heads;
+#pragma omp parallel for schedule(static) num_threads(a->num_threads) if (units > 1 && (size_t)units * dk * dv >= 65536)
+    for (int u = 0; u < units; u++) {
+        const int r = u / H, h = u % H;
+        float *restrict S = a->state + ((size_t)a->slot[r] * H + h) * dk * dv;
+        const float *restrict q = a->q + (size_t)u * dk, *restrict k = a->k + (size_t)u * dk;
+        const float *restrict v = a->v + (size_t)u * dv;
+        float *restrict o = a->out + (size_t)u * dv;
+        const float decay = expf(a->g[u]), beta = a->beta[u];
+        float delta[TM_DELTA_RULE_MAX_DV];
+        for (int j = 0; j < dv; j++) delta[j] = 0.f;
+        for (int i = 0; i < dk; i++) {
+            const float ki = k[i];
+            const float *restrict Si = S + (size_t)i * dv;
+            for (int j = 0; j < dv; j++) delta[j] += Si[j] * ki;
+        }
+        for (int j = 0; j < dv; j++) {
+            delta[j] = beta * (v[j] - decay * delta[j]);
+            o[j] = 0.f;
+        }
+        for (int i = 0; i < dk; i++) {
+            const float ki = k[i], qi = q[i];
+            float *restrict Si = S + (size_t)i * dv;
+            for (int j = 0; j < dv; j++) {
+                const float s = decay * Si[j] + ki * delta[j];
+                Si[j] = s;
+                o[j] += s * qi;
+            }
+        }
+    }
+}
+
+TM_API int tm_delta_rule_step(const tm_delta_rule_step_args *a) {
+    if (a->dk < 1 || a->dv < 1 || a->dv > TM_DELTA_RULE_MAX_DV) return -1;
+    delta_rule_step(a);
+    return 0;
+}
+
 TM_API int tm_argmax(const tm_argmax_args *a) {
     if (a->n < 1) return -1;
     argmax_rows(a->x, a->rows, a->n, a->out, a->num_threads);

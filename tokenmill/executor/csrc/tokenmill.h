@@ -135,6 +135,26 @@ TM_API int tm_silu_mul(const tm_silu_mul_args *a);
 /* the same with gelu(gate, tanh approximation) * up (Gemma's GeGLU), torch's formula */
 TM_API int tm_gelu_tanh_mul(const tm_silu_mul_args *a);
 
+/* One token of the gated delta rule (Qwen3.5's linear attention) for each row, its state read and written in place
+ * at the row's slot: S = exp(g) S; S += k (beta (v - S^T k))^T; out = S^T q. float32 throughout. */
+#define TM_DELTA_RULE_MAX_DV 512      /* a value head's width */
+typedef struct {
+    const float *q;               /* [rows, heads, dk], normalised and scaled */
+    const float *k;               /* [rows, heads, dk], normalised */
+    const float *v;               /* [rows, heads, dv] */
+    const float *g;               /* [rows, heads]: the log decay */
+    const float *beta;            /* [rows, heads] */
+    float *state;                 /* [slots, heads, dk, dv] */
+    const int64_t *slot;          /* [rows], each row's own */
+    float *out;                   /* [rows, heads, dv] */
+    int rows;
+    int heads;
+    int dk;
+    int dv;
+    int num_threads;
+} tm_delta_rule_step_args;
+TM_API int tm_delta_rule_step(const tm_delta_rule_step_args *a);
+
 /* torch.argmax's rules: the first index on ties, a NaN the largest */
 typedef struct {
     const float *x;               /* [rows, n] */

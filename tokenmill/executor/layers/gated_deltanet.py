@@ -42,9 +42,9 @@ class LinearStep:
     # replays those into the slot (LinearStates.restore)
     snap_row: list[Optional[int]] = field(default_factory=list)
     verified: Optional["VerifiedRows"] = None
-    # the prefix cache's snapshots: for each request, (rows into its rows, snapshot slot) where its state is kept
-    # (None: nowhere), and the snapshot tensors, laid out as conv and rec
-    saves: list[Optional[tuple[int, int]]] = field(default_factory=list)
+    # the prefix cache's snapshots: for each request, (rows into its rows, snapshot slot) of each point where its
+    # state is kept, in order; and the snapshot tensors, laid out as conv and rec
+    saves: list[tuple[tuple[int, int], ...]] = field(default_factory=list)
     snap_conv: Optional[torch.Tensor] = None
     snap_rec: Optional[torch.Tensor] = None
 
@@ -147,14 +147,14 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = Linear(self.value_dim, h, False, ops)
 
-    def _conv(self, x: torch.Tensor, conv_state: torch.Tensor, keep: Optional[tuple[int, torch.Tensor]] = None
+    def _conv(self, x: torch.Tensor, conv_state: torch.Tensor, keep: tuple[tuple[int, torch.Tensor], ...] = ()
               ) -> torch.Tensor:
         """One request's rows [L, C] after the kernel's last K-1 inputs (conv_state [C, K-1], updated in place):
-        the causal depthwise convolution with SiLU, [L, C]. keep (m, into): the K-1 inputs before row m copied
-        into `into` (a snapshot)."""
+        the causal depthwise convolution with SiLU, [L, C]. keep: (m, into) each, the K-1 inputs before row m
+        copied into `into` (a snapshot)."""
         full = torch.cat([conv_state, x.t()], dim=1)                  # [C, K - 1 + L]
-        if keep is not None:
-            keep[1].copy_(full[:, keep[0]:keep[0] + self.kernel - 1])
+        for m, into in keep:
+            into.copy_(full[:, m:m + self.kernel - 1])
         conv_state.copy_(full[:, -(self.kernel - 1):])
         y = F.conv1d(full.unsqueeze(0).to(self.conv1d.weight.dtype), self.conv1d.weight, groups=self.conv_dim)
         return F.silu(y[0]).t().to(x.dtype)
@@ -169,7 +169,7 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid().float()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         snap_row = step.snap_row or [None] * len(step.rows)
-        saves = step.saves or [None] * len(step.rows)
+        saves = step.saves or [()] * len(step.rows)
         verifying = [i for i, r in enumerate(snap_row) if r is not None]
         # decoding requests (a row each, a state to go on from): their convolutions and recurrence steps at once
         decodes = [i for i, ((r0, r1), fresh) in enumerate(zip(step.rows, step.fresh))
@@ -190,7 +190,7 @@ class GatedDeltaNet(nn.Module):
                 step.verified.mixed[self.index, snap:snap + r1 - r0] = mixed[r0:r1]
                 conv[r0:r1] = self._conv(mixed[r0:r1], conv_states[slot].clone())
                 continue
-            keep = None if saves[i] is None else (saves[i][0], step.snap_conv[self.index, saves[i][1]])
+            keep = tuple((m, step.snap_conv[self.index, snap]) for m, snap in saves[i])
             conv[r0:r1] = self._conv(mixed[r0:r1], conv_states[slot], keep)
         q, k, v = conv.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         rep = self.hv // self.hk           # each q/k head serves this many consecutive value heads
@@ -200,9 +200,8 @@ class GatedDeltaNet(nn.Module):
         out = torch.empty(T, self.hv, self.dv, dtype=torch.float32, device=x.device)
         if decodes:
             # scaled as transformers scales a decode's query (a division; the chunked form multiplies)
-            o, s = recurrent_step(q[rows] / self.dk ** 0.5, k[rows], v[rows], g[rows], beta[rows], rec_states[slots])
-            out[rows] = o
-            rec_states[slots] = s
+            out[rows] = self.ops.delta_rule_step(q[rows] / self.dk ** 0.5, k[rows], v[rows], g[rows], beta[rows],
+                                                 rec_states, slots)
         for i in verifying:     # a token and its guesses: one step each, on a copy of the state
             (r0, r1), slot, snap = step.rows[i], step.slots[i], step.snap_row[i]
             rows_in = (q[r0:r1] / self.dk ** 0.5, k[r0:r1], v[r0:r1], g[r0:r1], beta[r0:r1])
@@ -216,18 +215,20 @@ class GatedDeltaNet(nn.Module):
         for i in set(range(len(step.rows))) - set(decodes) - set(verifying):
             (r0, r1), slot = step.rows[i], step.slots[i]
             s = torch.zeros_like(rec_states[slot]) if step.fresh[i] else rec_states[slot]
-            # a snapshot inside the rows parts them there: the state at the boundary is the first part's last
-            ends = [r0 + saves[i][0], r1] if saves[i] is not None and saves[i][0] < r1 - r0 else [r1]
+            # a snapshot inside the rows parts them there: the state at the boundary is the part's last
+            inside = {r0 + m: snap for m, snap in saves[i] if m < r1 - r0}
+            ends = sorted(inside) + [r1]
             for a, e in zip([r0] + ends[:-1], ends):
                 o, s = chunked_delta_rule(q[a:e].transpose(0, 1) * self.dk ** -0.5,
                                           *(t[a:e].transpose(0, 1) for t in (k, v, g, beta)), s)
                 out[a:e] = o.transpose(0, 1)
-                if e < r1:
-                    step.snap_rec[self.index, saves[i][1]] = s
+                if e in inside:
+                    step.snap_rec[self.index, inside[e]] = s
             rec_states[slot] = s
         for i, save in enumerate(saves):     # snapshots at the end of a request's rows: its state after the step
-            if save is not None and save[0] == step.rows[i][1] - step.rows[i][0]:
-                step.snap_conv[self.index, save[1]] = conv_states[step.slots[i]]
-                step.snap_rec[self.index, save[1]] = rec_states[step.slots[i]]
+            for m, snap in save:
+                if m == step.rows[i][1] - step.rows[i][0]:
+                    step.snap_conv[self.index, snap] = conv_states[step.slots[i]]
+                    step.snap_rec[self.index, snap] = rec_states[step.slots[i]]
         y = self.norm(out.to(x.dtype), z)
         return self.ops.all_reduce(self.out_proj(y.reshape(T, self.value_dim)))

@@ -314,6 +314,17 @@ class CpuKernelOps(ReferenceOps):
                                                      inter=inter, num_threads=torch.get_num_threads()))
         return out
 
+    def delta_rule_step(self, q, k, v, g, beta, state, slots):
+        # state: one layer's view of the slots, contiguous; the inputs are the layer's float32 rows
+        H, dk, dv = state.shape[1:]
+        if not state.is_contiguous() or dv > self.kernels.limits["TM_DELTA_RULE_MAX_DV"]:
+            return super().delta_rule_step(q, k, v, g, beta, state, slots)
+        q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+        out = torch.empty(q.shape[0], H, dv)
+        self.kernels.run("delta_rule_step", q=q, k=k, v=v, g=g, beta=beta, state=state, slot=slots, out=out,
+                         rows=q.shape[0], heads=H, dk=dk, dv=dv, num_threads=torch.get_num_threads())
+        return out
+
     # ---- LoRA: the kernels' per-row shrink-expand (tm_lora), its stacks in float32 whatever the model's dtype
     def lora_weight_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return torch.float32 if dtype in _LAYER_DTYPES else dtype
@@ -394,6 +405,7 @@ class CpuKernelOps(ReferenceOps):
                                  f"biases; Llama's shape or Gemma's) under the cpu attention backend; torch otherwise"
                                  if self.dtype in _LAYER_DTYPES else "torch",
                 "fused_moe": "torch, grouped by expert", "swiglu_oai_mul": "torch",
+                "delta_rule": f"{k}: a decode's step, each head's state in place; torch for prompts (chunked)",
                 "lora": f"{k}, each row its own adapter's slot (float32 and bfloat16 models), torch otherwise",
                 "attention": f"{k}, paged, for head_dim a multiple of {lim['TM_ATTN_HEAD_DIM_MULTIPLE']} up to "
                              f"{lim['TM_ATTN_MAX_HEAD_DIM']} and up to {lim['TM_ATTN_MAX_GROUP']} query heads per "

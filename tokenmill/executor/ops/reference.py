@@ -8,6 +8,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from tokenmill.executor.layers.gated_deltanet import recurrent_step
 from tokenmill.executor.layers.quant import (Fp8Weight, GroupWeight, PackedWeight, QuantWeight, RowParts,
                                             blocks_to_group, dequantize_rows, select_rows)
 from tokenmill.executor.layers.rotary import apply_rotary
@@ -187,6 +188,14 @@ class ReferenceOps:
         ys = (ys * topk_weights.flatten()[order, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, rows, ys)
 
+    def delta_rule_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """One token of the gated delta rule for B rows (Qwen3.5's linear-attention decode): q, k [B, H, dk]
+        (normalised, q scaled), v [B, H, dv], g, beta [B, H], float32; each row's state, state[slots[b]] of
+        [slots, H, dk, dv], read and written in place. Returns the outputs [B, H, dv]."""
+        out, state[slots] = recurrent_step(q, k, v, g, beta, state[slots])
+        return out
+
     def lora_weight_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype lora() reads the adapters' stacks in, for a model of dtype."""
         return dtype
@@ -218,6 +227,6 @@ class ReferenceOps:
     def describe(self) -> dict[str, str]:
         """op -> what serves it, for `tokenmill info` and the server's start log."""
         ops = ("linear", "embedding", "rms_norm", "rotary", "silu_mul", "argmax", "decoder_layer", "fused_moe",
-               "gelu_tanh_mul", "swiglu_oai_mul")
+               "gelu_tanh_mul", "swiglu_oai_mul", "delta_rule")
         return {**{op: "torch" for op in ops}, "attention": "torch (batched SDPA)",
                 "lora": "torch (each adapter's rows gathered, shrink and expand as two batched GEMMs)"}

@@ -108,6 +108,12 @@ class TritonOps(ReferenceOps):
         from tokenmill.executor.ops import triton_moe
         return triton_moe.fused_moe(x, topk_weights, topk_ids, stacked)
 
+    def delta_rule_step(self, q, k, v, g, beta, state, slots):
+        from tokenmill.executor.ops import triton_delta_rule as dr
+        if dr.delta_rule_fits(q.shape[-1], state) is not None:
+            return super().delta_rule_step(q, k, v, g, beta, state, slots)
+        return dr.delta_rule_step(q, k, v, g, beta, state, slots)
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.k.silu_mul(gate_up) if self.act_kernel else super().silu_mul(gate_up)
 
@@ -127,6 +133,8 @@ class TritonOps(ReferenceOps):
                 (f"; {self.moe_fallbacks} MoE layers torch" if self.moe_fallbacks else "")
         if self.lora_kernel is not None:
             d["lora"] = "triton (shrink, then expand: each row reads its own adapter's slot)"
+        d["delta_rule"] = "triton: a decode's step, each head's state in place (keys up to 256 wide); torch for " \
+                          "prompts (chunked)"
         d["rotary"] = "triton, fused with the KV-cache write where the attention backend is Triton's and the cache " \
                       "a float one (else torch)"
         return d
