@@ -296,3 +296,144 @@ def test_qwen3_next_regroups_rows_quantised_at_load(tmp_path):
     w = exact.weight if exact.weight is not None else exact.weight_t.t()
     step = w.abs().amax(dim=1, keepdim=True) / 127
     assert quant.quant is not None and ((dequantize_rows(quant.quant) - w).abs() <= step).all()
+
+
+# ---- GGUF ----------------------------------------------------------------------------------------------------------
+def _interval_model(kind: str, path) -> tuple[str, object]:
+    """The tiny model with every second layer attending (full_attention_interval 2), as the published models place
+    theirs at every fourth: a GGUF keeps the interval, not each layer's type."""
+    from transformers import AutoModelForCausalLM
+    from tests.tiny_models import _configs
+    torch.manual_seed(0)
+    cfg = _configs()[kind]()
+    cfg.full_attention_interval = 2
+    cfg.layer_types = ["full_attention" if (i + 1) % 2 == 0 else "linear_attention"
+                       for i in range(cfg.num_hidden_layers)]
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.randn_like(p) * 0.2)
+    hf.save_pretrained(path)
+    return str(path), hf
+
+
+def _tiled(x, key_heads: int, width: int):
+    """Value heads (blocks of width along the first axis) from grouped order (key head by key head) into tiled."""
+    import numpy as np
+    n = x.shape[0] // width
+    return np.ascontiguousarray(x.reshape(key_heads, n // key_heads, width, *x.shape[1:]).swapaxes(0, 1)
+                                .reshape(x.shape))
+
+
+def write_qwen3_5_gguf(hf_path: str, out, qtype=None) -> None:
+    """As llama.cpp's converter writes Qwen3.5, Qwen3.5-MoE and Qwen3-Next (qwen35, qwen35moe, qwen3next): every
+    norm but the linear layers' gated one as 1 + w; A_log as ssm_a = -exp(A_log), dt_bias as ssm_dt.bias, the
+    convolution as [channels, kernel]; Qwen3-Next's q/k/v/z split into attn_qkv (every q, k, v) and attn_gate, its
+    b/a kept grouped (ssm_ba); Qwen3.5's value heads reordered into tiled order; the ssm sizes and the attention
+    interval in the metadata. Matrices in qtype where their rows are whole blocks (else F32)."""
+    import json
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+    from tests.family_checks import gguf_put, gguf_shape
+    cfg = json.loads(open(f"{hf_path}/config.json").read())
+    sd = load_file(f"{hf_path}/model.safetensors")
+    arch = {"qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next"}[cfg["model_type"]]
+    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv, r = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], nv // nk
+    w = gguf.GGUFWriter(str(out), arch)
+    gguf_shape(w, {**cfg, "intermediate_size": cfg.get("intermediate_size") or cfg["moe_intermediate_size"]},
+               cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_rope_dimension_count(int(cfg["head_dim"] * cfg["rope_parameters"]["partial_rotary_factor"]))
+    w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+    w.add_ssm_state_size(dk)
+    w.add_ssm_group_count(nk)
+    w.add_ssm_time_step_rank(nv)
+    w.add_ssm_inner_size(nv * dv)
+    w.add_full_attention_interval(cfg["full_attention_interval"])
+    if cfg.get("num_experts"):
+        w.add_expert_count(cfg["num_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    put_any = gguf_put(w)
+
+    def put(name, x, q=None):         # rows that are not whole blocks stay F32, as llama.cpp's quantiser keeps them
+        put_any(name, x, q if x.shape[-1] % 32 == 0 else None)
+    tiled = (lambda x, width: _tiled(x, nk, width)) if arch != "qwen3next" and nk != nv else (lambda x, width: x)
+    put("token_embd.weight", sd["model.embed_tokens.weight"])
+    put("output.weight", sd["lm_head.weight"], qtype)
+    put("output_norm.weight", sd["model.norm.weight"] + 1)
+    for i in range(cfg["num_hidden_layers"]):
+        h, b = f"model.layers.{i}.", f"blk.{i}."
+        put(b + "attn_norm.weight", sd[h + "input_layernorm.weight"] + 1)
+        put(b + "post_attention_norm.weight", sd[h + "post_attention_layernorm.weight"] + 1)
+        if cfg["layer_types"][i] == "full_attention":
+            for hf, g in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output")):
+                put(f"{b}{g}.weight", sd[f"{h}self_attn.{hf}.weight"], qtype)
+            put(b + "attn_q_norm.weight", sd[h + "self_attn.q_norm.weight"] + 1)
+            put(b + "attn_k_norm.weight", sd[h + "self_attn.k_norm.weight"] + 1)
+        else:
+            la = h + "linear_attn."
+            if arch == "qwen3next":       # per key head: q, k, its value heads' v, then z
+                g = sd[la + "in_proj_qkvz.weight"].reshape(nk, 2 * dk + 2 * r * dv, -1)
+                q, k, v, z = np.split(g, [dk, 2 * dk, 2 * dk + r * dv], axis=1)
+                qkv = np.concatenate([t.reshape(-1, g.shape[-1]) for t in (q, k, v)])
+                put(b + "attn_gate.weight", z.reshape(-1, g.shape[-1]), qtype)
+                put(b + "ssm_ba.weight", sd[la + "in_proj_ba.weight"], qtype)
+            else:
+                qkv = sd[la + "in_proj_qkv.weight"].copy()
+                qkv[2 * nk * dk:] = tiled(qkv[2 * nk * dk:], dv)
+                put(b + "attn_gate.weight", tiled(sd[la + "in_proj_z.weight"], dv), qtype)
+                put(b + "ssm_beta.weight", tiled(sd[la + "in_proj_b.weight"], 1), qtype)
+                put(b + "ssm_alpha.weight", tiled(sd[la + "in_proj_a.weight"], 1), qtype)
+            put(b + "attn_qkv.weight", qkv, qtype)
+            conv = sd[la + "conv1d.weight"][:, 0].copy()
+            conv[2 * nk * dk:] = tiled(conv[2 * nk * dk:], dv)
+            put(b + "ssm_conv1d.weight", conv)
+            put(b + "ssm_a", -np.exp(tiled(sd[la + "A_log"], 1)))
+            put(b + "ssm_dt.bias", tiled(sd[la + "dt_bias"], 1))
+            put(b + "ssm_norm.weight", sd[la + "norm.weight"])
+            put(b + "ssm_out.weight", tiled(sd[la + "out_proj.weight"].T, dv).T, qtype)
+        if h + "mlp.gate.weight" in sd:
+            m = h + "mlp."
+            put(b + "ffn_gate_inp.weight", sd[m + "gate.weight"])
+            for hf, g in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
+                put(f"{b}{g}.weight", np.stack([sd[f"{m}experts.{e}.{hf}.weight"] for e in range(cfg["num_experts"])]),
+                    qtype)
+            for hf, g in (("gate_proj", "ffn_gate_shexp"), ("up_proj", "ffn_up_shexp"), ("down_proj", "ffn_down_shexp")):
+                put(f"{b}{g}.weight", sd[f"{m}shared_expert.{hf}.weight"], qtype)
+            put(b + "ffn_gate_inp_shexp.weight", sd[m + "shared_expert_gate.weight"][0])
+        else:
+            for hf, g in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
+                put(f"{b}{g}.weight", sd[f"{h}mlp.{hf}.weight"], qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next", "qwen3_5_moe"])
+def test_gguf_gives_transformers_tokens(kind, tmp_path):
+    """A GGUF written as llama.cpp's converter writes the family (Qwen3.5's value heads reordered into tiled order)
+    reads back as the HF folder's model: the same config fields, and transformers' greedy tokens; Q8_0 matrices stay
+    in their blocks and give the tokens of their weights dequantised at load."""
+    import gguf
+    from tests.family_checks import check_blocks_equal_dequantised
+    path, hf = _interval_model(kind, tmp_path / "hf")
+    write_qwen3_5_gguf(path, tmp_path / "f32.gguf")
+    llm = LLM(str(tmp_path / "f32.gguf"), **ENGINE, tokenizer=None)
+    mc, want = llm.llm_engine.model_config, ModelConfig.from_path(path)
+    for field in ("linear_layers", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                  "linear_value_head_dim", "linear_conv_kernel_dim", "rotary_dim", "moe_layers", "num_experts",
+                  "shared_expert_intermediate_size", "norm_topk_prob", "attn_output_gate", "zero_centered_norms"):
+        assert getattr(mc, field) == getattr(want, field), field
+    assert mc.linear_value_heads_tiled == (kind != "qwen3_next")
+    prompts = random_prompts([40, 9, CHUNK + 3], seed=2)
+    assert greedy(llm, prompts, 16) == [hf_greedy(hf, p, 16) for p in prompts]
+    write_qwen3_5_gguf(path, tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)
+    blocks = check_blocks_equal_dequantised(str(tmp_path / "q8.gguf"), ENGINE)
+    assert blocks.llm_engine.model.layers[0].linear_attn.in_proj.quant is not None

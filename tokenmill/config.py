@@ -115,6 +115,9 @@ class ModelConfig:
     linear_conv_kernel_dim: int = 4
     attn_output_gate: bool = False
     zero_centered_norms: bool = False
+    # value heads in tiled order (head p reads q/k head p mod linear_num_key_heads), as llama.cpp's converter
+    # reorders Qwen3.5's; grouped by key head (p // heads per key head) in HF checkpoints
+    linear_value_heads_tiled: bool = False
 
     @staticmethod
     def from_hf_dict(cfg: dict[str, Any]) -> "ModelConfig":
@@ -345,7 +348,7 @@ def _linear_attention_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
                 linear_key_head_dim=cfg.get("linear_key_head_dim", 128),
                 linear_value_head_dim=cfg.get("linear_value_head_dim", 128),
                 linear_conv_kernel_dim=cfg.get("linear_conv_kernel_dim", 4), attn_output_gate=True,
-                zero_centered_norms=True)
+                zero_centered_norms=True, linear_value_heads_tiled=bool(cfg.get("linear_value_heads_tiled", False)))
 
 
 def _moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -136,6 +136,7 @@ class GatedDeltaNet(nn.Module):
         self.key_dim, self.value_dim = self.hk * self.dk, self.hv * self.dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel = cfg.linear_conv_kernel_dim
+        self.tiled = cfg.linear_value_heads_tiled
         h = cfg.hidden_size
         # HF's in_proj_qkv, in_proj_z, in_proj_b and in_proj_a fused at load into one matmul, in that order
         self.in_rows = (self.conv_dim, self.value_dim, self.hv, self.hv)
@@ -193,9 +194,10 @@ class GatedDeltaNet(nn.Module):
             keep = tuple((m, step.snap_conv[self.index, snap]) for m, snap in saves[i])
             conv[r0:r1] = self._conv(mixed[r0:r1], conv_states[slot], keep)
         q, k, v = conv.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        rep = self.hv // self.hk           # each q/k head serves this many consecutive value heads
-        q = l2_normalised(q.view(T, self.hk, self.dk)).repeat_interleave(rep, dim=1)
-        k = l2_normalised(k.view(T, self.hk, self.dk)).repeat_interleave(rep, dim=1)
+        # each q/k head serves hv // hk value heads: consecutive ones (HF's order), or every hk-th (tiled, a GGUF's)
+        q, k = (l2_normalised(t.view(T, self.hk, self.dk)) for t in (q, k))
+        q, k = ((t.repeat(1, self.hv // self.hk, 1) if self.tiled else t.repeat_interleave(self.hv // self.hk, dim=1))
+                for t in (q, k))
         v = v.view(T, self.hv, self.dv)
         out = torch.empty(T, self.hv, self.dv, dtype=torch.float32, device=x.device)
         if decodes:

@@ -39,14 +39,20 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "deepseek2": ("deepseek_v2", "DeepseekV2ForCausalLM"),
     "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
+    "qwen35": ("qwen3_5_text", "Qwen3_5ForCausalLM"),
+    "qwen35moe": ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM"),
+    "qwen3next": ("qwen3_next", "Qwen3NextForCausalLM"),
 }
+# hybrid linear attention: Gated DeltaNet layers between every full_attention_interval-th attending one
+_LINEAR_ARCHS = ("qwen35", "qwen35moe", "qwen3next")
 # a "deepseek2" GGUF whose experts are gated by sigmoid scores (llama.cpp's expert_gating_func 2) is DeepSeek-V3
 _DEEPSEEK3 = ("deepseek_v3", "DeepseekV3ForCausalLM")
 _SIGMOID_GATING = 2
 # a "llama" GGUF with experts is Mixtral
 _MIXTRAL = ("mixtral", "MixtralForCausalLM")
 # whether the router's top-k weights are renormalised, where the file does not say (llama.cpp's choice per arch)
-_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "gpt-oss": True}
+_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "gpt-oss": True, "qwen35moe": True,
+              "qwen3next": True}
 
 # llama.cpp's converter permutes q/k rows per head only for these (its rotary kernel wants
 # the two rotated halves interleaved); Qwen's converter does not.
@@ -79,7 +85,7 @@ _LAYER_NAMES = {
 # all experts of a layer in one [experts, rows, columns] tensor -> each expert's matrix in HF form ({e}: its index)
 _EXPERT_NAMES = {"ffn_gate_exps": "mlp.experts.{e}.gate_proj", "ffn_up_exps": "mlp.experts.{e}.up_proj",
                  "ffn_down_exps": "mlp.experts.{e}.down_proj"}
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)(?:\.(weight|bias))?")      # (ssm_a has no suffix)
 # where an architecture's HF names differ from the ones above (one table each, chosen when a file is read):
 # Mixtral's MoE block; Gemma's four norms a layer (llama.cpp's ffn_norm is the one before the MLP, and Gemma's norm
 # after attention takes Llama's HF name); Phi-3's q/k/v and gate/up, fused as in its HF checkpoint
@@ -101,6 +107,15 @@ _ARCH_NAMES: dict[str, dict[str, str]] = {
                               "attn_k_b": "self_attn.k_b_proj", "attn_v_b": "self_attn.v_b_proj",
                               "exp_probs_b": "mlp.gate"},
 }
+# Qwen3.5's and Qwen3-Next's linear layers (b and a apart in Qwen3.5, in one matrix grouped by key head in Qwen3-Next;
+# q, k and v in one, z apart, in both); ssm_dt's bias is dt_bias and ssm_a is -exp(A_log), both restored as read
+_LINEAR_NAMES = {"post_attention_norm": "post_attention_layernorm", "attn_qkv": "linear_attn.in_proj_qkv",
+                 "attn_gate": "linear_attn.in_proj_z", "ssm_beta": "linear_attn.in_proj_b",
+                 "ssm_alpha": "linear_attn.in_proj_a", "ssm_ba": "linear_attn.in_proj_ba",
+                 "ssm_conv1d": "linear_attn.conv1d", "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj",
+                 "ssm_dt": "linear_attn.dt", "ssm_a": "linear_attn.A_log"}
+for _arch in ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM"):
+    _ARCH_NAMES[_arch] = _LINEAR_NAMES
 _ARCH_NAMES["Gemma3ForCausalLM"] = _ARCH_NAMES["Gemma2ForCausalLM"]
 _ARCH_NAMES["DeepseekV3ForCausalLM"] = _ARCH_NAMES["DeepseekV2ForCausalLM"]
 
@@ -379,7 +394,34 @@ def _config(f: GGUFFile) -> dict[str, Any]:
         cfg.update(_gemma_config(meta, arch, cfg))
     if arch == "gpt-oss":
         cfg.update(_gpt_oss_config(cfg))
+    if arch in _LINEAR_ARCHS:
+        cfg.update(_linear_attention_config(meta, arch, cfg))
     return cfg
+
+
+def _linear_attention_config(meta: dict[str, Any], arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5's and Qwen3-Next's HF keys from llama.cpp's ssm keys: group_count key heads of state_size, time_step_rank
+    value heads of inner_size / time_step_rank; every full_attention_interval-th layer attends, its rotary dims
+    rope.dimension_count. llama.cpp's converter reorders Qwen3.5's value heads into tiled order (where there are more
+    than key heads), not Qwen3-Next's."""
+    def get(key: str) -> Any:
+        if f"{arch}.{key}" not in meta:
+            raise ValueError(f"GGUF metadata is missing {arch}.{key}")
+        return _scalar(meta[f"{arch}.{key}"], key)
+
+    key_heads, value_heads = int(get("ssm.group_count")), int(get("ssm.time_step_rank"))
+    interval = int(meta.get(f"{arch}.full_attention_interval", 4))
+    rot = int(meta.get(f"{arch}.rope.dimension_count", cfg["head_dim"] // 4))
+    out = {"linear_num_key_heads": key_heads, "linear_num_value_heads": value_heads,
+           "linear_key_head_dim": int(get("ssm.state_size")),
+           "linear_value_head_dim": int(get("ssm.inner_size")) // value_heads,
+           "linear_conv_kernel_dim": int(get("ssm.conv_kernel")), "full_attention_interval": interval,
+           "layer_types": ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                           for i in range(cfg["num_hidden_layers"])],
+           "partial_rotary_factor": rot / cfg["head_dim"],
+           "linear_value_heads_tiled": arch != "qwen3next" and value_heads != key_heads}
+    out["rope_parameters"] = {**cfg["rope_parameters"], "partial_rotary_factor": out["partial_rotary_factor"]}
+    return out
 
 
 def _gpt_oss_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -494,7 +536,7 @@ def _moe_config(meta: dict[str, Any], arch: str, experts: int, cfg: dict[str, An
                moe_intermediate_size=int(meta.get(f"{arch}.expert_feed_forward_length", cfg["intermediate_size"])),
                mlp_only_layers=[i for i in range(cfg["num_hidden_layers"])
                                 if f"blk.{i}.ffn_gate_inp.weight" not in tensors])
-    if arch == "qwen2moe":
+    if arch in ("qwen2moe", "qwen35moe", "qwen3next"):
         out["shared_expert_intermediate_size"] = int(meta.get(f"{arch}.expert_shared_feed_forward_length", 0))
     return out
 
@@ -511,7 +553,19 @@ def hf_name(gguf_name: str, names: dict[str, str] | None = None, expert: int = 0
     if m is None or m.group(2) not in names:
         raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent we know of")
     layer, kind, suffix = m.groups()
-    return f"model.layers.{layer}.{names[kind].format(e=expert)}.{suffix}"
+    return f"model.layers.{layer}.{names[kind].format(e=expert)}" + (f".{suffix}" if suffix else "")
+
+
+def _linear_attention_tensor(name: str, w: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """A linear layer's tensor back in HF form: A_log from ssm_a (-exp(A_log)), dt_bias, the convolution's
+    [channels, kernel] as conv1d's [channels, 1, kernel]; any other tensor as it is."""
+    if name.endswith(".linear_attn.A_log"):
+        return name, torch.log(-w)
+    if name.endswith(".linear_attn.dt.bias"):
+        return name[:-len(".dt.bias")] + ".dt_bias", w
+    if name.endswith(".linear_attn.conv1d.weight") and w.dim() == 2:
+        return name, w.unsqueeze(1)
+    return name, w
 
 
 def _joined_kv_b(name: str, half: torch.Tensor, seen: dict[str, torch.Tensor]) -> tuple[str, torch.Tensor] | None:
@@ -565,7 +619,10 @@ def read_gguf(path: str) -> GGUFCheckpoint:
     f = open_gguf(path)
     config = _config(f)
     names = layer_names(config["architectures"][0])
+    # llama.cpp stores Gemma's norms, and Qwen3.5's but the gated one of its linear layers, as 1 + w
     gemma = config["architectures"][0] in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+    centred = gemma or config["architectures"][0] in ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+                                                      "Qwen3NextForCausalLM")
     deepseek = config["architectures"][0] in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
     for info in f.tensors.values():  # fail at load time, not halfway through iterating
         if info.type_name not in _SUPPORTED_TYPES:
@@ -607,7 +664,7 @@ def read_gguf(path: str) -> GGUFCheckpoint:
                 for e in range(info.shape[0]):
                     yield hf_name(info.name, names, e), whole[e]
                 continue
-            if keep_blocks:
+            if keep_blocks and not name.endswith(".conv1d.weight"):      # a convolution, not a matmul
                 kept = _kept(info.type_name, f.raw(info), info.shape, permuted_heads(name))
                 if kept is not None:
                     yield name, kept
@@ -620,9 +677,9 @@ def read_gguf(path: str) -> GGUFCheckpoint:
                 w = unpermute_qk(w, n)
             if name.endswith("shared_expert_gate.weight"):   # llama.cpp keeps the [1, hidden] gate as [hidden]
                 w = w.reshape(1, -1)
-            if gemma and name.endswith("norm.weight"):       # llama.cpp stores Gemma's norms as 1 + w
+            if centred and name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
                 w = w - 1
-            yield name, w
+            yield _linear_attention_tensor(name, w)
         if in_float:
             log.warning("kept in float32: %s", "; ".join(in_float))
 
