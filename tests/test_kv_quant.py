@@ -132,3 +132,67 @@ def test_quantised_blocks_through_every_path(models, case) -> None:
                       kv_cache_memory_gb=n * block / 2 ** 30)
     assert llm.llm_engine.kv.num_blocks == n and llm.get_stats()["num_preemptions"] > 0
     assert tight == plain
+
+
+# ---- fp8 scales from the data (calculate_kv_scales) -----------------------------------------------------------------
+
+def test_calculated_fp8_scales_come_from_a_fixed_passage(tiny_text_model) -> None:
+    """calculate_kv_scales=True: a fixed passage (the bundled text's first 256 tokens) runs at start-up, and each
+    layer's scale per kv head is its largest |K| over 200 and |V| over 100, as transformers computes K and V on the
+    passage (the scales come from codes first written at 1.0: within fp8_e4m3's 1/16). Every start gets the same
+    scales, whatever comes first; the calibration is not counted as traffic; chunked and cached runs give the plain
+    run's tokens."""
+    import torch
+    from tokenmill import LLM
+    from tokenmill.bench.perplexity import default_text_path, strip_header
+    from tokenmill.engine.engine import CALIBRATION_TOKENS
+    path, hf = tiny_text_model
+    llm = LLM(path, dtype="float32", kv_cache_dtype="fp8_e4m3", calculate_kv_scales=True, kv_cache_memory_gb=0.02,
+              max_model_len=512)
+    eng = llm.llm_engine
+    ids = eng.tokenizer.encode(strip_header(default_text_path().read_text()))[:CALIBRATION_TOKENS]
+    with torch.no_grad():
+        cache = hf(torch.tensor([ids]), use_cache=True).past_key_values
+    for layer, kv in enumerate(eng.runner.kv_tensors):
+        k, v = cache.layers[layer].keys[0], cache.layers[layer].values[0]        # [KV, T, D]
+        torch.testing.assert_close(kv.k_scale, k.abs().amax(dim=(1, 2)) / 200, rtol=1 / 16, atol=0)
+        torch.testing.assert_close(kv.v_scale, v.abs().amax(dim=(1, 2)) / 100, rtol=1 / 16, atol=0)
+        assert not torch.equal(kv.k_scale, torch.ones_like(kv.k_scale))
+    assert llm.get_stats()["prefix_cache_queries"] == 0 and eng.stats.num_steps == eng.stats.prefill_tokens == 0
+    shared = random_prompts([40], seed=5)[0]
+    prompts = [shared + s for s in random_prompts([3, 30, 9], seed=6)]
+    plain, again = _run(path, prompts, "fp8_e4m3", enable_prefix_caching=False, calculate_kv_scales=True)
+    assert [c.k_scale.tolist() for c in again.llm_engine.runner.kv_tensors] == \
+        [c.k_scale.tolist() for c in eng.runner.kv_tensors]
+    chunked, _ = _run(path, prompts, "fp8_e4m3", max_num_batched_tokens=7, calculate_kv_scales=True)
+    hits, cached = _run(path, prompts, "fp8_e4m3", calculate_kv_scales=True)
+    assert chunked == hits == plain and cached.get_stats()["prefix_cache_hits"] > 0
+
+
+def test_calculated_scales_are_refused_where_they_cannot_run(tmp_path) -> None:
+    from tokenmill import LLM
+    path = build_tiny("llama", tmp_path / "llama")[0]
+    with pytest.raises(ValueError, match="calculate_kv_scales=True computes an fp8 cache's scales, and kv_cache_dtype "
+                                         "is 'int8'"):
+        LLM(path, kv_cache_dtype="int8", calculate_kv_scales=True, kv_cache_memory_gb=0.02)
+    with pytest.raises(ValueError, match="calculate_kv_scales=True with tensor_parallel_size > 1"):
+        LLM(path, kv_cache_dtype="fp8", calculate_kv_scales=True, kv_cache_memory_gb=0.02, tensor_parallel_size=2)
+    linear = build_tiny("qwen3_5", tmp_path / "q35")[0]
+    with pytest.raises(ValueError, match="calculate_kv_scales=True with Qwen3_5ForCausalLM's linear-attention"):
+        LLM(linear, kv_cache_dtype="fp8", calculate_kv_scales=True, kv_cache_memory_gb=0.02)
+
+
+def test_kv_quality_command_scores_natural_text_and_continuations(tiny_text_model, capsys) -> None:
+    """`tokenmill bench kv-quality`: each dtype against the float cache on passages of the bundled text (every
+    position after a passage's first) and on the model's greedy continuations; fp8 again with calculated scales."""
+    import json
+    from tokenmill.cli import main
+    path, _ = tiny_text_model
+    assert main(["bench", "kv-quality", "int8", "fp8_e4m3", "--model", path, "--passages", "2", "--text-len", "24",
+                 "--prompt-len", "8", "--continue", "16", "--dtype", "float32", "--calculate-kv-scales",
+                 "--kv-cache-memory-gb", "0.02", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert list(r["dtypes"]) == ["int8", "fp8_e4m3", "fp8_e4m3+scales"]
+    for per in r["dtypes"].values():
+        assert per["natural"]["positions"] == 2 * 23 and per["continuations"]["positions"] == 2 * 16
+        assert 0 < per["natural"]["agreement"] <= 1

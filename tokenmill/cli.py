@@ -58,6 +58,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: the model's dtype; bfloat16 halves the KV cache's bytes (K/V rounded); int8 about "
                         "quarters them (a scale per token per kv head); int4 groups of 32 with a scale and min; "
                         "fp8 (= fp8_e4m3) and fp8_e5m2 8-bit floats with a scale per kv head")
+    p.add_argument("--calculate-kv-scales", action="store_true",
+                   help="fp8 caches: scales per kv head from the data (a fixed passage at start-up), not 1.0")
     p.add_argument("--cpu-kernels", default="auto",
                    help="auto (TOKENMILL_CPU_ISA, else the best for this CPU) | avx512 | avx2 | neon | generic | "
                         "reference (plain torch)")
@@ -103,6 +105,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_long_partial_prefills=args.max_long_partial_prefills,
                 block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_memory_gb,
                 enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
+                calculate_kv_scales=args.calculate_kv_scales,
                 cpu_kernels=args.cpu_kernels, quantization=args.quantization, int8_activations=args.int8_activations,
                 pooling_type=args.pooling_type, num_threads=args.num_threads,
                 structured_outputs_config=args.structured_outputs_config,

@@ -438,6 +438,9 @@ class CacheConfig:
     # half scale and min (llama.cpp's q4_1 layout: 5 bits a value); "fp8" (= "fp8_e4m3") and "fp8_e5m2" 8-bit
     # floats times a scale per kv head for the whole layer (vLLM's fp8 cache)
     cache_dtype: str = "auto"
+    # vLLM's calculate_kv_scales: an fp8 cache's scales from the data (the first step's K/V, a fixed passage run at
+    # start-up), not 1.0
+    calculate_kv_scales: bool = False
 
     def __post_init__(self) -> None:
         if self.cache_dtype not in KV_CACHE_DTYPES:
@@ -446,6 +449,9 @@ class CacheConfig:
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.calculate_kv_scales and self.cache_dtype not in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+            raise ValueError(f"calculate_kv_scales=True computes an fp8 cache's scales, and kv_cache_dtype is "
+                             f"{self.cache_dtype!r}; set kv_cache_dtype='fp8_e4m3' (or 'fp8_e5m2'), or leave it off")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

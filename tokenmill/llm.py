@@ -33,7 +33,8 @@ class LLM:
     default, since offline no request arrives mid-prefill: see SchedulerConfig),
     enable_prefix_caching, kv_cache_dtype ("auto"; "bfloat16": half the KV bytes, K/V rounded; "int8": about a
     quarter, a scale per token per kv head; "int4": groups of 32 with a scale and min; "fp8" / "fp8_e4m3" /
-    "fp8_e5m2": 8-bit floats with a scale per kv head), device, seed;
+    "fp8_e5m2": 8-bit floats with a scale per kv head, 1.0 unless calculate_kv_scales=True computes it from a fixed
+    passage's K/V at start-up), device, seed;
     kv_cache_memory_gb sizes the paged KV cache (default: a share of free memory); attention_backend picks the
     attention kernels; a GGUF's matrices stay in their quantised blocks (quantized_kernels=False dequantises them
     to float at load, the plain path); quantization="int8" or "int4" quantises a float checkpoint at load;

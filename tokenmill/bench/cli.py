@@ -60,6 +60,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="bfloat16: half the KV cache's bytes (K/V rounded); int8 and fp8 (fp8_e4m3, fp8_e5m2): "
                         "about a quarter; int4: about a sixth")
+    p.add_argument("--calculate-kv-scales", action="store_true",
+                   help="fp8 caches: scales per kv head from the data (a fixed passage at start-up), not 1.0")
     p.add_argument("--int8-activations", action=argparse.BooleanOptionalAction, default=True,
                    help="Q4_K/Q5_K/Q6_K matmuls take activations rounded to int8 per 256, Q4_0/Q4_1/Q8_0 per 32, as "
                         "llama.cpp's (default)")
@@ -75,6 +77,7 @@ def _engine_kw(args: argparse.Namespace, use_kv_cache: bool = True) -> dict[str,
     kw = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, kv_cache_memory_gb=args.kv_cache_memory_gb,
               kv_cache_dtype=args.kv_cache_dtype, int8_activations=args.int8_activations,
+              calculate_kv_scales=args.calculate_kv_scales,
               num_threads=args.num_threads, speculative_config=args.speculative_config,
               kv_offload_memory_gb=args.kv_offload_memory_gb, kv_offload_dir=args.kv_offload_dir)
     if args.no_prefix_caching:
@@ -274,6 +277,39 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- bench kv-quality ----
+
+@_user_errors
+def cmd_kv_quality(args: argparse.Namespace) -> int:
+    from tokenmill.executor.kernels import machine_record
+    from tokenmill.tokenizer import load_tokenizer
+    from .kvquality import against_reference, bundled_passages, float_reference, text_reference
+    from tokenmill.executor.loader import resolve_model_path
+    model = resolve_model_path(args.model)
+    kw = {k: v for k, v in {**_engine_kw(args), "cpu_kernels": args.cpu_kernels}.items()
+          if v is not None and k not in ("kv_cache_dtype", "enable_prefix_caching", "max_model_len",
+                                         "calculate_kv_scales")}
+    tok = load_tokenizer(model)
+    texts = {"natural": text_reference(model, bundled_passages(tok, args.passages, args.text_len), **kw),
+             "continuations": float_reference(model, bundled_passages(tok, args.passages, args.prompt_len),
+                                              args.continue_len, **kw)}
+    runs = [(dtype, dtype, {}) for dtype in args.kv_cache_dtypes]
+    if args.calculate_kv_scales:     # each fp8 dtype again, its scales from the data
+        runs += [(f"{d}+scales", d, {"calculate_kv_scales": True}) for d in args.kv_cache_dtypes if "fp8" in d]
+    rows = {label: {name: against_reference(ref, dtype, **extra).to_dict() for name, ref in texts.items()}
+            for label, dtype, extra in runs}
+    r = {"model": model, "machine": machine_record(), "passages": args.passages, "text_len": args.text_len,
+         "prompt_len": args.prompt_len, "continue_len": args.continue_len, "engine": json_safe(kw), "dtypes": rows}
+    lines = [f"{'kv dtype':<16} {'text':<14} {'positions':>9} {'top-1 agree':>11} {'in top-5':>9} {'max gap':>8}"]
+    for dtype, per in rows.items():
+        for name, q in per.items():
+            wrong = q["positions"] - q["agree"]
+            lines.append(f"{dtype:<16} {name:<14} {q['positions']:>9,} {q['agreement']:>10.1%} "
+                         f"{q['disagree_in_top5']:>4}/{wrong:<4} {q['max_logprob_gap']:>8.3f}")
+    _emit(r, args, "\n".join(lines))
+    return 0
+
+
 # ---- kv-calc ----
 
 @_user_errors
@@ -384,6 +420,18 @@ def register(subparsers: Any) -> None:
     _add_engine_flags(p)
     _add_output_flags(p)
     p.set_defaults(func=cmd_perplexity)
+
+    p = bsub.add_parser("kv-quality", help="a quantised KV cache against the float one: top-1 agreement, teacher-forced, "
+                                           "on natural text and on the model's own continuations")
+    p.add_argument("kv_cache_dtypes", nargs="+", metavar="KV_DTYPE", choices=[d for d in KV_CACHE_DTYPES if d != "auto"])
+    p.add_argument("--passages", type=int, default=16, help="passages of the bundled text (default 16)")
+    p.add_argument("--prompt-len", type=int, default=32, help="continuations: tokens of each passage as the prompt")
+    p.add_argument("--continue", type=int, default=256, dest="continue_len", help="continuations: greedy tokens each")
+    p.add_argument("--text-len", type=int, default=256, help="natural text: tokens of each passage, all compared")
+    p.add_argument("--cpu-kernels", default=None, help="auto | avx512 | avx2 | neon | generic | reference")
+    _add_engine_flags(p)
+    _add_output_flags(p)
+    p.set_defaults(func=cmd_kv_quality)
 
     p = subparsers.add_parser("kv-calc", aliases=["mem-plan"],
                               help="memory planner: weight bytes by precision, KV bytes by dtype, sequences that fit")

@@ -5,7 +5,11 @@ prompt greedily; then both engines score the same sequences (prompt + continuati
 position has the same prefix on both sides (teacher forcing: one early divergence does not make the rest
 incomparable). Per generated position: does the quantised cache's top-1 token agree with the float cache's; at
 agreeing positions, the gap between their logprobs of that token; where they disagree, is each side's token in
-the other's top-5 (vLLM's check_logprobs_close rule)."""
+the other's top-5 (vLLM's check_logprobs_close rule).
+
+Two texts: the model's own greedy continuations of passages (an easy text: each token is the float model's
+favourite), and natural text itself (passages of the bundled text, every position after each passage's first token
+compared), where the float model is less sure and a small error flips more top-1s."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -94,14 +98,35 @@ def float_reference(model: str, prompts: Sequence[list[int]], max_tokens: int = 
     return FloatReference(model, [list(p) for p in prompts], kw, sequences, score(ref, sequences))
 
 
+def text_reference(model: str, passages: Sequence[list[int]], **engine_args: Any) -> FloatReference:
+    """Natural text: each passage as it is, scored by the float cache ('auto'); every position after each passage's
+    first token is compared."""
+    from tokenmill import LLM
+    kw = dict(enable_prefix_caching=False, max_model_len=max(len(p) for p in passages) + 1, **engine_args)
+    ref = LLM(model, kv_cache_dtype="auto", **kw)
+    sequences = [list(p) for p in passages]
+    return FloatReference(model, [s[:1] for s in sequences], kw, sequences, score(ref, sequences))
+
+
+def bundled_passages(tokenizer: Any, count: int, length: int, stride: int = 200) -> list[list[int]]:
+    """count passages of length tokens of the bundled text (tokenmill/bench/data/perplexity.txt), stride apart."""
+    from tokenmill.bench.perplexity import default_text_path, strip_header
+    ids = tokenizer.encode(strip_header(default_text_path().read_text()))
+    if (count - 1) * stride + length > len(ids):
+        raise ValueError(f"the bundled text has {len(ids):,} tokens: {count} passages of {length}, {stride} apart, "
+                         f"do not fit; ask for fewer or shorter ones")
+    return [ids[i * stride:i * stride + length] for i in range(count)]
+
+
 def kv_quality(model: str, kv_cache_dtype: str, prompts: Sequence[list[int]], max_tokens: int = 256,
                **engine_args: Any) -> KVQuality:
     """The float cache ('auto') against kv_cache_dtype on the same model, prompts and engine options."""
     return against_reference(float_reference(model, prompts, max_tokens, **engine_args), kv_cache_dtype)
 
 
-def against_reference(ref: FloatReference, kv_cache_dtype: str) -> KVQuality:
-    """kv_cache_dtype against a float reference computed once (for several dtypes)."""
+def against_reference(ref: FloatReference, kv_cache_dtype: str, **engine_args: Any) -> KVQuality:
+    """kv_cache_dtype against a float reference computed once (for several dtypes); engine_args: the quantised side's
+    own options (calculate_kv_scales)."""
     from tokenmill import LLM
-    got = score(LLM(ref.model, kv_cache_dtype=kv_cache_dtype, **ref.engine_args), ref.sequences)
+    got = score(LLM(ref.model, kv_cache_dtype=kv_cache_dtype, **{**ref.engine_args, **engine_args}), ref.sequences)
     return compare(kv_cache_dtype, ref.want, got, [len(p) - 1 for p in ref.prompts])

@@ -18,6 +18,7 @@ import torch
 
 from tokenmill.config import (CacheConfig, CompilationConfig, EngineConfig, LoRAConfig, ModelConfig, SchedulerConfig,
                               resolve_dtype)
+from tokenmill.bench.perplexity import default_text_path, strip_header
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.draft_model import DraftModelProposer, check_draft_config, check_draft_tokenizer
 from tokenmill.engine.kv_cache_manager import blocks_for, make_kv_manager
@@ -212,6 +213,23 @@ def linear_attention_checks(mc: ModelConfig, spec: Optional[SpeculativeConfig], 
                          f"blocks, not the layers' state snapshots); leave them unset")
 
 
+CALIBRATION_TOKENS = 256       # calculate_kv_scales: the passage's length, at most
+
+
+def check_kv_calibration(mc: ModelConfig, tp_size: int, offload: KVOffloadConfig,
+                         transfer: Optional[KVTransferConfig]) -> None:
+    """What calculate_kv_scales cannot run with yet, refused with what to change."""
+    why = None
+    if mc.linear_layers:
+        why = f"{mc.architecture}'s linear-attention layers (its calibration step would run their state twice)"
+    elif tp_size > 1:
+        why = "tensor_parallel_size > 1 (each rank's cache would need its own calibration)"
+    elif offload.enabled or transfer is not None:
+        why = "KV offload tiers or kv_transfer_config (they key blocks by the scales, set after they start)"
+    if why is not None:
+        raise ValueError(f"calculate_kv_scales=True with {why} is not implemented; leave it off")
+
+
 def pick_device(device: Optional[str]) -> torch.device:
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -239,7 +257,8 @@ class LLMEngine:
     def __init__(self, model: Optional[str] = None, *, dtype: Optional[str] = None, device: Optional[str] = None,
                  block_size: int = 16, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  max_model_len: Optional[int] = None, kv_cache_memory_gb: Optional[float] = None,
-                 enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto", use_kv_cache: bool = True,
+                 enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto", calculate_kv_scales: bool = False,
+                 use_kv_cache: bool = True,
                  attention_backend: str = "auto", quantized_kernels: bool = True, cpu_kernels: str = "auto",
                  quantization: Optional[str] = None, int8_activations: bool = True, seed: int = 0,
                  tokenizer: Any = "auto", pooling_type: str = "LAST", num_threads: Optional[int] = None,
@@ -294,7 +313,10 @@ class LLMEngine:
                                     short_prompts_first=cpu_fair,
                                     max_loras=lora_cfg.max_loras if lora_cfg is not None else 0)
         cache_cfg = CacheConfig(block_size, kv_cache_memory_gb, enable_prefix_caching=enable_prefix_caching,
-                                cache_dtype=kv_cache_dtype, gpu_memory_utilization=gpu_memory_utilization)
+                                cache_dtype=kv_cache_dtype, gpu_memory_utilization=gpu_memory_utilization,
+                                calculate_kv_scales=calculate_kv_scales)
+        if calculate_kv_scales:
+            check_kv_calibration(mc, tensor_parallel_size, offload_cfg, transfer_cfg)
         # tensor parallelism (executor/parallel.py): this process is rank 0 and holds its share of the model; the
         # runner's config is that share's (its heads, its KV cache), the engine's model_config the whole model's
         check_tensor_parallel(mc, tensor_parallel_size, dev, path, quantized_kernels)
@@ -400,6 +422,24 @@ class LLMEngine:
         self._in_flight: Optional[tuple] = None     # async scheduling: the step launched and not yet back
         self._last_return = 0.0
         self.step_history: deque[tuple[float, SchedulerStats]] = deque(maxlen=4096)
+        if calculate_kv_scales:
+            self._calibrate_kv_scales()
+
+    def _calibrate_kv_scales(self) -> None:
+        """calculate_kv_scales: the fp8 cache's scales from a fixed passage (the bundled text's first tokens) run
+        through the model at start-up, as vLLM computes them from the first forward's K/V, so that they do not
+        depend on which request comes first or on the step's token budget."""
+        if self.tokenizer is None:
+            raise ValueError("calculate_kv_scales=True encodes a calibration passage with the model's tokenizer, and "
+                             "this model has none; leave it off")
+        blocks = self.kv.num_blocks // self.kv.num_groups * self.config.cache_config.block_size
+        n = min(CALIBRATION_TOKENS, self.config.scheduler_config.max_model_len - 1, blocks)
+        ids = self.tokenizer.encode(strip_header(default_text_path().read_text()))[:n]
+        self.runner.calibrate_kv_scales(ids)
+        scales = [torch.cat([c.k_scale, c.v_scale]) for c in self.runner.kv_tensors]
+        log.info("calculate_kv_scales: fp8 scales from %d tokens of the bundled text, K %.3g-%.3g, V %.3g-%.3g", len(ids),
+                 min(float(s[:len(s) // 2].min()) for s in scales), max(float(s[:len(s) // 2].max()) for s in scales),
+                 min(float(s[len(s) // 2:].min()) for s in scales), max(float(s[len(s) // 2:].max()) for s in scales))
 
     # ---- construction helpers ------------------------------------------------------------------------------
     def _cache_identity(self, cpu_kernels: str, quantization: Optional[str], int8_activations: bool

@@ -24,6 +24,9 @@ _INT8_MAX = 127     # int8: symmetric, scale = max |x| / 127 over a token's kv h
 INT4_GROUP = 32     # int4: head_dim a multiple of this (tokenmill.h's TM_KV_INT4_GROUP)
 FP8 = ("fp8_e4m3", "fp8_e5m2")
 _FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}    # the largest finite code: writes clamp to it
+# calculate_kv_scales maps the calibration chunk's largest |K| and |V| to these codes (vLLM's K_SCALE_CONSTANT and
+# V_SCALE_CONSTANT), leaving headroom below the format's largest for later tokens
+FP8_K_RANGE, FP8_V_RANGE = 200.0, 100.0
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,15 @@ class LayerKV:
             q, s = quantize(x)
             codes[slots] = q
             scale[slots] = s
+
+    def calibrate(self, slots: torch.Tensor) -> None:
+        """An fp8 cache's scales from what these slots hold (written at the scales so far): per kv head, the largest
+        |K| over FP8_K_RANGE and the largest |V| over FP8_V_RANGE; in place, so every kernel's pointer to them
+        stays valid. The slots must then be written again."""
+        k, v = self.read(slots, torch.float32)
+        for x, scale, rng in ((k, self.k_scale, FP8_K_RANGE), (v, self.v_scale, FP8_V_RANGE)):
+            amax = x.abs().amax(dim=(0, 2))
+            scale.copy_(torch.where(amax > 0, amax / rng, torch.ones_like(amax)))
 
     def read(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows at slots [...] as dtype: [..., KV, D] each (quantised rows dequantised in float32 first, as the

@@ -225,6 +225,19 @@ class ModelRunner:
         return self._forward(plan.batch)
 
     @torch.inference_mode()
+    def calibrate_kv_scales(self, ids: list[int]) -> None:
+        """calculate_kv_scales, before any request: ids run once into the cache's first blocks (each KV group its
+        own), at the scales of 1.0; each cache tensor's scales then come from what it holds (LayerKV.calibrate, over
+        every layer it serves). Those slots are left as they are: a request's attention reads only slots it wrote."""
+        groups, nb = len(self.groups.windows), -(-len(ids) // self.block_size)
+        batch, _ = self.builder.build_entries([(ids, 0, [list(range(g * nb, (g + 1) * nb)) for g in range(groups)])])
+        self._forward(batch)
+        slots = [torch.tensor(batch.slots(g), dtype=torch.long, device=self.device) for g in range(groups)]
+        for j, cache in enumerate(self.kv_tensors):
+            served = sorted({g for g, s in zip(self.groups.layer_group, self.groups.layer_slot) if s == j})
+            cache.calibrate(torch.cat([slots[g] for g in served]))
+
+    @torch.inference_mode()
     def last_logits(self, entries: list[tuple[list[int], int, list[list[int]]]]) -> torch.Tensor:
         """A draft model's pass: each entry's tokens (token ids, position of the first, its table of each KV group)
         are computed, their K/V written, and the logits of each entry's last token returned, [len(entries), V]."""
