@@ -301,12 +301,16 @@ def test_qwen3_next_regroups_rows_quantised_at_load(tmp_path):
 # ---- GGUF ----------------------------------------------------------------------------------------------------------
 def _interval_model(kind: str, path) -> tuple[str, object]:
     """The tiny model with every second layer attending (full_attention_interval 2), as the published models place
-    theirs at every fourth: a GGUF keeps the interval, not each layer's type."""
+    theirs at every fourth: a GGUF keeps the interval, not each layer's type. Value heads as wide as key heads, as in
+    the published models and as llama.cpp assumes."""
     from transformers import AutoModelForCausalLM
     from tests.tiny_models import _configs
     torch.manual_seed(0)
     cfg = _configs()[kind]()
     cfg.full_attention_interval = 2
+    cfg.linear_value_head_dim = cfg.linear_key_head_dim       # llama.cpp takes value heads as wide as key heads
+    if kind == "qwen3_next":
+        cfg.mlp_only_layers = []        # every MLP experts, as published (and as llama.cpp's qwen3next takes it)
     cfg.layer_types = ["full_attention" if (i + 1) % 2 == 0 else "linear_attention"
                        for i in range(cfg.num_hidden_layers)]
     hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
@@ -347,13 +351,20 @@ def write_qwen3_5_gguf(hf_path: str, out, qtype=None) -> None:
                cfg["num_key_value_heads"])
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])
-    w.add_rope_dimension_count(int(cfg["head_dim"] * cfg["rope_parameters"]["partial_rotary_factor"]))
+    rot = int(cfg["head_dim"] * cfg["rope_parameters"]["partial_rotary_factor"])
+    w.add_rope_dimension_count(rot)
+    if arch != "qwen3next":       # M-RoPE's sections, rotary pairs a position axis each (as Qwen3.5's 11, 11, 10)
+        pairs = rot // 2
+        w.add_rope_dimension_sections(cfg["rope_parameters"].get("mrope_section")
+                                      or [(pairs + 2) // 3, (pairs + 1) // 3, pairs // 3, 0])
     w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
     w.add_ssm_state_size(dk)
     w.add_ssm_group_count(nk)
     w.add_ssm_time_step_rank(nv)
     w.add_ssm_inner_size(nv * dv)
     w.add_full_attention_interval(cfg["full_attention_interval"])
+    w.add_tokenizer_model("none")     # no vocabulary: token ids in, as llama.cpp takes a weights-only file
+    w.add_vocab_size(cfg["vocab_size"])
     if cfg.get("num_experts"):
         w.add_expert_count(cfg["num_experts"])
         w.add_expert_used_count(cfg["num_experts_per_tok"])
@@ -437,3 +448,38 @@ def test_gguf_gives_transformers_tokens(kind, tmp_path):
     write_qwen3_5_gguf(path, tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)
     blocks = check_blocks_equal_dequantised(str(tmp_path / "q8.gguf"), ENGINE)
     assert blocks.llm_engine.model.layers[0].linear_attn.in_proj.quant is not None
+
+
+# run by the python that has llama_cpp: argv = token ids (json), a GGUF path; prints the logits of every position
+_LLAMA_CPP_LOGITS = """
+import json, sys
+import numpy as np
+from llama_cpp import Llama
+ids = json.loads(sys.argv[1])
+llm = Llama(model_path=sys.argv[2], n_ctx=64, n_threads=1, verbose=False, logits_all=True)
+llm.eval(ids)
+print(json.dumps(np.asarray(llm.scores[:len(ids)]).tolist()))
+"""
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next", "qwen3_5_moe"])
+def test_llama_cpp_reads_these_files_as_transformers_runs_the_model(kind, tmp_path):
+    """The writer above is llama.cpp's layout, as llama.cpp itself reads it: the F32 file's logits in llama.cpp
+    (llama-cpp-python, skipped where it is not installed) are transformers' on the HF folder, to its float16 KV
+    cache's rounding, and its greedy picks are the same."""
+    import json
+    import subprocess
+    import numpy as np
+    from tests.test_quantize import _llama_cpp_python
+    python = _llama_cpp_python()            # skips where llama.cpp is not installed
+    path, hf = _interval_model(kind, tmp_path / "hf")
+    write_qwen3_5_gguf(path, tmp_path / "f32.gguf")
+    ids = random_prompts([12], seed=4)[0]
+    proc = subprocess.run([python, "-c", _LLAMA_CPP_LOGITS, json.dumps(ids), str(tmp_path / "f32.gguf")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logits = np.asarray(json.loads(proc.stdout.strip().splitlines()[-1]))
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].numpy()
+    assert np.abs(logits - want).max() < 0.01 * max(1.0, np.abs(want).max())
+    assert (logits.argmax(-1) == want.argmax(-1)).all()
