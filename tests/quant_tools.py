@@ -35,7 +35,7 @@ last_error: Optional[str] = None
 
 # compressed-tensors schemes make_compressed knows (see _CT_SCRIPT for each recipe)
 SCHEMES = ("gptq_w4a16", "gptq_w4a16_asym", "gptq_w4a16_asym_g32", "gptq_w8a16", "gptq_w8a8",
-           "w4a16", "w8a16", "fp8_dynamic", "awq_w4a16_asym", "awq_w4a16")
+           "w4a16", "w8a16", "fp8_dynamic", "awq_w4a16_asym", "awq_w4a16", "fp8_kv")
 # the linear layers of a Llama/Mistral/Qwen decoder layer that the quantisers convert
 LINEAR_SUFFIXES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -172,6 +172,9 @@ def recipe(scheme):
         "w8a16": lambda: QuantizationModifier(targets="Linear", scheme="W8A16", ignore=IGNORE),
         # fp8 e4m3 per-channel weights + fp8 dynamic per-token activations
         "fp8_dynamic": lambda: QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=IGNORE),
+        # float weights, an fp8 KV cache with static per-layer k_scale / v_scale calibrated on the data
+        "fp8_kv": lambda: QuantizationModifier(kv_cache_scheme=QuantizationArgs(
+            num_bits=8, type="float", strategy="tensor", dynamic=False, symmetric=True)),
     }[scheme]()
 
 
@@ -183,7 +186,7 @@ for scheme, out in jobs:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(src, dtype="auto")
     tok = tokenizer()
-    calibrate = scheme.startswith(("gptq", "awq"))
+    calibrate = scheme.startswith(("gptq", "awq", "fp8_kv"))
     oneshot(model=model, processor=tok, recipe=recipe(scheme),
             **(dict(dataset=data, num_calibration_samples=N_SAMPLES, max_seq_length=SEQ_LEN) if calibrate else {}))
     model.save_pretrained(out, save_compressed=True)

@@ -51,7 +51,7 @@ SCHEMES = ("gptq_w4a16", "gptq_w4a16_asym_g32", "gptq_w8a8", "fp8_dynamic", "awq
 @pytest.fixture(scope="module")
 def ct_folders(source, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ct")
-    jobs = {scheme: root / scheme for scheme in SCHEMES}
+    jobs = {scheme: root / scheme for scheme in (*SCHEMES, "fp8_kv")}
     if quant_tools.tool_python() is None:
         pytest.fail(f"the llm-compressor tool venv could not be built: {quant_tools.last_error}")
     quant_tools.make_compressed_many(source[0], jobs)
@@ -90,6 +90,29 @@ def _hf_float32(source, weights: dict[str, torch.Tensor]):
     model = LlamaForCausalLM(source[1].config).float().eval()
     model.load_state_dict({**{k: v.float() for k, v in source[1].state_dict().items()}, **weights})
     return model
+
+
+@pytest.mark.slow
+def test_llm_compressor_fp8_kv_scales_are_read(ct_folders: dict[str, Path], source) -> None:
+    """llm-compressor's kv_cache_scheme (float weights; static fp8 k_scale and v_scale a layer, calibrated on data):
+    kv_cache_dtype='fp8' takes each layer's scales for every kv head, and gives the tokens of the float folder's fp8
+    cache with those scales set by hand (the scales are all the folder adds); 'auto' keeps a float cache and gives
+    the float folder's tokens."""
+    from safetensors.torch import load_file
+    folder = ct_folders["fp8_kv"]
+    sd = load_file(str(folder / "model.safetensors"))
+    want = [(float(sd[f"model.layers.{i}.self_attn.k_scale"]), float(sd[f"model.layers.{i}.self_attn.v_scale"]))
+            for i in range(2)]
+    kw = dict(dtype="float32", kv_cache_memory_gb=0.02, max_model_len=128)
+    llm = LLM(str(folder), kv_cache_dtype="fp8", **kw)
+    got = [(c.k_scale.tolist(), c.v_scale.tolist()) for c in llm.llm_engine.runner.kv_tensors]
+    assert got == [([k] * 2, [v] * 2) for k, v in want] and all(k != 1.0 for k, _ in want)
+    by_hand = LLM(source[0], kv_cache_dtype="fp8", **kw)
+    for c, (k, v) in zip(by_hand.llm_engine.runner.kv_tensors, want):
+        c.k_scale.fill_(k)
+        c.v_scale.fill_(v)
+    assert _greedy(llm) == _greedy(by_hand)
+    assert _greedy(LLM(str(folder), **kw)) == _greedy(LLM(source[0], **kw))
 
 
 @pytest.mark.slow

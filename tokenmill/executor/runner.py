@@ -3,6 +3,7 @@ requests, their rows of the final-norm hidden states reduced per request)."""
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -22,6 +23,8 @@ from tokenmill.executor.sampler import PendingSample, Sampler, compute_prompt_lo
 from tokenmill.executor.transfer import to_device
 from tokenmill.outputs import Logprob
 from tokenmill.scheduler_output import SchedulerOutput
+
+log = logging.getLogger("tokenmill")
 
 
 def accepted_length(guesses: tuple[int, ...], drawn: list[int]) -> int:
@@ -112,7 +115,28 @@ class ModelRunner:
                              f"memory on the device") from None
         self.num_blocks = num_blocks
         self.kv_caches = [self.kv_tensors[j] for j in self.groups.layer_slot]
+        self._checkpoint_kv_scales()
         self.backend.bind_kv_cache(self.kv_caches)
+
+    def _checkpoint_kv_scales(self) -> None:
+        """A checkpoint's static fp8 scales (llm-compressor's kv_cache_scheme: k_scale and v_scale a layer) into an
+        fp8 cache, every kv head of a layer alike; a cache tensor that serves several layers (KV groups) takes the
+        largest of theirs. A float cache leaves them unused, as vLLM does with kv_cache_dtype 'auto'."""
+        scales = getattr(self.model, "kv_scales", None)
+        if not scales:
+            return
+        if not self.config.kv_cache_dtype.startswith("fp8"):
+            log.info("this checkpoint ships fp8 KV scales (k_scale, v_scale); kv_cache_dtype='fp8' would use them")
+            return
+        mc = self.config.model_config
+        best: dict[int, tuple[float, float]] = {}
+        for layer, (k, v) in scales.items():
+            j = self.groups.layer_slot[mc.attention_index(layer)]
+            a, b = best.get(j, (0.0, 0.0))
+            best[j] = (max(a, k), max(b, v))
+        for j, (k, v) in best.items():
+            self.kv_tensors[j].k_scale.fill_(k)
+            self.kv_tensors[j].v_scale.fill_(v)
 
     def warm_up(self) -> None:
         """Work done once before the first request (a GPU compiles its kernels and captures its graphs)."""

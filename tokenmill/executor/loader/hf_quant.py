@@ -92,6 +92,8 @@ def parse(config: dict, override: Optional[str] = None) -> Optional[HFQuant]:
         found = HFQuant("awq", WeightScheme("int", 4, group, False, "awq"))
     elif method == "compressed-tensors":
         found = _compressed_tensors(qc)
+        if found is None:
+            return None
     elif method == "mxfp4":
         found = HFQuant("mxfp4", WeightScheme("mxfp4", 4, MXFP4_GROUP, True, "mxfp4"))
     else:
@@ -105,8 +107,23 @@ def parse(config: dict, override: Optional[str] = None) -> Optional[HFQuant]:
     return found
 
 
-def _compressed_tensors(qc: dict) -> HFQuant:
+def kv_cache_scheme(config: dict) -> Optional[str]:
+    """The fp8 KV cache a compressed-tensors folder was calibrated for (llm-compressor's kv_cache_scheme: static
+    k_scale / v_scale a layer, shipped with the weights), as a kv_cache_dtype name; None where it has none."""
+    qc = config.get("quantization_config") or {}
+    kv = qc.get("kv_cache_scheme")
+    if not kv:
+        return None
+    if kv.get("type") != "float" or kv.get("num_bits") != 8 or kv.get("strategy") != "tensor" or kv.get("dynamic"):
+        raise _bad(f"a kv_cache_scheme of {kv.get('type')} {kv.get('num_bits')} bits, strategy {kv.get('strategy')!r}"
+                   f"{', dynamic' if kv.get('dynamic') else ''} (static fp8 per tensor is read)")
+    return "fp8_e4m3"
+
+
+def _compressed_tensors(qc: dict) -> Optional[HFQuant]:
     groups = qc.get("config_groups") or {}
+    if not groups and qc.get("kv_cache_scheme"):
+        return None             # float weights; the KV cache's scales (kv_cache_scheme) are read apart
     if len(groups) != 1:
         raise _bad(f"compressed-tensors with {len(groups)} config groups (one scheme for every Linear is read)")
     group_cfg = next(iter(groups.values()))

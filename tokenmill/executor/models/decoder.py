@@ -383,7 +383,14 @@ class DecoderForCausalLM(nn.Module):
             weights = _ungrouped_projections(weights, cfg)
         if cfg.linear_layers:
             weights = _language_model_only(weights)
+        self.kv_scales: dict[int, tuple[float, float]] = {}    # layer -> a checkpoint's fp8 (k_scale, v_scale)
         for name, tensor in weights:
+            if name.endswith((".self_attn.k_scale", ".self_attn.v_scale")):     # llm-compressor's kv_cache_scheme
+                layer = int(name.split(".")[-3])
+                k, v = self.kv_scales.get(layer, (1.0, 1.0))
+                value = float(tensor.float().max())
+                self.kv_scales[layer] = (value, v) if name.endswith("k_scale") else (k, value)
+                continue
             pname, shard = _our_name(name, cfg.mla)
             name = name[len("model."):] if name.startswith("model.") else name
             if "rotary_emb" in name:
