@@ -95,13 +95,13 @@ def test_kv_bytes_per_dtype():
     assert s.bytes_per_token("fp32") == heads * 128 * 4
     assert s.bytes_per_token("bf16") == heads * 128 * 2
     assert s.bytes_per_token("fp8") == heads * 128
-    assert s.bytes_per_token("int8") == heads * (128 + 4)          # + one float32 scale per token per head
+    assert s.bytes_per_token("int8") == heads * (128 + 4 * 4)      # + a float32 scale per 32 values a head
     assert s.bytes_per_token("int4") == heads * (64 + 4 * (2 + 2))  # + fp16 scale and offset per 32
     # windows still cap quantised caches: Mistral-7B-v0.1 keeps 4096 tokens per layer past its window
     mistral = dict(LLAMA3_8B, sliding_window=4096)
     assert kvcalc.kv_calc(mistral, 8192, "int4")["bytes_per_seq"] == heads * 80 * 4096
     r = kvcalc.kv_calc(LLAMA3_8B, 100, "int8")
-    assert r["head_bytes"] == 132 and "128 head_dim x 1 B + 4 B scales" in kvcalc.format_report(r)
+    assert r["head_bytes"] == 144 and "128 head_dim x 1 B + 16 B scales" in kvcalc.format_report(r)
     with pytest.raises(ValueError, match="unknown KV dtype 'int2'"):
         kvcalc.memory_plan(LLAMA3_8B, kv_dtype="int2")
     with pytest.raises(ValueError, match="unknown weight precision 'Q9_K'"):

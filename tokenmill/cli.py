@@ -56,7 +56,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     from tokenmill.config import KV_CACHE_DTYPES
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="auto: the model's dtype; bfloat16 halves the KV cache's bytes (K/V rounded); int8 about "
-                        "quarters them (a scale per token per kv head); int4 groups of 32 with a scale and min; "
+                        "quarters them (a scale per 32 values of a kv head); int4 groups of 32 with a scale and min; "
                         "fp8 (= fp8_e4m3) and fp8_e5m2 8-bit floats with a scale per kv head")
     p.add_argument("--calculate-kv-scales", action="store_true",
                    help="fp8 caches: scales per kv head from the data (a fixed passage at start-up), not 1.0")

@@ -32,7 +32,7 @@ class LLM:
     long_prefill_token_threshold, max_num_partial_prefills, max_long_partial_prefills (fair prefill; no cap here by
     default, since offline no request arrives mid-prefill: see SchedulerConfig),
     enable_prefix_caching, kv_cache_dtype ("auto"; "bfloat16": half the KV bytes, K/V rounded; "int8": about a
-    quarter, a scale per token per kv head; "int4": groups of 32 with a scale and min; "fp8" / "fp8_e4m3" /
+    quarter, a scale per 32 values of a token's kv head; "int4": groups of 32 with a scale and min; "fp8" / "fp8_e4m3" /
     "fp8_e5m2": 8-bit floats with a scale per kv head, 1.0 unless calculate_kv_scales=True computes it from a fixed
     passage's K/V at start-up), device, seed;
     kv_cache_memory_gb sizes the paged KV cache (default: a share of free memory); attention_backend picks the

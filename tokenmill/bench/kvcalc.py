@@ -36,7 +36,8 @@ class KVFormat:
         return -(-head_dim * self.bits // 8)
 
     def scale_bytes_per_head(self, head_dim: int) -> int:
-        groups = 1 if self.group is None else -(-head_dim // self.group)
+        # a head that is not whole groups takes one scale for all of it (the int8 cache's rule; int4 refuses it)
+        groups = 1 if self.group is None or head_dim % self.group else head_dim // self.group
         return groups * self.scale_bytes
 
     def head_bytes(self, head_dim: int) -> int:
@@ -45,7 +46,7 @@ class KVFormat:
 
 KV_FORMATS = {
     "fp32": KVFormat(32), "bf16": KVFormat(16), "fp16": KVFormat(16), "fp8": KVFormat(8),
-    "int8": KVFormat(8, None, 4),  # one float32 scale per token per head
+    "int8": KVFormat(8, 32, 4),    # per 32 elements one float32 scale
     "int4": KVFormat(4, 32, 4),    # per 32 elements one fp16 scale and one fp16 offset
 }
 KV_TABLE = ("fp32", "bf16", "fp8", "int8", "int4")  # the planner's columns; fp16 costs what bf16 does

@@ -1,5 +1,6 @@
 """One layer's paged KV cache: K and V as [slots, kv_heads, head_dim] in the cache's dtype (kv_cache_dtype): float32
-or bfloat16; int8 codes with a float32 scale per slot and kv head; int4 codes in groups of 32 along head_dim,
+or bfloat16; int8 codes with a float32 scale per 32 values of a slot's kv head (per head where head_dim is not a
+multiple of 32); int4 codes in groups of 32 along head_dim,
 two to a byte, with a half scale and min per group (llama.cpp's q4_1 in the cache); or fp8 codes (e4m3 or e5m2)
 with a float32 scale per kv head for the whole layer, as vLLM's fp8 cache (1.0 unless set). Tokens are quantised
 as they are written; readers dequantise only the rows they read (the AVX-512 kernels 16 values at a time in
@@ -20,7 +21,8 @@ FORMATS = {"float32": 0, "bfloat16": 1, "int8": 2, "int4": 3, "fp8_e4m3": 4, "fp
 _CODES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8, "int4": torch.uint8,
           "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 _NAMES = {t: name for name, t in _CODES.items() if name != "int4"}
-_INT8_MAX = 127     # int8: symmetric, scale = max |x| / 127 over a token's kv head
+_INT8_MAX = 127     # int8: symmetric, scale = max |x| / 127 over a group of a token's kv head
+INT8_GROUP = 32     # int8: the values a scale covers (tokenmill.h's TM_KV_INT8_GROUP), or the whole head
 INT4_GROUP = 32     # int4: head_dim a multiple of this (tokenmill.h's TM_KV_INT4_GROUP)
 FP8 = ("fp8_e4m3", "fp8_e5m2")
 _FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}    # the largest finite code: writes clamp to it
@@ -33,7 +35,8 @@ FP8_K_RANGE, FP8_V_RANGE = 200.0, 100.0
 class LayerKV:
     k: torch.Tensor                           # [slots, KV, D]
     v: torch.Tensor
-    k_scale: Optional[torch.Tensor] = None    # int8 [slots, KV] float32; int4 [slots, KV, D / 32, 2] half; fp8 [KV]
+    k_scale: Optional[torch.Tensor] = None    # int8 [slots, KV, D / group] float32; int4 [slots, KV, D / 32, 2] half;
+    # fp8 [KV]
     v_scale: Optional[torch.Tensor] = None
 
     @staticmethod
@@ -153,7 +156,7 @@ def check_kv_dtype(dtype: str, head_dim: int) -> None:
 def _shapes(slots: int, kv_heads: int, head_dim: int, dtype: str) -> tuple[tuple, Optional[tuple]]:
     """The codes' shape and the per-slot scales' (None for a float or fp8 cache)."""
     if dtype == "int8":
-        return (slots, kv_heads, head_dim), (slots, kv_heads)
+        return (slots, kv_heads, head_dim), (slots, kv_heads, head_dim // int8_group(head_dim))
     if dtype in FP8:
         return (slots, kv_heads, head_dim), None
     if dtype == "int4":
@@ -161,17 +164,24 @@ def _shapes(slots: int, kv_heads: int, head_dim: int, dtype: str) -> tuple[tuple
     return (slots, kv_heads, head_dim), None
 
 
+def int8_group(head_dim: int) -> int:
+    """The values one int8 scale covers: INT8_GROUP, or the whole head where head_dim is not a multiple of it."""
+    return head_dim if head_dim % INT8_GROUP else INT8_GROUP
+
+
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] -> (codes int8 [..., D], scale float32 [...]): scale = max |x| * (1 / 127), codes = round(x *
-    (1 / scale)), half to even; the float32 operations the C kernels' write does, so both store the same bytes."""
+    """x [..., D] -> (codes int8 [..., D], scale float32 [..., D / group]): per group, scale = max |x| * (1 / 127),
+    codes = round(x * (1 / scale)), half to even; the float32 operations the C kernels' write does, so both store
+    the same bytes."""
     x = x.float()
-    scale = x.abs().amax(-1) * (1.0 / _INT8_MAX)
+    groups = x.unflatten(-1, (-1, int8_group(x.shape[-1])))
+    scale = groups.abs().amax(-1) * (1.0 / _INT8_MAX)
     inv = torch.where(scale != 0, 1.0 / scale, torch.zeros_like(scale))
-    return torch.round(x * inv[..., None]).to(torch.int8), scale
+    return torch.round(groups * inv[..., None]).to(torch.int8).flatten(-2), scale
 
 
 def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return codes.float() * scale[..., None]
+    return (codes.float().unflatten(-1, (scale.shape[-1], -1)) * scale[..., None]).flatten(-2)
 
 
 def quantize_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

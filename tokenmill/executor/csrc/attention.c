@@ -8,7 +8,7 @@
  *   tm_write_kv       the step's K/V into their slots;
  *   tm_decode_attention  rotary + KV write + paged decode of fused qkv rows, for the one-call decode layer.
  * Math in float32 whatever the storage types: q and out float32 or bfloat16 (q_bf16), the cache float32,
- * bfloat16, int8 with a scale per token and kv head, int4 in groups of 32, or fp8 (e4m3, e5m2) with a scale per
+ * bfloat16, int8 with a scale per 32 values of a kv head, int4 in groups of 32, or fp8 (e4m3, e5m2) with a scale per
  * kv head (tm_kv_cache.format, kv_cache_dtype). With AVX-512 and D a multiple of 16, paged_decode
  * runs its items through decode_fast (arch/avx512/attention_fast.c) instead: a request's own positions (one query token per
  * head: little arithmetic per byte, where decode_fast's two passes spend about half of attend_rows'
@@ -163,10 +163,11 @@ static void chunk_rows(const ctx_t *c, const size_t *slot, int n8, int h, const 
             }
         } else if (c->fmt == TM_KV_INT8) {
             const int8_t *kq = (const int8_t *)c->k + idx, *vq = (const int8_t *)c->v + idx;
-            const float ks = ((const float *)c->ks)[row], vs = ((const float *)c->vs)[row];
+            const int G = i8_group(D);
+            const float *ks = (const float *)c->ks + row * (D / G), *vs = (const float *)c->vs + row * (D / G);
             for (int d = 0; d < D; d++) {
-                kbuf[j][d] = (float)kq[d] * ks;
-                vbuf[j][d] = (float)vq[d] * vs;
+                kbuf[j][d] = (float)kq[d] * ks[d / G];
+                vbuf[j][d] = (float)vq[d] * vs[d / G];
             }
         } else if (c->fmt >= TM_KV_FP8_E4M3) {
             const uint8_t *kq = (const uint8_t *)c->k + idx, *vq = (const uint8_t *)c->v + idx;
@@ -752,10 +753,15 @@ static int write_kv(const float *k, const float *v, int src_stride, const tm_kv_
                 ((uint16_t *)kv->v)[at + i] = f32_to_bf16(vs[i]);
             }
         } else if (kv->format == TM_KV_INT8) {
+            const int G = i8_group(D);
             for (int h = 0; h < KV; h++) {
                 const size_t row = (size_t)slots[t] * KV + h;
-                quantize_row_i8(ks + h * D, (int8_t *)kv->k + row * D, (float *)kv->k_scale + row, D);
-                quantize_row_i8(vs + h * D, (int8_t *)kv->v + row * D, (float *)kv->v_scale + row, D);
+                for (int g = 0; g < D; g += G) {
+                    quantize_row_i8(ks + h * D + g, (int8_t *)kv->k + row * D + g,
+                                    (float *)kv->k_scale + row * (D / G) + g / G, G);
+                    quantize_row_i8(vs + h * D + g, (int8_t *)kv->v + row * D + g,
+                                    (float *)kv->v_scale + row * (D / G) + g / G, G);
+                }
             }
         } else if (kv->format >= TM_KV_FP8_E4M3) {
             const int e5m2 = kv->format == TM_KV_FP8_E5M2;

@@ -46,6 +46,11 @@ static inline size_t kv_head_bytes(int fmt, int D) {
     return fmt == TM_KV_INT4 ? (size_t)D / 2 : kv_elem_bytes(fmt) * D;
 }
 
+/* the values one int8 scale covers at head_dim D (TM_KV_INT8_GROUP, or the whole head) */
+static inline int i8_group(int D) {
+    return D % TM_KV_INT8_GROUP ? D : TM_KV_INT8_GROUP;
+}
+
 static inline size_t slot_of(const ctx_t *c, int pos) {
     return ((size_t)c->table[pos >> c->bs_shift] << c->bs_shift) + (pos & c->bs_mask);
 }

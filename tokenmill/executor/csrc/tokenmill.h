@@ -196,7 +196,8 @@ TM_API int tm_lora(const tm_lora_args *a);
 /* how a paged cache stores K and V (kv_cache_dtype) */
 #define TM_KV_F32 0
 #define TM_KV_BF16 1
-#define TM_KV_INT8 2              /* int8 codes, symmetric, a float32 scale per (slot, kv head): code * scale */
+#define TM_KV_INT8 2              /* int8 codes, symmetric, a float32 scale per group of a (slot, kv head): code * scale */
+#define TM_KV_INT8_GROUP 32       /* values an int8 scale covers; the whole head where head_dim is not a multiple */
 #define TM_KV_INT4 3              /* 4-bit codes per group of 32 with a half scale d and min m: code * d + m */
 #define TM_KV_INT4_GROUP 32       /* head_dim a multiple of this for an int4 cache */
 #define TM_KV_FP8_E4M3 4          /* 8-bit floats (OCP E4M3FN) times a float32 scale per kv head: code * scale */
@@ -207,7 +208,8 @@ typedef struct {
     void *k;                      /* [num_slots, kv_heads, head_dim] in `format`; int4: [.., head_dim / 2] bytes,
                                    * a group's byte j holding code j (low nibble) and code j + 16 (high) */
     void *v;
-    const void *k_scale;          /* TM_KV_INT8: float32 [num_slots, kv_heads]; TM_KV_INT4: half (d, m) pairs
+    const void *k_scale;          /* TM_KV_INT8: float32 [num_slots, kv_heads, head_dim / its group];
+                                   * TM_KV_INT4: half (d, m) pairs
                                    * [num_slots, kv_heads, head_dim / 32]; TM_KV_FP8_*: float32 [kv_heads], the
                                    * same for every slot; else NULL */
     const void *v_scale;

@@ -53,7 +53,7 @@ static inline __attribute__((always_inline)) void prefetch_v(const ctx_t *c, siz
 }
 
 /* 16 values of kv head h's row at a slot from dimension d (a multiple of 16), as float32, from K (base c->k,
- * scales c->ks) or V: bfloat16 is the top half of a float32; int8 codes times the row's scale; an fp8 code
+ * scales c->ks) or V: bfloat16 is the top half of a float32; int8 codes times their group's scale; an fp8 code
  * widened to the half with the same sign, exponent and mantissa (exact: e5m2 is a half's top byte, e4m3's
  * exponent sits 8 below a half's) times its head's scale; int4 nibbles times their group's d plus its m. */
 static inline __attribute__((always_inline)) __m512 load_kv(const ctx_t *c, const void *base, const void *scales,
@@ -64,8 +64,11 @@ static inline __attribute__((always_inline)) __m512 load_kv(const ctx_t *c, cons
     if (fmt == TM_KV_BF16)
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
     const __m128i b = _mm_loadu_si128((const __m128i *)p);
-    if (fmt == TM_KV_INT8)
-        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(((const float *)scales)[row]));
+    if (fmt == TM_KV_INT8) {      /* d's 16 values share a group: 32 values, or the whole head */
+        const int G = i8_group(c->D);
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)),
+                             _mm512_set1_ps(((const float *)scales)[row * (c->D / G) + d / G]));
+    }
     if (fmt == TM_KV_FP8_E5M2)
         return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8)),
                              _mm512_set1_ps(((const float *)scales)[h]));
