@@ -646,7 +646,7 @@ static size_t head_bytes(int fmt, int D) {
     return fmt == TM_KV_F32 ? 4 * (size_t)D : fmt == TM_KV_BF16 ? 2 * (size_t)D : fmt == TM_KV_INT4 ? (size_t)D / 2 : (size_t)D;
 }
 static size_t scale_bytes(int fmt, int64_t slots, int KV, int D) {
-    if (fmt == TM_KV_INT8) return (size_t)slots * KV * 4;
+    if (fmt == TM_KV_INT8) return (size_t)slots * KV * (D % TM_KV_INT8_GROUP ? 1 : D / TM_KV_INT8_GROUP) * 4;
     if (fmt == TM_KV_INT4) return (size_t)slots * KV * (D / TM_KV_INT4_GROUP) * 4;
     return fmt >= TM_KV_FP8_E4M3 ? (size_t)KV * 4 : 0;
 }
