@@ -483,3 +483,27 @@ def test_llama_cpp_reads_these_files_as_transformers_runs_the_model(kind, tmp_pa
         want = hf(torch.tensor([ids])).logits[0].numpy()
     assert np.abs(logits - want).max() < 0.01 * max(1.0, np.abs(want).max())
     assert (logits.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_a_failed_step_leaves_no_snapshot_behind(tmp_path):
+    """A step that raises (the server fails its requests and serves on) planned a snapshot it never wrote: the
+    next step drops it, so a later prefix hit cannot resume from an unwritten slot, and its slot goes back."""
+    path, hf = build_tiny("qwen3_5", tmp_path)
+    llm = LLM(path, **ENGINE)
+    eng = llm.llm_engine
+    base = random_prompts([40], seed=1)[0]
+    greedy(llm, [base], 8)                           # blocks 0 and 1 cached; a snapshot at 32 only
+    snaps = eng.scheduler.snapshots
+    free = len(snaps.free_slots)
+    run = eng.runner.execute
+
+    def fails_once(*args, **kwargs):
+        eng.runner.execute = run
+        raise RuntimeError("a step that failed")
+    eng.runner.execute = fails_once
+    with pytest.raises(RuntimeError, match="a step that failed"):
+        greedy(llm, [base[:16] + random_prompts([4], seed=2)[0]], 8)     # it planned a snapshot at 16
+    assert greedy(llm, random_prompts([5], seed=9), 8)                   # a good step: nothing of it indexed
+    assert not snaps.pending and len(snaps.free_slots) == free
+    parted = base[:16] + random_prompts([8], seed=3)[0]
+    assert _run(llm, [parted], hf) == [0]            # the hit at 16 has no snapshot: computed afresh, as transformers

@@ -78,6 +78,8 @@ class Scheduler:
     def schedule(self, in_flight: bool = False) -> SchedulerOutput:
         """in_flight (async scheduling): this step goes to the device before the last one is back; its computed
         tokens count at once, and a request whose tokens are still to come is scheduled as if they were there."""
+        if self.snapshots is not None:     # saves the last step planned and did not finish (it raised)
+            self.snapshots.discard()
         budget = self.config.max_num_batched_tokens
         threshold = self.config.long_prefill_token_threshold
         cap = threshold or budget     # a request's tokens in one step (a long prompt's: _cap, by its depth)

@@ -8,7 +8,8 @@ Snapshots are taken where they pay: at the last boundary before a prompt's last 
 preempted request's recompute), and while a request decodes at each boundary it passes, the newest replacing its
 predecessor (a conversation's next turn resumes where the last one ended). The slots are chosen here and travel in
 the step's ScheduledRequest (state_load, state_save); the tensors are the runner's (LinearStates). A snapshot joins
-the index once the step that writes it has run (commit), so no request of that step can load it early.
+the index once the step that writes it has run (commit), so no request of that step can load it early; the saves of
+a step that never came back (it raised) are dropped before the next is scheduled (discard), their slots unwritten.
 """
 from __future__ import annotations
 
@@ -72,9 +73,14 @@ class StateSnapshots:
             self.index[h] = slot
             if decoding:                  # the request's older decode snapshot is a shorter prefix of this one
                 old = self.latest.get(rid)
-                if old is not None and old in self.index:
+                if old is not None and old != h and old in self.index:
                     self.free_slots.append(self.index.pop(old))
                 self.latest[rid] = h
+        self.pending = []
+
+    def discard(self) -> None:
+        """Saves a step planned that never ran to its end: their slots go back unwritten, nothing is indexed."""
+        self.free_slots.extend(slot for _, _, slot, _ in self.pending)
         self.pending = []
 
     def forget(self, req_id: str) -> None:
