@@ -272,6 +272,11 @@ class Scheduler:
             return False
         bs = self.kv.block_size
         for other, reached, _ in partial:
+            if self.snapshots is not None:   # linear-attention layers resume only at a snapshot: other's prompt point
+                point = self.snapshots.save_points(other, 0, other.num_prompt_tokens)[:1]
+                if not point or point[0] >= req.num_tokens or req.all_token_ids[:point[0]] != other.all_token_ids[
+                        :point[0]]:
+                    continue
             end = (reached // bs + 1) * bs           # the end of the first block `other` has not finished
             if end < req.num_tokens and end <= other.num_tokens and other.cache_salt == req.cache_salt \
                     and req.all_token_ids[:end] == other.all_token_ids[:end]:
