@@ -26,7 +26,6 @@ class StateSnapshots:
         self.index: OrderedDict[int, int] = OrderedDict()      # block hash -> slot, least recently used first
         self.pending: list[tuple[str, int, int, bool]] = []    # (request, hash, slot, decoding): the step's saves
         self.latest: dict[str, int] = {}                       # a decoding request's newest snapshot (its hash)
-        self.num_loads = 0
 
     def resume(self, hashes: list[int]) -> tuple[int, Optional[int]]:
         """For a prefix hit of len(hashes) blocks (their hashes): how many of them to keep, the longest run whose
@@ -35,7 +34,6 @@ class StateSnapshots:
             slot = self.index.get(hashes[n - 1])
             if slot is not None:
                 self.index.move_to_end(hashes[n - 1])
-                self.num_loads += 1
                 return n, slot
         return 0, None
 
