@@ -296,8 +296,13 @@ def cmd_kv_quality(args: argparse.Namespace) -> int:
     runs = [(dtype, dtype, {}) for dtype in args.kv_cache_dtypes]
     if args.calculate_kv_scales:     # each fp8 dtype again, its scales from the data
         runs += [(f"{d}+scales", d, {"calculate_kv_scales": True}) for d in args.kv_cache_dtypes if "fp8" in d]
-    rows = {label: {name: against_reference(ref, dtype, **extra).to_dict() for name, ref in texts.items()}
-            for label, dtype, extra in runs}
+    from tqdm.auto import tqdm
+    rows: dict[str, dict[str, Any]] = {}
+    with tqdm(total=len(runs) * len(texts), desc="kv-quality", disable=args.json) as bar:
+        for label, dtype, extra in runs:
+            for name, ref in texts.items():
+                rows.setdefault(label, {})[name] = against_reference(ref, dtype, **extra).to_dict()
+                bar.update()
     r = {"model": model, "machine": machine_record(), "passages": args.passages, "text_len": args.text_len,
          "prompt_len": args.prompt_len, "continue_len": args.continue_len, "engine": json_safe(kw), "dtypes": rows}
     lines = [f"{'kv dtype':<16} {'text':<14} {'positions':>9} {'top-1 agree':>11} {'in top-5':>9} {'max gap':>8}"]
