@@ -305,7 +305,7 @@ class Scheduler:
         save = ()
         if self.snapshots is not None and not guesses:    # a verification's state is known only once it is back
             start = req.num_computed_tokens
-            save = self.snapshots.save(req, start, n, self.kv.block_hashes(req, (start + n) // self.kv.block_size))
+            save = self.snapshots.save(req, start, n, lambda i: self.kv.block_hashes(req, i + 1)[i])
         tables = self.kv.tables_of(req.request_id)
         if len(req.blocks_synced) != len(tables):
             req.blocks_synced = [0] * len(tables)

@@ -14,7 +14,7 @@ a step that never came back (it raised) are dropped before the next is scheduled
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Optional
+from typing import Callable, Optional
 
 from tokenmill.engine.request import Request
 
@@ -47,12 +47,13 @@ class StateSnapshots:
             points.append(end)
         return points
 
-    def save(self, req: Request, start: int, n: int, hashes: list[int]) -> tuple[tuple[int, int], ...]:
-        """The saves this step makes for req's tokens [start, start + n) (hashes: its block hashes up to there):
+    def save(self, req: Request, start: int, n: int, block_hash: Callable[[int], int]
+             ) -> tuple[tuple[int, int], ...]:
+        """The saves this step makes for req's tokens [start, start + n) (block_hash(i): the hash of its block i):
         (tokens into the step's rows, snapshot slot) each, in order."""
         saves = []
         for point in self.save_points(req, start, n):
-            h = hashes[point // self.block_size - 1]
+            h = block_hash(point // self.block_size - 1)
             if h in self.index or any(p[1] == h for p in self.pending):
                 continue
             if self.free_slots:

@@ -100,7 +100,8 @@ class LinearStates:
                                          torch.empty(L, verified, hv, dv, **f32), torch.empty(L, verified, hv, **f32),
                                          torch.empty(L, verified, hv, **f32))
         return LinearStep(rows, fresh, slots, self.conv, self.rec, snap_row, self.verified,
-                          [s.state_save for s in sched.scheduled], self.snap_conv, self.snap_rec)
+                          {i: s.state_save for i, s in enumerate(sched.scheduled) if s.state_save},
+                          self.snap_conv, self.snap_rec)
 
     def dummy_step(self, entry_rows: list[int]) -> LinearStep:
         """A start-up step's (profiling, compiling): entries of several rows as fresh prompts, one-row entries as

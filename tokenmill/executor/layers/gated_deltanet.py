@@ -42,9 +42,9 @@ class LinearStep:
     # replays those into the slot (LinearStates.restore)
     snap_row: list[Optional[int]] = field(default_factory=list)
     verified: Optional["VerifiedRows"] = None
-    # the prefix cache's snapshots: for each request, (rows into its rows, snapshot slot) of each point where its
-    # state is kept, in order; and the snapshot tensors, laid out as conv and rec
-    saves: list[tuple[tuple[int, int], ...]] = field(default_factory=list)
+    # the prefix cache's snapshots: request index -> (rows into its rows, snapshot slot) of each point where its
+    # state is kept, in order (only the requests that keep one); and the snapshot tensors, laid out as conv and rec
+    saves: dict[int, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     snap_conv: Optional[torch.Tensor] = None
     snap_rec: Optional[torch.Tensor] = None
 
@@ -170,7 +170,6 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid().float()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         snap_row = step.snap_row or [None] * len(step.rows)
-        saves = step.saves or [()] * len(step.rows)
         verifying = [i for i, r in enumerate(snap_row) if r is not None]
         # decoding requests (a row each, a state to go on from): their convolutions and recurrence steps at once
         decodes = [i for i, ((r0, r1), fresh) in enumerate(zip(step.rows, step.fresh))
@@ -191,7 +190,7 @@ class GatedDeltaNet(nn.Module):
                 step.verified.mixed[self.index, snap:snap + r1 - r0] = mixed[r0:r1]
                 conv[r0:r1] = self._conv(mixed[r0:r1], conv_states[slot].clone())
                 continue
-            keep = tuple((m, step.snap_conv[self.index, snap]) for m, snap in saves[i])
+            keep = tuple((m, step.snap_conv[self.index, snap]) for m, snap in step.saves.get(i, ()) if m < r1 - r0)
             conv[r0:r1] = self._conv(mixed[r0:r1], conv_states[slot], keep)
         q, k, v = conv.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         # each q/k head serves hv // hk value heads: consecutive ones (HF's order), or every hk-th (tiled, a GGUF's)
@@ -218,7 +217,7 @@ class GatedDeltaNet(nn.Module):
             (r0, r1), slot = step.rows[i], step.slots[i]
             s = torch.zeros_like(rec_states[slot]) if step.fresh[i] else rec_states[slot]
             # a snapshot inside the rows parts them there: the state at the boundary is the part's last
-            inside = {r0 + m: snap for m, snap in saves[i] if m < r1 - r0}
+            inside = {r0 + m: snap for m, snap in step.saves.get(i, ()) if m < r1 - r0}
             ends = sorted(inside) + [r1]
             for a, e in zip([r0] + ends[:-1], ends):
                 o, s = chunked_delta_rule(q[a:e].transpose(0, 1) * self.dk ** -0.5,
@@ -227,7 +226,7 @@ class GatedDeltaNet(nn.Module):
                 if e in inside:
                     step.snap_rec[self.index, inside[e]] = s
             rec_states[slot] = s
-        for i, save in enumerate(saves):     # snapshots at the end of a request's rows: its state after the step
+        for i, save in step.saves.items():     # snapshots at the end of a request's rows: its state after the step
             for m, snap in save:
                 if m == step.rows[i][1] - step.rows[i][0]:
                     step.snap_conv[self.index, snap] = conv_states[step.slots[i]]

@@ -21,8 +21,9 @@ class TritonOps(ReferenceOps):
     graph_safe = True
 
     def __init__(self, dtype: torch.dtype):
-        from tokenmill.executor.ops import triton_kernels, triton_quant
+        from tokenmill.executor.ops import triton_delta_rule, triton_kernels, triton_quant
         self.k = triton_kernels
+        self.dr = triton_delta_rule
         self.q = triton_quant
         self.dtype = dtype
         self.norm_kernel = self.act_kernel = False
@@ -109,10 +110,9 @@ class TritonOps(ReferenceOps):
         return triton_moe.fused_moe(x, topk_weights, topk_ids, stacked)
 
     def delta_rule_step(self, q, k, v, g, beta, state, slots):
-        from tokenmill.executor.ops import triton_delta_rule as dr
-        if dr.delta_rule_fits(q.shape[-1], state) is not None:
+        if self.dr.delta_rule_fits(q.shape[-1], state) is not None:
             return super().delta_rule_step(q, k, v, g, beta, state, slots)
-        return dr.delta_rule_step(q, k, v, g, beta, state, slots)
+        return self.dr.delta_rule_step(q, k, v, g, beta, state, slots)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.k.silu_mul(gate_up) if self.act_kernel else super().silu_mul(gate_up)
