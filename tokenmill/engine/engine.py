@@ -221,7 +221,7 @@ def check_kv_calibration(mc: ModelConfig, tp_size: int, offload: KVOffloadConfig
     """What calculate_kv_scales cannot run with yet, refused with what to change."""
     why = None
     if mc.linear_layers:
-        why = f"{mc.architecture}'s linear-attention layers (its calibration step would run their state twice)"
+        why = f"{mc.architecture}'s linear-attention layers (the calibration pass holds no state slot for them)"
     elif tp_size > 1:
         why = "tensor_parallel_size > 1 (each rank's cache would need its own calibration)"
     elif offload.enabled or transfer is not None:
@@ -436,10 +436,9 @@ class LLMEngine:
         n = min(CALIBRATION_TOKENS, self.config.scheduler_config.max_model_len - 1, blocks)
         ids = self.tokenizer.encode(strip_header(default_text_path().read_text()))[:n]
         self.runner.calibrate_kv_scales(ids)
-        scales = [torch.cat([c.k_scale, c.v_scale]) for c in self.runner.kv_tensors]
-        log.info("calculate_kv_scales: fp8 scales from %d tokens of the bundled text, K %.3g-%.3g, V %.3g-%.3g", len(ids),
-                 min(float(s[:len(s) // 2].min()) for s in scales), max(float(s[:len(s) // 2].max()) for s in scales),
-                 min(float(s[len(s) // 2:].min()) for s in scales), max(float(s[len(s) // 2:].max()) for s in scales))
+        k, v = (torch.stack([getattr(c, name) for c in self.runner.kv_tensors]) for name in ("k_scale", "v_scale"))
+        log.info("calculate_kv_scales: fp8 scales from %d tokens of the bundled text, K %.3g-%.3g, V %.3g-%.3g",
+                 len(ids), k.min(), k.max(), v.min(), v.max())
 
     # ---- construction helpers ------------------------------------------------------------------------------
     def _cache_identity(self, cpu_kernels: str, quantization: Optional[str], int8_activations: bool
