@@ -35,11 +35,9 @@ def timed(args: list[str]) -> dict:
 
 def quality(dtype: str) -> dict:
     from tokenmill import LLM
-    from tokenmill.bench.kvquality import kv_quality
-    from tokenmill.bench.perplexity import default_text_path, strip_header
+    from tokenmill.bench.kvquality import bundled_passages, kv_quality
     tok = LLM(kv_cache_memory_gb=0.05, max_model_len=512).llm_engine.tokenizer
-    ids = tok.encode(strip_header(default_text_path().read_text()))
-    prompts = [ids[i * 200:i * 200 + 32] for i in range(16)]
+    prompts = bundled_passages(tok, 16, 32)
     return kv_quality(None, dtype, prompts, 256, dtype="float32", kv_cache_memory_gb=0.2).to_dict()
 
 

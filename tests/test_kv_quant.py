@@ -60,10 +60,8 @@ BUNDLED_BOUNDS = {"int8": (0.99, 1.0, 0.5), "int4": (0.95, 0.99, 1.5), "fp8_e4m3
 @pytest.fixture(scope="module")
 def bundled_reference(smollm2_tokenizer):
     """The float cache's continuations and scores on the bundled model, once for every cache dtype."""
-    from tokenmill.bench.kvquality import float_reference
-    from tokenmill.bench.perplexity import default_text_path, strip_header
-    ids = smollm2_tokenizer.encode(strip_header(default_text_path().read_text()))
-    prompts = [ids[i * 200:i * 200 + 32] for i in range(16)]
+    from tokenmill.bench.kvquality import bundled_passages, float_reference
+    prompts = bundled_passages(smollm2_tokenizer, 16, 32)
     # float activations, as the bounds were measured: the cache's rounding alone
     return float_reference(None, prompts, 256, dtype="float32", kv_cache_memory_gb=0.2, int8_activations=False)
 

@@ -128,7 +128,7 @@ class LayerKV:
     def calibrate(self, slots: torch.Tensor) -> None:
         """An fp8 cache's scales from what these slots hold (written at the scales so far): per kv head, the largest
         |K| over FP8_K_RANGE and the largest |V| over FP8_V_RANGE; in place, so every kernel's pointer to them
-        stays valid. The slots must then be written again."""
+        stays valid. What those slots hold stays at the old scales: only a pass that nothing reads may write them."""
         k, v = self.read(slots, torch.float32)
         for x, scale, rng in ((k, self.k_scale, FP8_K_RANGE), (v, self.v_scale, FP8_V_RANGE)):
             amax = x.abs().amax(dim=(0, 2))
