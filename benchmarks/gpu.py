@@ -15,8 +15,11 @@ downloaded):
               transformers with its static cache and torch.compile in batches, useful tokens a second each
               (target: tokenmill at least 5x; 1,000 requests, 300 with --quick)
   smollm2     the bundled SmolLM2 (its GGUF dequantised to bf16): one stream's decode, and offline-64
-  quant       the 8B shape quantised at load: int4 (W4A16, groups of 128) and fp8 (e4m3 weights, dynamic per-token
-              activations), each one stream's ITL over bf16's from the same run (targets: at most 0.4x and 0.6x)
+  kernels     each weight form's matmul alone at the 8B shape's four matrices (bf16, int4 and int8 in groups of 128,
+              fp8; 1 and 16 rows), and the int4/int8 GEMV's tile, programs and warps swept at one row
+  quant       the 8B shape quantised at load: int4 (W4A16, groups of 128), int8 (W8A16) and fp8 (e4m3 weights,
+              dynamic per-token activations), each one stream's ITL over bf16's from the same run (targets: int4 at
+              most 0.4x, fp8 at most 0.6x)
   moe         a Mixtral-shaped model (8 experts, top 2; 8 layers, 2 with --tiny): one stream's ITL against the HBM
               limit of the weights a step reads with 2 of 8 experts active, and with all 8 (the time should follow
               the active experts)
@@ -129,53 +132,88 @@ def _nbytes(q: Any) -> int:
     return sum(getattr(q, f.name).nbytes for f in dataclasses.fields(q) if isinstance(getattr(q, f.name), torch.Tensor))
 
 
-def matmul_kernels(dev: torch.device, tiny: bool) -> list[dict[str, Any]]:
+def _graph_seconds(fn: Callable[[], Any], dev: torch.device, calls: int) -> float:
+    """Seconds a call of fn's `calls` calls, replayed from a captured graph on CUDA (as a decode step runs)."""
+    if dev.type != "cuda":
+        return timed(fn, dev, 3) / calls
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return timed(g.replay, dev, 20) / calls
+
+
+GEMV_SWEEP = [(tile, programs, warps) for tile in (4096, 8192, 16384) for programs in (264, 1056, 2112)
+              for warps in (4, 8)]
+
+
+def matmul_kernels(dev: torch.device, tiny: bool) -> dict[str, Any]:
     """Each weight form's matmul alone at the 8B shape's matrices, 1 and 16 rows of x: seconds a call and the
     weight bytes a second, against bf16's. Each call cycles through copies of the weight that together pass the L2
-    (else it reads the cache), and runs inside a captured graph (as a decode step does), so launches are not
-    counted."""
+    (else it reads the cache), inside a captured graph (as a decode step runs), so launches are not counted.
+    Forms: the GPU plan's (group weights with column-major scales, the FP8 activations' one-kernel quantiser) and
+    what they replaced (row-major scales; torch's quantiser). Then the GEMV's tile, programs and warps swept at one
+    row, int4 and int8: the sum over the four matrices (one layer's) for each, against the module's defaults."""
     from tokenmill.executor.loader.quantize import quantize_fp8, quantize_groups
-    from tokenmill.executor.ops import triton_quant
+    from tokenmill.executor.ops import triton_fp8, triton_quant as tq
     from tokenmill.executor.ops.fp8 import fp8_linear
     shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
     if tiny:
         shapes = {"o": (256, 256)}
-    rows = []
+    rows: list[dict[str, Any]] = []
+    sweep: dict[str, dict[str, float]] = {}
     for name, (n, k) in shapes.items():
         w = torch.randn(n, k, dtype=torch.bfloat16, device=dev) * 0.02
         copies = max(2, -(-512 * 2 ** 20 // w.nbytes)) if not tiny else 2
         g4, g8, f8 = quantize_groups(w, 4, 128, symmetric=False), quantize_groups(w, 8, 128, symmetric=False), \
             quantize_fp8(w)
+        g4c, g8c = tq.gpu_layout(g4), tq.gpu_layout(g8)
+        fp8_kernel = (lambda x, v: fp8_linear(x, v, quantize=triton_fp8.quantize_rows))
         # distinct copies: each call reads memory, not the L2
         forms = {"bf16": ([w.clone() for _ in range(copies)], lambda x, v: x @ v.t(), w.nbytes),
-                 "int4_g128": ([_cloned(g4) for _ in range(copies)], triton_quant.group_matmul, _nbytes(g4)),
-                 "int8_g128": ([_cloned(g8) for _ in range(copies)], triton_quant.group_matmul, _nbytes(g8)),
-                 "fp8": ([_cloned(f8) for _ in range(copies)], fp8_linear, _nbytes(f8))}
+                 "int4_g128": ([_cloned(g4c) for _ in range(copies)], tq.group_matmul, _nbytes(g4)),
+                 "int4_g128_rowmajor_scales": ([_cloned(g4) for _ in range(copies)], tq.group_matmul, _nbytes(g4)),
+                 "int8_g128": ([_cloned(g8c) for _ in range(copies)], tq.group_matmul, _nbytes(g8)),
+                 "fp8": ([_cloned(f8) for _ in range(copies)], fp8_kernel, _nbytes(f8)),
+                 "fp8_torch_quantiser": ([_cloned(f8) for _ in range(copies)], fp8_linear, _nbytes(f8))}
         for m in (1, 16):
             x = torch.randn(m, k, dtype=torch.bfloat16, device=dev)
             base = None
             for form, (ws, fn, b) in forms.items():
                 try:
-                    run = lambda: [fn(x, v) for v in ws]
-                    if dev.type == "cuda":
-                        run()
-                        torch.cuda.synchronize()
-                        g = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(g):
-                            run()
-                        sec = timed(g.replay, dev, 20) / len(ws)
-                    else:
-                        sec = timed(run, dev, 3) / len(ws)
+                    sec = _graph_seconds(lambda: [fn(x, v) for v in ws], dev, len(ws))
                 except Exception as e:          # a form this device cannot run: said, not fatal
                     rows.append({"matrix": name, "rows": m, "form": form, "error": f"{type(e).__name__}: {e}"[:300]})
                     continue
                 base = sec if form == "bf16" else base
                 rows.append({"matrix": name, "n": n, "k": k, "rows": m, "form": form, "us": 1e6 * sec,
                              "weight_gbs": b / sec / 1e9, "over_bf16": sec / base if base else None})
+        x = torch.randn(1, k, dtype=torch.bfloat16, device=dev)
+        for bits, form in ((4, "int4_g128"), (8, "int8_g128")):
+            ws = forms[form][0]
+            for tile, programs, warps in GEMV_SWEEP[:2] if tiny else GEMV_SWEEP:
+                key = f"int{bits} tile {tile} programs {programs} warps {warps}"
+                try:
+                    sec = _graph_seconds(lambda: [tq.launch(x, v.codes, v.scale, v.zero, v.bits, v.group, tile,
+                                                            programs, warps) for v in ws], dev, len(ws))
+                except Exception as e:
+                    sweep.setdefault(key, {})["error"] = f"{type(e).__name__}: {e}"[:300]
+                    continue
+                sweep.setdefault(key, {})[name] = 1e6 * sec
         del forms, w
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    return rows
+    totals = {key: sum(v.values()) for key, v in sweep.items() if "error" not in v and len(v) == len(shapes)}
+    best = {}
+    for bits in (4, 8):
+        mine = {key: t for key, t in totals.items() if key.startswith(f"int{bits} ")}
+        default = f"int{bits} tile {tq.GEMV_TILE} programs {tq.GEMV_PROGRAMS} warps {tq.GEMV_WARPS}"
+        if mine:
+            top = min(mine, key=mine.get)
+            best[f"int{bits}"] = {"best": top, "best_layer_us": mine[top], "default": default,
+                                  "default_layer_us": mine.get(default)}
+    return {"rows": rows, "gemv_sweep": sweep, "gemv_best": best}
 
 
 def random_checkpoint(shape: dict, folder: Path, dev: torch.device, family: str = "llama") -> tuple[str, int]:
@@ -482,8 +520,9 @@ def main() -> None:
             Path(a.out).write_text(json.dumps(res, indent=1))
     if "kernels" not in a.skip:
         res["matmul_kernels"] = matmul_kernels(dev, a.tiny)
-        for r in res["matmul_kernels"]:
+        for r in res["matmul_kernels"]["rows"]:
             print(f"kernel: {r}", flush=True)
+        print(f"gemv sweep: {res['matmul_kernels']['gemv_best']}", flush=True)
         save()
     if "offload" not in a.skip:
         res["offload"] = offload_moves(dev, a.tiny)
@@ -543,7 +582,7 @@ def main() -> None:
                                 kv_cache_memory_gb=1 if a.tiny else 4, **kw)
                 bf16_itl = 1e3 * quant_itl(eng, prompt, out)
                 del eng
-            for method in ("int4", "fp8"):
+            for method in ("int4", "int8", "fp8"):
                 try:
                     eng, seconds = engine(path, dev, prompt + out + 16, enable_prefix_caching=False, max_num_seqs=4,
                                           kv_cache_memory_gb=1 if a.tiny else 4, quantization=method, **kw)

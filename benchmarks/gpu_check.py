@@ -66,6 +66,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--budget-s", type=float, default=470.0, help="the whole check's seconds, its parts in shares")
+    ap.add_argument("--skip", nargs="*", default=[], help="benchmarks/gpu.py's parts to leave out (its --skip)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -99,7 +100,8 @@ def main() -> int:
     print(json.dumps(res["pytest"], indent=1), flush=True)
     save()
     # 2. the figures, in what is left
-    res["bench"] = run([py, "benchmarks/gpu.py", "--quick", "--out", str(out / "bench.json")],
+    res["bench"] = run([py, "benchmarks/gpu.py", "--quick", "--out", str(out / "bench.json"),
+                        *(["--skip", *a.skip] if a.skip else [])],
                        deadline - time.perf_counter(), out / "bench.log")
     if (out / "bench.json").exists():
         res["figures"] = json.loads((out / "bench.json").read_text())
@@ -136,6 +138,18 @@ def main() -> int:
     print(f"  KV offload host tier: restore {kvo.get('restore_gbs', float('nan')):.1f} GB/s, save "
           f"{kvo.get('save_gbs', float('nan')):.1f} GB/s; PCIe host-to-device pinned "
           f"{kvo.get('pinned_h2d_gbs', float('nan')):.1f} GB/s, pageable {kvo.get('pageable_h2d_gbs', float('nan')):.1f}")
+    mk = f.get("matmul_kernels", {})
+    for r in mk.get("rows", []):
+        if "error" in r:
+            print(f"  kernel {r['matrix']} x{r['rows']} {r['form']}: {r['error'][:120]}")
+        else:
+            print(f"  kernel {r['matrix']:7s} x{r['rows']:<2d} {r['form']:26s} {r['us']:9.1f} us "
+                  f"{r['weight_gbs']:7.0f} GB/s  {r['over_bf16']:.2f}x bf16")
+    for bits, b in mk.get("gemv_best", {}).items():
+        print(f"  GEMV sweep {bits}: best {b['best']} {b['best_layer_us']:.1f} us a layer; default "
+              f"{b['default']} {b['default_layer_us']}")
+    for method, q in f.get("quant", {}).items():
+        print(f"  quant {method}: {q}")
     print(f"  JSON: {out / 'gpu_check.json'}")
     return 0 if res["pytest"].get("failed") == 0 and res["bench"]["rc"] == 0 else 1
 

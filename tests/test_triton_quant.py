@@ -88,12 +88,29 @@ def test_split_k_and_one_program_agree(M, monkeypatch):
     One split is what a large N gets; several what a small one gets."""
     w = _weight(40, 512, 4, 32, seed=3)
     x = _x(M, 512, F32)
-    monkeypatch.setattr(tq, "TARGET_PROGRAMS", 1)
+    for name in ("TARGET_PROGRAMS", "GEMV_PROGRAMS"):
+        monkeypatch.setattr(tq, name, 1)
     one = tq.group_matmul(x, w)
-    monkeypatch.setattr(tq, "TARGET_PROGRAMS", 10 ** 6)
+    for name in ("TARGET_PROGRAMS", "GEMV_PROGRAMS"):
+        monkeypatch.setattr(tq, name, 10 ** 6)
     split = tq.group_matmul(x, w)
     _check(one, x, w)
     _check(split, x, w)
+
+
+@pytest.mark.parametrize("M", [1, 3, 20])
+def test_column_major_scales_give_the_same_bits(M):
+    """gpu_layout stores scales and zero points column-major; the kernels read them by stride, so the output is
+    the same to the bit, and the GEMV's tile, programs and warps (the GPU benchmark's sweep) keep it within bound."""
+    w = _weight(72, 256, 4, 64, seed=5)
+    g = tq.gpu_layout(w)
+    assert g.scale.stride() == (1, 72) and g.zero.stride() == (1, 72)
+    assert torch.equal(g.scale, w.scale) and torch.equal(g.zero, w.zero)
+    x = _x(M, 256, BF16)
+    y = tq.group_matmul(x, w)
+    assert torch.equal(tq.group_matmul(x, g), y)
+    for tile, programs, warps in ((4096, 264, 4), (16384, 10 ** 6, 8)):
+        _check(tq.launch(x, g.codes, g.scale, g.zero, g.bits, g.group, tile, programs, warps), x, w)
 
 
 def test_act_order_multiplies_x_in_the_weights_column_order():
@@ -230,3 +247,50 @@ def test_triton_ops_linear_routes_fp8_weights_to_the_scaled_matmul():
         odd = Linear(64, 40, False, TritonOps(F32))
     odd.quant, odd.weight = quantize_fp8(torch.randn(40, 64)).to(torch.device(DEVICE)), None
     torch.testing.assert_close(odd(x), x @ odd.quant.dequantize().t())
+
+
+# ---- FP8 activations (ops/triton_fp8.py) -------------------------------------------------------------------------
+
+def _e4m3_edges() -> torch.Tensor:
+    """Every finite e4m3 value, the midpoints between neighbours (ties, rounded to even) and a float32 step either
+    side of each midpoint, both signs: where a rounding on the bits could part from torch's cast."""
+    v = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    v = v[torch.isfinite(v) & (v >= 0)].unique().sort().values
+    mid = (v[1:] + v[:-1]) / 2
+    near = torch.cat([mid, mid.nextafter(torch.tensor(0.0)), mid.nextafter(torch.tensor(1e9))])
+    pos = torch.cat([v, near]).clamp(max=448.0)
+    return torch.cat([pos, -pos])
+
+
+@pytest.mark.parametrize("xd", [F32, BF16, F16])
+def test_fp8_quantize_rows_kernel_equals_torch_to_the_bit(xd):
+    from tokenmill.executor.ops import fp8, triton_fp8
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    edges = _e4m3_edges()
+    # a row whose maximum is 448: scale 1, so the edges meet the rounding as they are (float32 rows only)
+    if xd == F32:
+        rows.append(torch.cat([edges, torch.tensor([448.0])]))
+    K = rows[0].numel() if rows else 1500
+    rows += [torch.randn(K, generator=g) * torch.logspace(-6, 3, K), torch.zeros(K), -torch.rand(K, generator=g)]
+    x = torch.stack(rows).to(xd).to(DEVICE)
+    for pad in (x.shape[0], 16, 32):
+        q, s = triton_fp8.quantize_rows(x, pad)
+        q_ref, s_ref = fp8.quantize_rows(x, pad)
+        assert q.shape == (pad, K) and s.shape == (pad, 1)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+        assert torch.equal(s, s_ref)
+    torch.library.opcheck(torch.ops.tokenmill.fp8_quantize_rows.default, (x, 16),
+                          test_utils=("test_schema", "test_faketensor"))
+    with pytest.raises(ValueError, match="fp8 activations"):
+        triton_fp8.quantize_rows(x.double(), 16)
+
+
+def test_fp8_linear_with_the_kernel_equals_torch_quantisation():
+    from tokenmill.executor.loader.quantize import quantize_fp8
+    from tokenmill.executor.ops import triton_fp8
+    from tokenmill.executor.ops.fp8 import fp8_linear
+    w = quantize_fp8(torch.randn(48, 64)).to(torch.device(DEVICE))
+    for M in (1, 5, 17):
+        x = _x(M, 64, BF16, seed=M)
+        assert torch.equal(fp8_linear(x, w, quantize=triton_fp8.quantize_rows), fp8_linear(x, w))

@@ -3,7 +3,7 @@ token as they come (dynamic scales), one scaled matmul (torch._scaled_mm) accumu
 design: the activations lose bits. The plan that cannot run it dequantises the weight instead (exact)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -24,13 +24,25 @@ def fp8_fits(w: Fp8Weight, device: torch.device) -> Optional[str]:
     return None
 
 
-def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [M, K] @ W^T with x quantised per row to e4m3; the output in x's dtype."""
-    m = x.shape[0]
-    pad = -m % ALIGN
-    xf = x.float() if not pad else torch.nn.functional.pad(x.float(), (0, 0, 0, pad))
+def quantize_rows(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3fn [rows, K], float32 scales [rows, 1]): each row over its absolute maximum, the rows past M
+    zeros (the matmul's padding). The reference that ops/triton_fp8.py's kernel equals bit for bit."""
+    xf = x.float()
+    if rows > x.shape[0]:
+        xf = torch.nn.functional.pad(xf, (0, 0, 0, rows - x.shape[0]))
     sx = xf.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12) / FP8_MAX
-    xq = (xf / sx).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return (xf / sx).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), sx
+
+
+Quantizer = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: Optional[torch.Tensor] = None,
+               quantize: Quantizer = quantize_rows) -> torch.Tensor:
+    """x [M, K] @ W^T with x quantised per row to e4m3 by `quantize` (torch's, or the GPU plan's one kernel); the
+    output in x's dtype."""
+    m = x.shape[0]
+    xq, sx = quantize(x, m + (-m % ALIGN))
     sw = w.scale.float().reshape(1, -1)
     if sw.numel() == 1:
         sw = sw.expand(1, w.shape[0]).contiguous()

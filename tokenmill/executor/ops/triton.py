@@ -21,8 +21,9 @@ class TritonOps(ReferenceOps):
     graph_safe = True
 
     def __init__(self, dtype: torch.dtype):
-        from tokenmill.executor.ops import triton_delta_rule, triton_kernels, triton_quant
+        from tokenmill.executor.ops import triton_delta_rule, triton_fp8, triton_kernels, triton_quant
         self.k = triton_kernels
+        self.fp8 = triton_fp8
         self.dr = triton_delta_rule
         self.q = triton_quant
         self.dtype = dtype
@@ -34,6 +35,13 @@ class TritonOps(ReferenceOps):
         self.moe_fallbacks = 0
 
     def prepare(self, model) -> None:
+        # group weights' scales column-major before the experts are stacked (a stack copies them once, as it is)
+        laid: dict[int, object] = {}         # a tied head and its embeddings share one weight: kept shared
+        for m in model.modules():
+            if isinstance(w := getattr(m, "quant", None), self.q.GroupWeight):
+                if id(w) not in laid:
+                    laid[id(w)] = self.q.gpu_layout(w)
+                m.quant = laid[id(w)]
         self._stack_experts(model)
         self._check_lora(model)
         cfg = model.config
@@ -81,7 +89,7 @@ class TritonOps(ReferenceOps):
             return y if layer.bias is None else y + layer.bias
         # FP8 weights meet per-token FP8 activations where the device multiplies FP8 (else dequantised tiles)
         if isinstance(w, Fp8Weight) and fp8_fits(w, x.device) is None:
-            return fp8_linear(x, w, layer.bias)
+            return fp8_linear(x, w, layer.bias, self.fp8.quantize_rows)
         return super().linear(x, layer)
 
     def _stack_experts(self, model) -> None:

@@ -8,6 +8,9 @@ a float matrix. Two Triton kernels:
 - GEMM (prompts). A tile of x [BLOCK_M, BLOCK_K] times the tile's integer codes minus the zero point, converted to
   x's dtype (exact: at most 255 in magnitude) for tl.dot, then scaled once per group in float32.
 
+Split-K's float32 partial sums are added in split order by one more launch. Scales and zero points are read by
+stride; the GPU plan keeps them column-major (gpu_layout), so that a tile's rows read one contiguous run.
+
 A K tile never straddles two groups (BLOCK_K divides the group, or the group is all of K), so a tile takes one scale
 and zero point per output column. The GEMV does not put 4-bit codes back in column order: the low nibbles (even
 columns) meet x's even columns and the high nibbles its odd ones. The GEMM interleaves them (tl.interleave), so x's
@@ -18,6 +21,7 @@ Both accumulate in float32 and round once to x's dtype (bfloat16 by hand, to nea
 op is a torch custom op with a fake, so make_fx / CUDA graph capture see one node."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional
 
@@ -35,9 +39,11 @@ BITS = (4, 8)
 MIN_BLOCK_K = 32            # a group is whole K tiles of at least this (tl.dot wants K >= 16 per nibble half)
 GEMV_MAX_ROWS = 4           # past a few rows the CUDA cores' FMAs per byte of W outrun memory: tensor cores win
 GEMV_BLOCK_K = 128
-GEMV_TILE = 4096            # codes one GEMV program dequantises per step (BLOCK_N x BLOCK_K)
+GEMV_TILE = 8192            # codes one GEMV program dequantises per step (BLOCK_N x BLOCK_K)
+GEMV_PROGRAMS = 1056        # the GEMV splits K until about this many programs run (eight per SM of an H100)
+GEMV_WARPS = 4
 GEMM_BLOCK_K = 64
-TARGET_PROGRAMS = 264       # split K until about this many programs run (two per SM of an H100)
+TARGET_PROGRAMS = 264       # the GEMM's: two per SM
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -146,6 +152,17 @@ def _gemm_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K, TILES_
     tl.store(o_ptrs, _round(acc, OUT_KIND), mask=mmask[:, None] & nmask[None, :])
 
 
+@triton.jit
+def _sum_splits_kernel(part_ptr, out_ptr, S, MN, OUT_KIND: tl.constexpr, BLOCK: tl.constexpr):
+    """out = the S float32 partial sums [S, M*N] added in split order, rounded once to out's dtype."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < MN
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for sp in range(0, S):
+        acc += tl.load(part_ptr + sp * MN + i, mask=mask, other=0.0)
+    tl.store(out_ptr + i, _round(acc, OUT_KIND), mask=mask)
+
+
 def group_matmul_fits(w: GroupWeight, dtype: torch.dtype) -> Optional[str]:
     """None when group_matmul's kernels take this weight with activations in dtype, else why not."""
     n, k = w.shape
@@ -170,6 +187,14 @@ def group_matmul_fits(w: GroupWeight, dtype: torch.dtype) -> Optional[str]:
     return None
 
 
+def gpu_layout(w: GroupWeight) -> GroupWeight:
+    """w with its scales and zero points stored column-major ([N, G] with strides (1, N)), as the GPU plan keeps them:
+    a tile's BLOCK_N rows then read one contiguous run of each group's scales, not a sector per row."""
+    def cols(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if t is None else t.t().contiguous().t()
+    return dataclasses.replace(w, scale=cols(w.scale), zero=cols(w.zero))
+
+
 def _block_k(group: int, k: int, most: int) -> int:
     """The K tile: the largest power of two up to `most` that divides the group; all of K (rounded up to a power of
     two, masked) when the group is K and not such a multiple."""
@@ -181,18 +206,18 @@ def _block_k(group: int, k: int, most: int) -> int:
     return max(MIN_BLOCK_K, min(most, triton.next_power_of_2(k)))
 
 
-def _splits(programs: int, k_tiles: int) -> tuple[int, int]:
-    """(splits of K, tiles per split) so that programs x splits comes near TARGET_PROGRAMS, no split empty."""
-    want = max(1, min(k_tiles, TARGET_PROGRAMS // max(1, programs)))
+def _splits(programs: int, k_tiles: int, target: int) -> tuple[int, int]:
+    """(splits of K, tiles per split) so that programs x splits comes near target, no split empty."""
+    want = max(1, min(k_tiles, target // max(1, programs)))
     per = triton.cdiv(k_tiles, want)
     return triton.cdiv(k_tiles, per), per
 
 
-@torch.library.custom_op("tokenmill::group_matmul", mutates_args=())
-def group_matmul_op(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor],
-                    bits: int, group: int) -> torch.Tensor:
-    """x [M, K] @ W^T -> [M, N] in x's dtype, for W as GroupWeight's codes, scale, zero (its columns already in
-    x's order: group_matmul applies an act-order permutation to x first)."""
+def launch(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor], bits: int,
+           group: int, gemv_tile: Optional[int] = None, gemv_programs: Optional[int] = None,
+           gemv_warps: Optional[int] = None) -> torch.Tensor:
+    """group_matmul_op's body. The GEMV's tile, program count and warps default to the module's (GEMV_*); the GPU
+    benchmark passes others to sweep them."""
     M, K = x.shape
     N = codes.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
@@ -203,20 +228,20 @@ def group_matmul_op(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, z
                zp.stride(0), zp.stride(1))
     if M <= GEMV_MAX_ROWS:
         bk = _block_k(group, K, GEMV_BLOCK_K)
-        bn = max(16, min(GEMV_TILE // bk, triton.next_power_of_2(N)))
+        bn = max(16, min((gemv_tile or GEMV_TILE) // bk, triton.next_power_of_2(N)))
         grid_n, k_tiles = triton.cdiv(N, bn), triton.cdiv(K, bk)
-        splits, per = _splits(grid_n, k_tiles)
+        splits, per = _splits(grid_n, k_tiles, gemv_programs or GEMV_PROGRAMS)
         dst = out.unsqueeze(0) if splits == 1 else torch.empty(splits, M, N, device=x.device)
         _gemv_kernel[(grid_n, splits)](
             x, codes, scale, zp, dst, M, N, K, per, *strides, dst.stride(0), dst.stride(1), dst.stride(2),
             ROWS=M, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=bn, BLOCK_K=bk, GROUP=group, BITS=bits,
-            HAS_ZERO=zero is not None, OUT_KIND=_KIND[dst.dtype], num_warps=4)
+            HAS_ZERO=zero is not None, OUT_KIND=_KIND[dst.dtype], num_warps=gemv_warps or GEMV_WARPS)
     else:
         bm = 16 if M <= 16 else 32 if M <= 32 else 64
         bn = 64 if M <= 64 else 128
         bk = _block_k(group, K, GEMM_BLOCK_K)
         grid_m, grid_n, k_tiles = triton.cdiv(M, bm), triton.cdiv(N, bn), triton.cdiv(K, bk)
-        splits, per = _splits(grid_m * grid_n, k_tiles)
+        splits, per = _splits(grid_m * grid_n, k_tiles, TARGET_PROGRAMS)
         dst = out.unsqueeze(0) if splits == 1 else torch.empty(splits, M, N, device=x.device)
         _gemm_kernel[(grid_m, grid_n, splits)](
             x, codes, scale, zp, dst, M, N, K, per, *strides, dst.stride(0), dst.stride(1), dst.stride(2),
@@ -224,8 +249,19 @@ def group_matmul_op(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, z
             OUT_KIND=_KIND[dst.dtype], IEEE=x.dtype == torch.float32 or INTERPRETED,
             num_warps=8 if bm * bn >= 64 * 128 else 4)     # a 64 x 128 tile over 4 warps nears the register limit
     if splits > 1:
-        out.copy_(dst.sum(0))            # split-K: float32 partial sums, added in a fixed order
+        # split-K: float32 partial sums added in a fixed order, in one launch
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(M * N, block),)](dst, out, splits, M * N, OUT_KIND=_KIND[out.dtype],
+                                                         BLOCK=block, num_warps=4)
     return out
+
+
+@torch.library.custom_op("tokenmill::group_matmul", mutates_args=())
+def group_matmul_op(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor],
+                    bits: int, group: int) -> torch.Tensor:
+    """x [M, K] @ W^T -> [M, N] in x's dtype, for W as GroupWeight's codes, scale, zero (its columns already in
+    x's order: group_matmul applies an act-order permutation to x first)."""
+    return launch(x, codes, scale, zero, bits, group)
 
 
 @group_matmul_op.register_fake
