@@ -144,8 +144,8 @@ def _graph_seconds(fn: Callable[[], Any], dev: torch.device, calls: int) -> floa
     return timed(g.replay, dev, 20) / calls
 
 
-GEMV_SWEEP = [(tile, programs, warps) for tile in (4096, 8192, 16384) for programs in (264, 1056, 2112)
-              for warps in (4, 8)]
+GEMV_SWEEP = [(tile, programs, warps, block_k) for block_k in (256, 512, 1024) for tile in (4096, 8192)
+              for programs in (1056, 2112) for warps in (4,)]
 
 
 def matmul_kernels(dev: torch.device, tiny: bool) -> dict[str, Any]:
@@ -154,7 +154,8 @@ def matmul_kernels(dev: torch.device, tiny: bool) -> dict[str, Any]:
     (else it reads the cache), inside a captured graph (as a decode step runs), so launches are not counted.
     Forms: the GPU plan's (group weights with column-major scales, the FP8 activations' one-kernel quantiser) and
     what they replaced (row-major scales; torch's quantiser). Then the GEMV's tile, programs and warps swept at one
-    row, int4 and int8: the sum over the four matrices (one layer's) for each, against the module's defaults."""
+    row, int4 and int8 (tile, programs, warps, K tile): the sum over the four matrices (one layer's) for each,
+    against the module's defaults."""
     from tokenmill.executor.loader.quantize import quantize_fp8, quantize_groups
     from tokenmill.executor.ops import triton_fp8, triton_quant as tq
     from tokenmill.executor.ops.fp8 import fp8_linear
@@ -192,11 +193,11 @@ def matmul_kernels(dev: torch.device, tiny: bool) -> dict[str, Any]:
         x = torch.randn(1, k, dtype=torch.bfloat16, device=dev)
         for bits, form in ((4, "int4_g128"), (8, "int8_g128")):
             ws = forms[form][0]
-            for tile, programs, warps in GEMV_SWEEP[:2] if tiny else GEMV_SWEEP:
-                key = f"int{bits} tile {tile} programs {programs} warps {warps}"
+            for cfg in (tq.GemvConfig(*c) for c in (GEMV_SWEEP[:2] if tiny else GEMV_SWEEP)):
+                key = f"int{bits} tile {cfg.tile} programs {cfg.programs} warps {cfg.warps} block_k {cfg.block_k}"
                 try:
-                    sec = _graph_seconds(lambda: [tq.launch(x, v.codes, v.scale, v.zero, v.bits, v.group, tile,
-                                                            programs, warps) for v in ws], dev, len(ws))
+                    sec = _graph_seconds(lambda: [tq.launch(x, v.codes, v.scale, v.zero, v.bits, v.group, cfg)
+                                                  for v in ws], dev, len(ws))
                 except Exception as e:
                     sweep.setdefault(key, {})["error"] = f"{type(e).__name__}: {e}"[:300]
                     continue
@@ -208,7 +209,8 @@ def matmul_kernels(dev: torch.device, tiny: bool) -> dict[str, Any]:
     best = {}
     for bits in (4, 8):
         mine = {key: t for key, t in totals.items() if key.startswith(f"int{bits} ")}
-        default = f"int{bits} tile {tq.GEMV_TILE} programs {tq.GEMV_PROGRAMS} warps {tq.GEMV_WARPS}"
+        d = tq.GEMV[bits]
+        default = f"int{bits} tile {d.tile} programs {d.programs} warps {d.warps} block_k {d.block_k}"
         if mine:
             top = min(mine, key=mine.get)
             best[f"int{bits}"] = {"best": top, "best_layer_us": mine[top], "default": default,
@@ -501,6 +503,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--eager", action="store_true", help="every step eager (enforce_eager): the graphs' A/B")
     ap.add_argument("--skip", nargs="*", default=[], choices=PARTS)
+    ap.add_argument("--quant", default="int4,int8,fp8", help="the quant part's methods, comma-separated")
     ap.add_argument("--out")
     a = ap.parse_args()
     if a.quick:
@@ -582,7 +585,7 @@ def main() -> None:
                                 kv_cache_memory_gb=1 if a.tiny else 4, **kw)
                 bf16_itl = 1e3 * quant_itl(eng, prompt, out)
                 del eng
-            for method in ("int4", "int8", "fp8"):
+            for method in a.quant.split(","):
                 try:
                     eng, seconds = engine(path, dev, prompt + out + 16, enable_prefix_caching=False, max_num_seqs=4,
                                           kv_cache_memory_gb=1 if a.tiny else 4, quantization=method, **kw)

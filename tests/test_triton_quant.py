@@ -8,6 +8,8 @@ within 1e-5 of sum |x| |W| per output. A half-dtype output is rounded once from 
 allowed one unit in its last place of the reference's value."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -88,11 +90,12 @@ def test_split_k_and_one_program_agree(M, monkeypatch):
     One split is what a large N gets; several what a small one gets."""
     w = _weight(40, 512, 4, 32, seed=3)
     x = _x(M, 512, F32)
-    for name in ("TARGET_PROGRAMS", "GEMV_PROGRAMS"):
-        monkeypatch.setattr(tq, name, 1)
+    def programs(n):
+        monkeypatch.setattr(tq, "TARGET_PROGRAMS", n)
+        monkeypatch.setattr(tq, "GEMV", {b: dataclasses.replace(c, programs=n) for b, c in tq.GEMV.items()})
+    programs(1)
     one = tq.group_matmul(x, w)
-    for name in ("TARGET_PROGRAMS", "GEMV_PROGRAMS"):
-        monkeypatch.setattr(tq, name, 10 ** 6)
+    programs(10 ** 6)
     split = tq.group_matmul(x, w)
     _check(one, x, w)
     _check(split, x, w)
@@ -101,7 +104,8 @@ def test_split_k_and_one_program_agree(M, monkeypatch):
 @pytest.mark.parametrize("M", [1, 3, 20])
 def test_column_major_scales_give_the_same_bits(M):
     """gpu_layout stores scales and zero points column-major; the kernels read them by stride, so the output is
-    the same to the bit, and the GEMV's tile, programs and warps (the GPU benchmark's sweep) keep it within bound."""
+    the same to the bit, and other GEMV configurations (the GPU benchmark's sweep: a K tile of one group or of four)
+    keep it within bound."""
     w = _weight(72, 256, 4, 64, seed=5)
     g = tq.gpu_layout(w)
     assert g.scale.stride() == (1, 72) and g.zero.stride() == (1, 72)
@@ -109,8 +113,8 @@ def test_column_major_scales_give_the_same_bits(M):
     x = _x(M, 256, BF16)
     y = tq.group_matmul(x, w)
     assert torch.equal(tq.group_matmul(x, g), y)
-    for tile, programs, warps in ((4096, 264, 4), (16384, 10 ** 6, 8)):
-        _check(tq.launch(x, g.codes, g.scale, g.zero, g.bits, g.group, tile, programs, warps), x, w)
+    for cfg in (tq.GemvConfig(4096, 264, 4, 128), tq.GemvConfig(16384, 10 ** 6, 8, 512)):
+        _check(tq.launch(x, g.codes, g.scale, g.zero, g.bits, g.group, cfg), x, w)
 
 
 def test_act_order_multiplies_x_in_the_weights_column_order():

@@ -30,7 +30,8 @@ def quantize_rows(x: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tenso
     xf = x.float()
     if rows > x.shape[0]:
         xf = torch.nn.functional.pad(xf, (0, 0, 0, rows - x.shape[0]))
-    sx = xf.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12) / FP8_MAX
+    # times the reciprocal: what torch does on a GPU for a division by a number, written so on every device
+    sx = xf.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12) * (1.0 / FP8_MAX)
     return (xf / sx).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), sx
 
 

@@ -1,6 +1,7 @@
 """FP8 activations for the GPU plan's scaled matmul: each row of x quantised to e4m3 with its own scale in one Triton
 launch (a pass for the row's absolute maximum, a pass to divide, clamp and round), where torch takes about eight.
-Bit for bit what fp8.quantize_rows gives: the same float32 divisions, correctly rounded (div_rn), and the rounding
+Bit for bit what fp8.quantize_rows gives: the same float32 arithmetic (the scale a product with 1/448, as torch on a
+GPU divides by a number; x over it a division, correctly rounded, div_rn), and the rounding
 to e4m3 done on the bits, to nearest even, so that Triton's interpreter (whose own float8 cast misrounds at a
 binade's edge) and a GPU agree with torch."""
 from __future__ import annotations
@@ -45,7 +46,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, stride_xk, strid
         kk = k0 + tl.arange(0, BLOCK_K)
         v = tl.load(x_ptr + row * stride_xm + kk * stride_xk, mask=kk < k_live, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(v))
-    s = tl.math.div_rn(tl.maximum(tl.max(amax, 0), 1e-12), FMAX)
+    s = tl.maximum(tl.max(amax, 0), 1e-12) * (1.0 / FMAX)
     tl.store(s_ptr + row, s)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)

@@ -38,10 +38,18 @@ SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BITS = (4, 8)
 MIN_BLOCK_K = 32            # a group is whole K tiles of at least this (tl.dot wants K >= 16 per nibble half)
 GEMV_MAX_ROWS = 4           # past a few rows the CUDA cores' FMAs per byte of W outrun memory: tensor cores win
-GEMV_BLOCK_K = 128
-GEMV_TILE = 8192            # codes one GEMV program dequantises per step (BLOCK_N x BLOCK_K)
-GEMV_PROGRAMS = 1056        # the GEMV splits K until about this many programs run (eight per SM of an H100)
-GEMV_WARPS = 4
+
+@dataclasses.dataclass(frozen=True)
+class GemvConfig:
+    tile: int           # codes a program dequantises per step (BLOCK_N x BLOCK_K)
+    programs: int       # split K until about this many programs run
+    warps: int
+    block_k: int        # the K tile at most: several whole groups when they are small
+
+
+# per code width, from the GPU benchmark's sweep (its kernels part)
+GEMV = {4: GemvConfig(tile=4096, programs=1056, warps=4, block_k=512),
+        8: GemvConfig(tile=8192, programs=2112, warps=4, block_k=512)}
 GEMM_BLOCK_K = 64
 TARGET_PROGRAMS = 264       # the GEMM's: two per SM
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -64,9 +72,12 @@ def _gemv_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K, TILES_
                  stride_xm, stride_xk, stride_cn, stride_ck, stride_sn, stride_sg, stride_zn, stride_zg,
                  stride_os, stride_om, stride_on,
                  ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP: tl.constexpr, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, OUT_KIND: tl.constexpr):
+                 GROUPS: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr, HAS_ZERO: tl.constexpr,
+                 OUT_KIND: tl.constexpr):
     """One program: BLOCK_N output columns for all ROWS (== M) rows of x, over K tiles [pid_k * TILES_PER_SPLIT, ..).
+    A K tile is GROUPS whole groups (or, GROUPS 1, part of one): each group's products are summed, then scaled.
     Each code tile is read once and serves every row; out is [splits, M, N] (float32 partial sums) or [1, M, N]."""
+    SUB: tl.constexpr = BLOCK_K // GROUPS           # a group's columns in the tile
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)     # int64: N x K codes may pass 2^31
@@ -77,30 +88,43 @@ def _gemv_kernel(x_ptr, codes_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K, TILES_
     t1 = tl.minimum(t0 + TILES_PER_SPLIT, tl.cdiv(K, BLOCK_K))
     for t in range(t0, t1):
         k0 = t * BLOCK_K
-        s, z = _group_params(scale_ptr, zero_ptr, rn, nmask, k0 // GROUP, stride_sn, stride_sg, stride_zn,
-                             stride_zg, BITS, HAS_ZERO)
+        # the tile's groups' scales and zero points, [BLOCK_N, GROUPS]
+        gs = k0 // GROUP + tl.arange(0, GROUPS)
+        gmask = nmask[:, None] & (gs * GROUP < K)[None, :]
+        sc = tl.load(scale_ptr + rn[:, None] * stride_sn + gs[None, :] * stride_sg, mask=gmask, other=0.0)
+        sc = sc.to(tl.float32)
+        if HAS_ZERO:
+            zc = tl.load(zero_ptr + rn[:, None] * stride_zn + gs[None, :] * stride_zg, mask=gmask, other=0)
+            zc = zc.to(tl.float32)
+        else:
+            zc = tl.zeros_like(sc) + (1 << (BITS - 1))
+        z3 = zc[:, :, None]
         if BITS == 4:
             j = tl.arange(0, BLOCK_K // 2)
             kk = k0 + 2 * j                           # the even columns: byte j's low nibble
             kmask = kk < K
             b = tl.load(codes_ptr + rn[:, None] * stride_cn + (k0 // 2 + j)[None, :] * stride_ck,
                         mask=nmask[:, None] & kmask[None, :], other=0)
-            lo = (b & 15).to(tl.float32) - z[:, None]
-            hi = (b >> 4).to(tl.float32) - z[:, None]
+            b = tl.reshape(b, [BLOCK_N, GROUPS, SUB // 2])
+            lo = (b & 15).to(tl.float32) - z3
+            hi = (b >> 4).to(tl.float32) - z3
             for m in tl.static_range(ROWS):
                 xe = tl.load(x_ptr + m * stride_xm + kk * stride_xk, mask=kmask, other=0.0).to(tl.float32)
                 xo = tl.load(x_ptr + m * stride_xm + (kk + 1) * stride_xk, mask=kmask, other=0.0).to(tl.float32)
-                p = tl.sum(lo * xe[None, :] + hi * xo[None, :], axis=1) * s
+                xe = tl.reshape(xe, [GROUPS, SUB // 2])
+                xo = tl.reshape(xo, [GROUPS, SUB // 2])
+                p = tl.sum(tl.sum(lo * xe[None, :, :] + hi * xo[None, :, :], axis=2) * sc, axis=1)
                 acc = tl.where(rows[:, None] == m, acc + p[None, :], acc)
         else:
             kk = k0 + tl.arange(0, BLOCK_K)
             kmask = kk < K
             c = tl.load(codes_ptr + rn[:, None] * stride_cn + kk[None, :] * stride_ck,
                         mask=nmask[:, None] & kmask[None, :], other=0)
-            q = c.to(tl.float32) - z[:, None]
+            q = tl.reshape(c, [BLOCK_N, GROUPS, SUB]).to(tl.float32) - z3
             for m in tl.static_range(ROWS):
                 xm = tl.load(x_ptr + m * stride_xm + kk * stride_xk, mask=kmask, other=0.0).to(tl.float32)
-                p = tl.sum(q * xm[None, :], axis=1) * s
+                xm = tl.reshape(xm, [GROUPS, SUB])
+                p = tl.sum(tl.sum(q * xm[None, :, :], axis=2) * sc, axis=1)
                 acc = tl.where(rows[:, None] == m, acc + p[None, :], acc)
     o_ptrs = out_ptr + pid_k * stride_os + rows[:, None] * stride_om + rn[None, :] * stride_on
     tl.store(o_ptrs, _round(acc, OUT_KIND), mask=(rows < M)[:, None] & nmask[None, :])
@@ -206,6 +230,16 @@ def _block_k(group: int, k: int, most: int) -> int:
     return max(MIN_BLOCK_K, min(most, triton.next_power_of_2(k)))
 
 
+def _gemv_tile_k(group: int, k: int, most: int) -> tuple[int, int]:
+    """The GEMV's (K tile, groups in it): whole groups of a power-of-two size, as many as fit in `most` (and K
+    needs); else _block_k's tile, inside one group."""
+    bk = _block_k(group, k, most)
+    if bk != group:
+        return bk, 1
+    groups = max(1, min(most // group, triton.next_power_of_2(k // group)))
+    return groups * group, groups
+
+
 def _splits(programs: int, k_tiles: int, target: int) -> tuple[int, int]:
     """(splits of K, tiles per split) so that programs x splits comes near target, no split empty."""
     want = max(1, min(k_tiles, target // max(1, programs)))
@@ -214,10 +248,9 @@ def _splits(programs: int, k_tiles: int, target: int) -> tuple[int, int]:
 
 
 def launch(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor], bits: int,
-           group: int, gemv_tile: Optional[int] = None, gemv_programs: Optional[int] = None,
-           gemv_warps: Optional[int] = None) -> torch.Tensor:
-    """group_matmul_op's body. The GEMV's tile, program count and warps default to the module's (GEMV_*); the GPU
-    benchmark passes others to sweep them."""
+           group: int, gemv: Optional[GemvConfig] = None) -> torch.Tensor:
+    """group_matmul_op's body. The GEMV's configuration defaults to GEMV's for the code width; the GPU benchmark
+    passes others to sweep them."""
     M, K = x.shape
     N = codes.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
@@ -227,15 +260,16 @@ def launch(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: Opti
     strides = (x.stride(0), x.stride(1), codes.stride(0), codes.stride(1), scale.stride(0), scale.stride(1),
                zp.stride(0), zp.stride(1))
     if M <= GEMV_MAX_ROWS:
-        bk = _block_k(group, K, GEMV_BLOCK_K)
-        bn = max(16, min((gemv_tile or GEMV_TILE) // bk, triton.next_power_of_2(N)))
+        cfg = gemv or GEMV[bits]
+        bk, groups = _gemv_tile_k(group, K, cfg.block_k)
+        bn = max(16, min(cfg.tile // bk, triton.next_power_of_2(N)))
         grid_n, k_tiles = triton.cdiv(N, bn), triton.cdiv(K, bk)
-        splits, per = _splits(grid_n, k_tiles, gemv_programs or GEMV_PROGRAMS)
+        splits, per = _splits(grid_n, k_tiles, cfg.programs)
         dst = out.unsqueeze(0) if splits == 1 else torch.empty(splits, M, N, device=x.device)
         _gemv_kernel[(grid_n, splits)](
             x, codes, scale, zp, dst, M, N, K, per, *strides, dst.stride(0), dst.stride(1), dst.stride(2),
-            ROWS=M, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=bn, BLOCK_K=bk, GROUP=group, BITS=bits,
-            HAS_ZERO=zero is not None, OUT_KIND=_KIND[dst.dtype], num_warps=gemv_warps or GEMV_WARPS)
+            ROWS=M, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=bn, BLOCK_K=bk, GROUPS=groups, GROUP=group, BITS=bits,
+            HAS_ZERO=zero is not None, OUT_KIND=_KIND[dst.dtype], num_warps=cfg.warps)
     else:
         bm = 16 if M <= 16 else 32 if M <= 32 else 64
         bn = 64 if M <= 64 else 128
