@@ -152,8 +152,7 @@ def matmul_kernels(dev: torch.device, tiny: bool) -> dict[str, Any]:
     """Each weight form's matmul alone at the 8B shape's matrices, 1 and 16 rows of x: seconds a call and the
     weight bytes a second, against bf16's. Each call cycles through copies of the weight that together pass the L2
     (else it reads the cache), inside a captured graph (as a decode step runs), so launches are not counted.
-    Forms: the GPU plan's (group weights with column-major scales, the FP8 activations' one-kernel quantiser) and
-    what they replaced (row-major scales; torch's quantiser). Then the GEMV's tile, programs and warps swept at one
+    FP8 runs twice: its activations quantised by the GPU plan's one kernel, and by torch. Then the GEMV's tile, programs and warps swept at one
     row, int4 and int8 (tile, programs, warps, K tile): the sum over the four matrices (one layer's) for each,
     against the module's defaults."""
     from tokenmill.executor.loader.quantize import quantize_fp8, quantize_groups
@@ -169,13 +168,11 @@ def matmul_kernels(dev: torch.device, tiny: bool) -> dict[str, Any]:
         copies = max(2, -(-512 * 2 ** 20 // w.nbytes)) if not tiny else 2
         g4, g8, f8 = quantize_groups(w, 4, 128, symmetric=False), quantize_groups(w, 8, 128, symmetric=False), \
             quantize_fp8(w)
-        g4c, g8c = tq.gpu_layout(g4), tq.gpu_layout(g8)
         fp8_kernel = (lambda x, v: fp8_linear(x, v, quantize=triton_fp8.quantize_rows))
         # distinct copies: each call reads memory, not the L2
         forms = {"bf16": ([w.clone() for _ in range(copies)], lambda x, v: x @ v.t(), w.nbytes),
-                 "int4_g128": ([_cloned(g4c) for _ in range(copies)], tq.group_matmul, _nbytes(g4)),
-                 "int4_g128_rowmajor_scales": ([_cloned(g4) for _ in range(copies)], tq.group_matmul, _nbytes(g4)),
-                 "int8_g128": ([_cloned(g8c) for _ in range(copies)], tq.group_matmul, _nbytes(g8)),
+                 "int4_g128": ([_cloned(g4) for _ in range(copies)], tq.group_matmul, _nbytes(g4)),
+                 "int8_g128": ([_cloned(g8) for _ in range(copies)], tq.group_matmul, _nbytes(g8)),
                  "fp8": ([_cloned(f8) for _ in range(copies)], fp8_kernel, _nbytes(f8)),
                  "fp8_torch_quantiser": ([_cloned(f8) for _ in range(copies)], fp8_linear, _nbytes(f8))}
         for m in (1, 16):

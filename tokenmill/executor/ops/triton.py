@@ -35,13 +35,6 @@ class TritonOps(ReferenceOps):
         self.moe_fallbacks = 0
 
     def prepare(self, model) -> None:
-        # group weights' scales column-major before the experts are stacked (a stack copies them once, as it is)
-        laid: dict[int, object] = {}         # a tied head and its embeddings share one weight: kept shared
-        for m in model.modules():
-            if isinstance(w := getattr(m, "quant", None), self.q.GroupWeight):
-                if id(w) not in laid:
-                    laid[id(w)] = self.q.gpu_layout(w)
-                m.quant = laid[id(w)]
         self._stack_experts(model)
         self._check_lora(model)
         cfg = model.config

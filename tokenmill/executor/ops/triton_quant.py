@@ -8,8 +8,7 @@ a float matrix. Two Triton kernels:
 - GEMM (prompts). A tile of x [BLOCK_M, BLOCK_K] times the tile's integer codes minus the zero point, converted to
   x's dtype (exact: at most 255 in magnitude) for tl.dot, then scaled once per group in float32.
 
-Split-K's float32 partial sums are added in split order by one more launch. Scales and zero points are read by
-stride; the GPU plan keeps them column-major (gpu_layout), so that a tile's rows read one contiguous run.
+Split-K's float32 partial sums are added in split order by one more launch.
 
 A K tile never straddles two groups (BLOCK_K divides the group, or the group is all of K), so a tile takes one scale
 and zero point per output column. The GEMV does not put 4-bit codes back in column order: the low nibbles (even
@@ -209,14 +208,6 @@ def group_matmul_fits(w: GroupWeight, dtype: torch.dtype) -> Optional[str]:
     if w.perm is not None and w.perm.dtype not in (torch.int32, torch.int64):
         return f"an act-order permutation in {w.perm.dtype} (int32 or int64)"
     return None
-
-
-def gpu_layout(w: GroupWeight) -> GroupWeight:
-    """w with its scales and zero points stored column-major ([N, G] with strides (1, N)), as the GPU plan keeps them:
-    a tile's BLOCK_N rows then read one contiguous run of each group's scales, not a sector per row."""
-    def cols(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        return None if t is None else t.t().contiguous().t()
-    return dataclasses.replace(w, scale=cols(w.scale), zero=cols(w.zero))
 
 
 def _block_k(group: int, k: int, most: int) -> int:
