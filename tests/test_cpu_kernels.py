@@ -323,6 +323,27 @@ def test_page_toucher_resumes_and_joins_its_thread() -> None:
         PageToucher(load(VARIANTS[0]), [torch.empty(10), torch.empty(11)])
 
 
+def test_page_toucher_stays_ahead_of_use_only() -> None:
+    """With ahead_bytes it touches that far past the highest byte use() was told of, and no further."""
+    ts = [torch.empty(1 << 22) for _ in range(2)]     # 16 MB each
+    pages = PageToucher(load(VARIANTS[0]), ts, chunk_bytes=1 << 20, ahead_bytes=4 << 20)
+    assert pages.limit == 4 << 20
+    while not pages.done:
+        with pages.running():
+            time.sleep(0.01)
+    assert pages.offset == 4 << 20 and pages.resident_bytes == 8 << 20
+    pages.use(3 << 20)          # use that stays inside what is touched moves the limit on
+    assert pages.limit == 7 << 20 and not pages.done
+    pages.use(1 << 20)          # never back
+    assert pages.limit == 7 << 20
+    pages.use(15 << 20)
+    assert pages.limit == pages.total == 16 << 20
+    while not pages.done:
+        with pages.running():
+            time.sleep(0.01)
+    assert pages.offset == pages.total
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("isa", VARIANTS)
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16", "int8", "int4", "fp8_e4m3"])

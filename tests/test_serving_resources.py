@@ -185,7 +185,9 @@ def _resident(t: torch.Tensor) -> tuple[int, int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore(2) as Linux has it")
-def test_an_idle_server_makes_its_kv_cache_resident_and_keeps_its_contents(tiny_llama) -> None:
+def test_an_idle_server_makes_the_kv_cache_ahead_of_its_use_resident_and_keeps_its_contents(tiny_llama) -> None:
+    """Between requests the pages of the blocks written so far, and two full steps' worth past them, are faulted in;
+    the rest of the budget is left for use to fault in (resident memory follows use, not the reservation)."""
     import asyncio
     llm = AsyncLLM.from_engine_args(tiny_llama[0], dtype="float32", device="cpu", max_model_len=128,
                                     kv_cache_memory_gb=0.06)
@@ -207,8 +209,12 @@ def test_an_idle_server_makes_its_kv_cache_resident_and_keeps_its_contents(tiny_
         while not pages.done and time.monotonic() < deadline:
             time.sleep(0.05)
         assert pages.done
+        runner = llm.engine.runner
+        ahead = -(-2 * llm.engine.config.scheduler_config.max_num_batched_tokens // runner.block_size)
+        # 48 tokens written, 3 blocks: the first blocks of the pool, and the steps' worth past them
+        assert pages.limit == pages.offset == (3 + ahead) * runner.kv_block_bytes < pages.total
         for t in pages.tensors:
-            resident, total = _resident(t)
+            resident, total = _resident(t.view(-1)[:pages.limit // t.element_size()])
             assert resident == total
         hits = llm.engine.stats.prefix_cache_hits
         assert asyncio.run(generate()) == first    # read back from blocks the fault-in went over

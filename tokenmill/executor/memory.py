@@ -36,14 +36,15 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
 
 
 def touch_pages(kernels: KernelLibrary, tensors: list[torch.Tensor], chunk_bytes: int,
-                stop: ctypes.c_int, start: int = 0) -> tuple[ctypes.Structure, list]:
-    """The tm_touch_pages_args for these equal-sized CPU tensors, and what it points into (keep both alive)."""
+                stop: ctypes.c_int, start: int = 0, end: Optional[int] = None) -> tuple[ctypes.Structure, list]:
+    """The tm_touch_pages_args for these equal-sized CPU tensors, bytes start .. end of each (end None: all), and
+    what it points into (keep both alive)."""
     nbytes = tensors[0].numel() * tensors[0].element_size()
     if any(t.numel() * t.element_size() != nbytes for t in tensors):
         raise ValueError("a PageToucher takes tensors of one size")
     ptrs = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
-    args = kernels.struct("touch_pages_args", bufs=ptrs, n=len(tensors), start=start, bytes=nbytes,
-                          chunk=chunk_bytes, stop=stop)
+    args = kernels.struct("touch_pages_args", bufs=ptrs, n=len(tensors), start=start,
+                          bytes=nbytes if end is None else min(end, nbytes), chunk=chunk_bytes, stop=stop)
     return args, [ptrs, stop, tensors]
 
 
@@ -51,19 +52,29 @@ class PageToucher:
     """Faults in the pages of equal-sized CPU tensors on a background thread, a chunk of each in turn, lowest
     offsets first, while a `running()` body runs; it resumes where the last body stopped it. Contents are
     kept (csrc/pages.c). For the KV cache: during start-up, and in a server between requests, so what the cache
-    will use becomes resident before load needs it. Does nothing without the kernel library or off CPU."""
+    will use becomes resident before load needs it. With ahead_bytes, only that far past what use() was told is
+    written: the resident memory follows the cache's use, not its budget. Does nothing without the kernel library
+    or off CPU."""
 
-    def __init__(self, kernels: Optional[KernelLibrary], tensors: list[torch.Tensor], chunk_bytes: int = 2 << 20):
+    def __init__(self, kernels: Optional[KernelLibrary], tensors: list[torch.Tensor], chunk_bytes: int = 2 << 20,
+                 ahead_bytes: Optional[int] = None):
         usable = kernels is not None and tensors and all(t.device.type == "cpu" for t in tensors)
         self.kernels, self.tensors, self.chunk_bytes = kernels, tensors, chunk_bytes
         self.total = tensors[0].numel() * tensors[0].element_size() if usable else 0   # bytes of each tensor
         if usable and any(t.numel() * t.element_size() != self.total for t in tensors):
             raise ValueError("a PageToucher takes tensors of one size")
         self.offset = 0                  # every tensor is resident below it
+        self.ahead = ahead_bytes
+        self.limit = self.total if ahead_bytes is None else min(self.total, ahead_bytes)   # touched up to here
+
+    def use(self, end: int) -> None:
+        """The tensors are written up to byte `end` of each: keep ahead_bytes past it resident."""
+        if self.ahead is not None:
+            self.limit = min(self.total, max(self.limit, end + self.ahead))
 
     @property
     def done(self) -> bool:
-        return self.offset >= self.total
+        return self.offset >= self.limit
 
     @property
     def resident_bytes(self) -> int:
@@ -76,7 +87,7 @@ class PageToucher:
             return
         assert self.kernels is not None
         stop = ctypes.c_int(0)
-        args, keep = touch_pages(self.kernels, self.tensors, self.chunk_bytes, stop, self.offset)
+        args, keep = touch_pages(self.kernels, self.tensors, self.chunk_bytes, stop, self.offset, self.limit)
         kernels = self.kernels
 
         def touch() -> None:

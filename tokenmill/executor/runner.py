@@ -291,6 +291,7 @@ class CpuRunner(ModelRunner):
                  threads: Union[ThreadGovernor, FixedThreads, None] = None):
         super().__init__(config, model)
         self.kv_pages = PageToucher(None, [])
+        self.kv_block_bytes = 0           # bytes of one block in each of the KV cache's planes
         self.threads = threads or FixedThreads(torch.get_num_threads())
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -300,8 +301,12 @@ class CpuRunner(ModelRunner):
                 advise_huge_pages(t)
         keep_freed_memory()
         # faulted in while the engine loads the tokenizer, and in a server between requests: start-up does not
-        # wait for the whole budget to be touched
-        self.kv_pages = PageToucher(self.model.ops.kernels, [t for kv in self.kv_tensors for t in kv.planes()])
+        # wait for it. Only two full steps' worth of blocks past the highest block written so far: resident memory
+        # follows the cache's use, not its budget
+        planes = [t for kv in self.kv_tensors for t in kv.planes()]
+        self.kv_block_bytes = planes[0].numel() * planes[0].element_size() // num_blocks if planes else 0
+        ahead = -(-2 * self.config.scheduler_config.max_num_batched_tokens // self.block_size)
+        self.kv_pages = PageToucher(self.model.ops.kernels, planes, ahead_bytes=ahead * self.kv_block_bytes)
 
     def faulting_in_kv_cache(self) -> AbstractContextManager:
         """The KV cache's pages faulted in on a background thread, the first blocks of every layer first (blocks are
@@ -316,6 +321,11 @@ class CpuRunner(ModelRunner):
         return out
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        bs = self.block_size
+        high = max((max(table[start // bs:(end - 1) // bs + 1]) for tables in batch.tables
+                    for table, start, end in zip(tables, batch.num_computed, batch.seq_lens) if end > start),
+                   default=-1)
+        self.kv_pages.use((high + 1) * self.kv_block_bytes)      # blocks are handed out from the lowest id up
         return forward_rows(self, batch)
 
 
