@@ -1,9 +1,9 @@
 """FP8 activations for the GPU plan's scaled matmul: each row of x quantised to e4m3 with its own scale in one Triton
 launch (a pass for the row's absolute maximum, a pass to divide, clamp and round), where torch takes about eight.
 Bit for bit what fp8.quantize_rows gives: the same float32 arithmetic (the scale a product with 1/448, as torch on a
-GPU divides by a number; x over it a division, correctly rounded, div_rn), and the rounding
-to e4m3 done on the bits, to nearest even, so that Triton's interpreter (whose own float8 cast misrounds at a
-binade's edge) and a GPU agree with torch."""
+GPU divides by a number; x over it a division, correctly rounded, div_rn), and the rounding to e4m3 done on the
+bits, to nearest even, so that Triton's interpreter (whose own float8 cast misrounds at a binade's edge) and a GPU
+agree with torch."""
 from __future__ import annotations
 
 import torch

@@ -10,8 +10,9 @@ a float matrix. Two Triton kernels:
 
 Split-K's float32 partial sums are added in split order by one more launch.
 
-A K tile never straddles two groups (BLOCK_K divides the group, or the group is all of K), so a tile takes one scale
-and zero point per output column. The GEMV does not put 4-bit codes back in column order: the low nibbles (even
+The GEMM's K tile never straddles two groups (BLOCK_K divides the group, or the group is all of K), so a tile takes
+one scale and zero point per output column. The GEMV's holds several whole groups where they are small (each group's
+products summed, then scaled): a longer run of each row's codes a load. The GEMV does not put 4-bit codes back in column order: the low nibbles (even
 columns) meet x's even columns and the high nibbles its odd ones. The GEMM interleaves them (tl.interleave), so x's
 tile is one contiguous load that Triton pipelines.
 
@@ -37,6 +38,7 @@ SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BITS = (4, 8)
 MIN_BLOCK_K = 32            # a group is whole K tiles of at least this (tl.dot wants K >= 16 per nibble half)
 GEMV_MAX_ROWS = 4           # past a few rows the CUDA cores' FMAs per byte of W outrun memory: tensor cores win
+
 
 @dataclasses.dataclass(frozen=True)
 class GemvConfig:
