@@ -50,6 +50,8 @@ OPS = "tokenmill.executor.ops.triton_kernels"
 ATTN = "tokenmill.executor.attention.triton_kernels"
 QUANT = "tokenmill.executor.ops.triton_quant"
 LORA = "tokenmill.executor.ops.triton_lora"
+FP8 = "tokenmill.executor.ops.triton_fp8"
+DELTA = "tokenmill.executor.ops.triton_delta_rule"
 KERNELS = {     # (module, kernel): a short name for the report
     (OPS, "_rms_norm_kernel"): "rms_norm",
     (OPS, "_rotary_write_kernel"): "rotary_write",
@@ -59,6 +61,9 @@ KERNELS = {     # (module, kernel): a short name for the report
     (ATTN, "_prompt_kernel"): "prompt",
     (QUANT, "_gemv_kernel"): "group_gemv",
     (QUANT, "_gemm_kernel"): "group_gemm",
+    (QUANT, "_sum_splits_kernel"): "sum_splits",
+    (FP8, "_quantize_rows_kernel"): "fp8_rows",
+    (DELTA, "_delta_rule_step_kernel"): "delta_rule",
     (LORA, "_lora_shrink_kernel"): "lora_shrink",
     (LORA, "_lora_expand_kernel"): "lora_expand",
 }
@@ -308,6 +313,28 @@ def variants(wide: bool = False) -> list[tuple[str, Callable[[], None]]]:
             (512, 128256, 4096, 4, 128, False, bf16, bf16)):
         out.append((f"M={M} N={N} K={K} int{bits} g={group}{' zp' if zero else ''} x={name[xd]} s={name[sd]}",
                     gmm(M, N, K, bits, group, zero, xd, sd)))
+
+    # FP8 activations (ops/triton_fp8.py): rows padded to the scaled matmul's 16
+    from tokenmill.executor.ops import triton_fp8 as F8
+
+    def fp8_rows(M, K, xd, rows):
+        x = torch.empty(M, K, dtype=xd)
+        return lambda: F8.quantize_rows(x, rows)
+
+    for M, K, xd, rows in ((1, 4096, bf16, 16), (300, 14336, f16, 304), (5, 100, f32, 16)):
+        out.append((f"fp8 rows M={M} K={K} x={name[xd]} pad={rows}", fp8_rows(M, K, xd, rows)))
+
+    # the gated delta rule's decode step (ops/triton_delta_rule.py): Qwen3.5's and Qwen3-Next's head dims
+    from tokenmill.executor.ops import triton_delta_rule as DR
+
+    def delta(B, H, dk, dv):
+        q, k = torch.empty(B, H, dk), torch.empty(B, H, dk)
+        v, g, beta = torch.empty(B, H, dv), torch.empty(B, H), torch.empty(B, H)
+        state, slots = torch.empty(max(B, 4), H, dk, dv), torch.zeros(B, dtype=torch.long)
+        return lambda: DR.delta_rule_step(q, k, v, g, beta, state, slots)
+
+    for B, H, dk, dv in ((1, 16, 128, 128), (8, 32, 128, 128), (3, 4, 40, 72)):
+        out.append((f"delta B={B} H={H} dk={dk} dv={dv}", delta(B, H, dk, dv)))
 
     # LoRA's shrink-expand: each row its adapter's slot (int32 as the runner sends it; -1 rows), a fused qkv's
     # three ranks side by side (R = 3 x 16) and an MLP's gate_up (R = 2 x 64)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.slow     # a compile of about 90 kernels (make test-fast skips it)
+pytestmark = pytest.mark.slow     # a compile of about 120 kernels (make test-fast skips it)
 
 
 def test_kernels_compile_for_sm90():
