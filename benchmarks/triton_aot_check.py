@@ -4,10 +4,11 @@
 for the device is caught here rather than on a GPU machine.
 
 The kernels are the fused ops' (tokenmill/executor/ops/triton_kernels.py: RMSNorm, rotary + KV-cache write, the
-gated activations), the int4 / int8 group-quantised matmul's (tokenmill/executor/ops/triton_quant.py: GEMV, GEMM)
-the paged attention's (tokenmill/executor/attention/triton_kernels.py: split-K decode, its merge, the prompt
-kernel) and LoRA's shrink and expand (tokenmill/executor/ops/triton_lora.py). Each variant is launched through its real Python wrapper on small CPU tensors laid out as
-the model and the runners lay them out (views into the fused qkv rows, int32 or int64 index arrays, fp8 caches with
+gated activations), the int4 / int8 group-quantised matmul's (tokenmill/executor/ops/triton_quant.py: GEMV, GEMM,
+the split-K sum), the FP8 activations' row quantiser (ops/triton_fp8.py), the gated delta rule's decode step
+(ops/triton_delta_rule.py), the paged attention's (tokenmill/executor/attention/triton_kernels.py: split-K decode,
+its merge, the prompt kernel) and LoRA's shrink and expand (tokenmill/executor/ops/triton_lora.py). Each variant is
+launched through its real Python wrapper on small CPU tensors laid out as the model and the runners lay them out (views into the fused qkv rows, int32 or int64 index arrays, fp8 caches with
 their scales); the launch is intercepted, never run, and its arguments specialised exactly as Triton's JIT would
 specialise them on a GPU (dtypes, constexprs, integers equal to 1, 16-divisibility and alignment), then compiled
 with triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32)). So the constexprs (BLOCK sizes, rows per
