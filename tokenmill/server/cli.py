@@ -274,8 +274,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"tokenmill: {ops.name} plan ({engine.config.dtype}, attention backend "
           f"{engine.runner.backend.name}):\n" + "\n".join(plan_lines(ops)), flush=True)
     each = f" in each of {args.data_parallel_size} replicas" if args.data_parallel_size > 1 else ""
-    print(f"tokenmill: {engine.kv_cache_info().describe()}{each}; its memory becomes resident while the server "
-          f"idles", flush=True)
+    fills = "; its pages become resident as requests fill it" if engine.config.device.type == "cpu" else ""
+    print(f"tokenmill: {engine.kv_cache_info().describe()}{each}{fills}", flush=True)
     if engine.runner.startup_line() is not None:
         print(f"tokenmill: {engine.runner.startup_line()}", flush=True)
     if engine.offload_line() is not None:
