@@ -16,7 +16,8 @@ downloaded):
               (target: tokenmill at least 5x; 1,000 requests, 300 with --quick)
   smollm2     the bundled SmolLM2 (its GGUF dequantised to bf16): one stream's decode, and offline-64
   kernels     each weight form's matmul alone at the 8B shape's four matrices (bf16, int4 and int8 in groups of 128,
-              fp8; 1 and 16 rows), and the int4/int8 GEMV's tile, programs and warps swept at one row
+              fp8; 1 and 16 rows), and the int4/int8 GEMV's configurations (tile, programs, warps, K tile) swept
+              at one row
   quant       the 8B shape quantised at load: int4 (W4A16, groups of 128), int8 (W8A16) and fp8 (e4m3 weights,
               dynamic per-token activations), each one stream's ITL over bf16's from the same run (targets: int4 at
               most 0.4x, fp8 at most 0.6x)
@@ -148,13 +149,17 @@ GEMV_SWEEP = [(tile, programs, warps, block_k) for block_k in (256, 512, 1024) f
               for programs in (1056, 2112) for warps in (4,)]
 
 
+def _gemv_key(bits: int, cfg: Any) -> str:
+    return f"int{bits} tile {cfg.tile} programs {cfg.programs} warps {cfg.warps} block_k {cfg.block_k}"
+
+
 def matmul_kernels(dev: torch.device, tiny: bool) -> dict[str, Any]:
     """Each weight form's matmul alone at the 8B shape's matrices, 1 and 16 rows of x: seconds a call and the
     weight bytes a second, against bf16's. Each call cycles through copies of the weight that together pass the L2
     (else it reads the cache), inside a captured graph (as a decode step runs), so launches are not counted.
-    FP8 runs twice: its activations quantised by the GPU plan's one kernel, and by torch. Then the GEMV's tile, programs and warps swept at one
-    row, int4 and int8 (tile, programs, warps, K tile): the sum over the four matrices (one layer's) for each,
-    against the module's defaults."""
+    FP8 runs twice: its activations quantised by the GPU plan's one kernel, and by torch. Then the int4 and int8
+    GEMV's configurations (tile, programs, warps, K tile) swept at one row: the sum over the four matrices (one
+    layer's) for each, against the module's defaults."""
     from tokenmill.executor.loader.quantize import quantize_fp8, quantize_groups
     from tokenmill.executor.ops import triton_fp8, triton_quant as tq
     from tokenmill.executor.ops.fp8 import fp8_linear
@@ -191,7 +196,7 @@ def matmul_kernels(dev: torch.device, tiny: bool) -> dict[str, Any]:
         for bits, form in ((4, "int4_g128"), (8, "int8_g128")):
             ws = forms[form][0]
             for cfg in (tq.GemvConfig(*c) for c in (GEMV_SWEEP[:2] if tiny else GEMV_SWEEP)):
-                key = f"int{bits} tile {cfg.tile} programs {cfg.programs} warps {cfg.warps} block_k {cfg.block_k}"
+                key = _gemv_key(bits, cfg)
                 try:
                     sec = _graph_seconds(lambda: [tq.launch(x, v.codes, v.scale, v.zero, v.bits, v.group, cfg)
                                                   for v in ws], dev, len(ws))
@@ -206,8 +211,7 @@ def matmul_kernels(dev: torch.device, tiny: bool) -> dict[str, Any]:
     best = {}
     for bits in (4, 8):
         mine = {key: t for key, t in totals.items() if key.startswith(f"int{bits} ")}
-        d = tq.GEMV[bits]
-        default = f"int{bits} tile {d.tile} programs {d.programs} warps {d.warps} block_k {d.block_k}"
+        default = _gemv_key(bits, tq.GEMV[bits])
         if mine:
             top = min(mine, key=mine.get)
             best[f"int{bits}"] = {"best": top, "best_layer_us": mine[top], "default": default,

@@ -152,7 +152,8 @@ def main() -> None:
     served_over = (res_served["VmHWM"] - bare["tokenmill"]["VmHWM"]) / 2 ** 20
     print(f"served, after one request and {a.idle_s:.0f} s idle: peak RSS over the bare interpreter "
           f"{served_over:.0f} MiB ({served_over / med['llamacpp']:.2f}x llama.cpp's in-process figure)", flush=True)
-    res = {**machine_record(), "model": gguf, "served": res_served, "served_over_bare_mib": served_over, "tokenmill_root": str(a.tokenmill_root), "bare": bare, "runs": runs,
+    res = {**machine_record(), "model": gguf, "served": res_served, "served_over_bare_mib": served_over,
+           "tokenmill_root": str(a.tokenmill_root), "bare": bare, "runs": runs,
            "median_over_bare_mib": med, "ratio": med["tokenmill"] / med["llamacpp"], "tokenmill_parts_mib": parts,
            "kv_budget_mib": mib["kv_budget"]}
     print(f"median peak RSS over the bare interpreter: tokenmill {med['tokenmill']:.0f} MiB, llama.cpp "

@@ -8,11 +8,12 @@ gated activations), the int4 / int8 group-quantised matmul's (tokenmill/executor
 the split-K sum), the FP8 activations' row quantiser (ops/triton_fp8.py), the gated delta rule's decode step
 (ops/triton_delta_rule.py), the paged attention's (tokenmill/executor/attention/triton_kernels.py: split-K decode,
 its merge, the prompt kernel) and LoRA's shrink and expand (tokenmill/executor/ops/triton_lora.py). Each variant is
-launched through its real Python wrapper on small CPU tensors laid out as the model and the runners lay them out (views into the fused qkv rows, int32 or int64 index arrays, fp8 caches with
-their scales); the launch is intercepted, never run, and its arguments specialised exactly as Triton's JIT would
-specialise them on a GPU (dtypes, constexprs, integers equal to 1, 16-divisibility and alignment), then compiled
-with triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32)). So the constexprs (BLOCK sizes, rows per
-program, num_warps, IEEE, ...) are the wrappers' own, not a copy of them. (The specialisation goes through
+launched through its real Python wrapper on small CPU tensors laid out as the model and the runners lay them out
+(views into the fused qkv rows, int32 or int64 index arrays, fp8 caches with their scales); the launch is
+intercepted, never run, and its arguments specialised exactly as Triton's JIT would specialise them on a GPU
+(dtypes, constexprs, integers equal to 1, 16-divisibility and alignment), then compiled with
+triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32)). So the constexprs (BLOCK sizes, rows per program,
+num_warps, IEEE, ...) are the wrappers' own, not a copy of them. (The specialisation goes through
 triton.runtime.jit's create_function_from_signature and JITFunction._pack_args, Triton 3.9's internals.)
 
 One line per compiled kernel: warps, registers, spill stores/loads and stack (ptxas -v), shared memory (the compiled

@@ -12,9 +12,9 @@ Split-K's float32 partial sums are added in split order by one more launch.
 
 The GEMM's K tile never straddles two groups (BLOCK_K divides the group, or the group is all of K), so a tile takes
 one scale and zero point per output column. The GEMV's holds several whole groups where they are small (each group's
-products summed, then scaled): a longer run of each row's codes a load. The GEMV does not put 4-bit codes back in column order: the low nibbles (even
-columns) meet x's even columns and the high nibbles its odd ones. The GEMM interleaves them (tl.interleave), so x's
-tile is one contiguous load that Triton pipelines.
+products summed, then scaled): a longer run of each row's codes a load. The GEMV does not put 4-bit codes back in
+column order: the low nibbles (even columns) meet x's even columns and the high nibbles its odd ones. The GEMM
+interleaves them (tl.interleave), so x's tile is one contiguous load that Triton pipelines.
 
 Both accumulate in float32 and round once to x's dtype (bfloat16 by hand, to nearest even, as triton_kernels does).
 `group_matmul` picks the kernel from M alone on the host, so a captured graph sees a fixed launch per batch size. The
