@@ -37,14 +37,14 @@ import json, sys, dataclasses
 def status():
     keys = ("VmHWM", "VmRSS", "RssAnon", "RssFile")
     return {l.split(":")[0]: int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(keys)}
-which, gguf = sys.argv[1], sys.argv[2]
+which, gguf, prompt = sys.argv[1:4]
 if which == "bare":
     print("RESULT", json.dumps(status()))
     sys.exit()
 if which == "llamacpp":
     from llama_cpp import Llama
     m = Llama(model_path=gguf, n_threads=2, verbose=False)
-    text = m(PROMPT, max_tokens=8, temperature=0)["choices"][0]["text"]
+    text = m(prompt, max_tokens=8, temperature=0)["choices"][0]["text"]
     print("RESULT", json.dumps({**status(), "text": text}))
     sys.exit()
 import torch
@@ -53,7 +53,7 @@ imported_torch = status()["VmRSS"]
 from tokenmill import LLM, SamplingParams
 imported = status()["VmRSS"]
 llm = LLM()
-out = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
 runner = llm.llm_engine.runner
 storages = {}
 def add(t):
@@ -72,11 +72,11 @@ pages = runner.kv_pages
 print("RESULT", json.dumps({**status(), "text": out[0].outputs[0].text, "torch_imported": imported_torch,
                             "tokenmill_imported": imported, "model_tensors": sum(storages.values()),
                             "kv_budget": pages.total * len(pages.tensors), "kv_touched": pages.resident_bytes}))
-'''.replace("PROMPT", repr(PROMPT))
+'''
 
 
 def child(python: str, which: str, gguf: str, env: dict) -> dict:
-    p = subprocess.run([python, "-c", CHILD, which, gguf], capture_output=True, text=True, env=env, timeout=600)
+    p = subprocess.run([python, "-c", CHILD, which, gguf, PROMPT], capture_output=True, text=True, env=env, timeout=600)
     line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if p.returncode or line is None:
         raise RuntimeError(f"{which} failed ({p.returncode}): {p.stderr[-2000:]}")

@@ -434,9 +434,9 @@ class CacheConfig:
     # vLLM's kv_cache_dtype: "auto" stores K/V in the model's dtype (token-exact with the float32 reference);
     # "bfloat16" halves the cache's bytes (twice the tokens in the same memory, half the bytes decode reads),
     # K/V rounded to bfloat16 while the math stays float32; "int8" stores int8 codes with a float32 scale per 32
-    # values of a token's kv head (a quarter of float32's bytes plus the scales); "int4" 4-bit codes per group of 32 with a
-    # half scale and min (llama.cpp's q4_1 layout: 5 bits a value); "fp8" (= "fp8_e4m3") and "fp8_e5m2" 8-bit
-    # floats times a scale per kv head for the whole layer (vLLM's fp8 cache)
+    # values of a token's kv head (a quarter of float32's bytes plus the scales); "int4" 4-bit codes per group of
+    # 32 with a half scale and min (llama.cpp's q4_1 layout: 5 bits a value); "fp8" (= "fp8_e4m3") and "fp8_e5m2"
+    # 8-bit floats times a scale per kv head for the whole layer (vLLM's fp8 cache)
     cache_dtype: str = "auto"
     # vLLM's calculate_kv_scales: an fp8 cache's scales from the data (the first step's K/V, a fixed passage run at
     # start-up), not 1.0

@@ -1,12 +1,11 @@
-"""One layer's paged KV cache: K and V as [slots, kv_heads, head_dim] in the cache's dtype (kv_cache_dtype): float32
-or bfloat16; int8 codes with a float32 scale per 32 values of a slot's kv head (per head where head_dim is not a
-multiple of 32); int4 codes in groups of 32 along head_dim,
-two to a byte, with a half scale and min per group (llama.cpp's q4_1 in the cache); or fp8 codes (e4m3 or e5m2)
-with a float32 scale per kv head for the whole layer, as vLLM's fp8 cache (1.0 unless set). Tokens are quantised
-as they are written; readers dequantise only the rows they read (the AVX-512 kernels 16 values at a time in
-registers, the portable ones a chunk at a time in L1, torch the rows it gathers), so no float copy of the cache
-is ever made. The dtype is chosen once at load; every backend reads and
-writes through this one noun."""
+"""One layer's paged KV cache: K and V as [slots, kv_heads, head_dim] in the cache's dtype (kv_cache_dtype): float32 or
+bfloat16; int8 codes with a float32 scale per 32 values of a slot's kv head (per head where head_dim is not a
+multiple of 32); int4 codes in groups of 32 along head_dim, two to a byte, with a half scale and min per group
+(llama.cpp's q4_1 in the cache); or fp8 codes (e4m3 or e5m2) with a float32 scale per kv head for the whole layer,
+as vLLM's fp8 cache (1.0 unless set). Tokens are quantised as they are written; readers dequantise only the rows
+they read (the AVX-512 kernels 16 values at a time in registers, the portable ones a chunk at a time in L1, torch
+the rows it gathers), so no float copy of the cache is ever made. The dtype is chosen once at load; every backend
+reads and writes through this one noun."""
 from __future__ import annotations
 
 import math

@@ -196,7 +196,7 @@ TM_API int tm_lora(const tm_lora_args *a);
 /* how a paged cache stores K and V (kv_cache_dtype) */
 #define TM_KV_F32 0
 #define TM_KV_BF16 1
-#define TM_KV_INT8 2              /* int8 codes, symmetric, a float32 scale per group of a (slot, kv head): code * scale */
+#define TM_KV_INT8 2              /* int8 codes, symmetric, a float32 scale per group of a (slot, kv head) */
 #define TM_KV_INT8_GROUP 32       /* values an int8 scale covers; the whole head where head_dim is not a multiple */
 #define TM_KV_INT4 3              /* 4-bit codes per group of 32 with a half scale d and min m: code * d + m */
 #define TM_KV_INT4_GROUP 32       /* head_dim a multiple of this for an int4 cache */
